@@ -1,0 +1,68 @@
+"""Suite-wide switches: GPU selection, benchmark opt-in, Hypothesis profiles, target options.
+
+- Tests marked ``gpu`` are skipped (with the reason) on ordinary runs. Selecting them with ``-m gpu`` on
+  a machine without CUDA is a usage error, not a green run of skips.
+- Tests marked ``benchmark`` run only when the ``-m`` expression names ``benchmark``.
+- Hypothesis: profile ``ci`` (derandomized, used when CI=true) and ``dev`` (fewer examples).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", derandomize=True, max_examples=60, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if _ci else "dev"))
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("eagle3")
+    g.addoption("--target-model", default=None,
+                help="GPU suite: path to a real target (e.g. Kimi-K2.5); default builds mini-Kimi locally")
+    g.addoption("--target-profile", default=None,
+                help="GPU suite: target profile name (kimi-k2.5, mini-kimi, ...); default from --target-model")
+    g.addoption("--tp", type=int, default=1, help="GPU suite: tensor-parallel size")
+    g.addoption("--gpu-out", default=None, help="GPU suite: folder for logs, reports and benchmark JSON")
+
+
+def _mentions(markexpr: str, name: str) -> bool:
+    return name in (markexpr or "")
+
+
+def _selects_positively(markexpr: str, name: str) -> bool:
+    expr = (markexpr or "").replace("(", " ").replace(")", " ")
+    return name in expr.split() and f"not {name}" not in " ".join(expr.split())
+
+
+def pytest_collection_modifyitems(config, items):
+    markexpr = config.getoption("-m") or ""
+    if not _mentions(markexpr, "benchmark"):
+        keep = [i for i in items if "benchmark" not in i.keywords]
+        dropped = [i for i in items if "benchmark" in i.keywords]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
+
+    gpu_items = [i for i in items if "gpu" in i.keywords]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    if _selects_positively(markexpr, "gpu"):
+        raise pytest.UsageError(
+            f"-m {markexpr!r} selects {len(gpu_items)} GPU tests but this machine has no CUDA device "
+            f"(torch {torch.__version__}, cuda available: False). Run them on the GPU host; "
+            "see tests/gpu/README.md."
+        )
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and vLLM: run `pytest -m gpu` on the GPU host")
+    for item in gpu_items:
+        item.add_marker(skip)

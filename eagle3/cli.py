@@ -1,0 +1,244 @@
+"""The `eagle3` command: doctor, extract, train, demo, verify, eval, bench report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("eagle3")
+
+
+def _layer_ids(text: str | None):
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layer-ids wants comma-separated integers, got {text!r}") from None
+
+
+def _setup_logging(verbosity: int) -> None:
+    level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    os.environ.setdefault("EAGLE3_LOG_LEVEL", logging.getLevelName(level))  # read by vLLM workers
+    try:  # speculators logs through loguru at INFO; keep it at our level
+        from loguru import logger
+
+        logger.remove()
+        logger.add(sys.stderr, level="INFO" if verbosity > 0 else "ERROR")
+    except ImportError:
+        pass
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def _add_extract_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="target model folder (config.json, weights, tokenizer)")
+    p.add_argument("--data", nargs="+", required=True, help="JSONL conversations (OpenAI messages or ShareGPT)")
+    p.add_argument("--out", required=True, help="store folder (created; rerun the same command to resume)")
+    p.add_argument("--backend", choices=["hf", "vllm"], default="hf")
+    p.add_argument("--layer-ids", type=_layer_ids, default=None, help="e.g. 2,30,58,61; default (2, L//2, L-3, L)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--long", dest="long_rule", choices=["truncate", "split", "drop", "error"], default="truncate")
+    p.add_argument("--on-error", choices=["skip", "stop"], default="skip",
+                   help="bad input lines: skip and write them to STORE/rejects.jsonl (default), or stop")
+    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--shard-samples", type=int, default=None, help="samples per shard (default: by tokens)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 18)
+    p.add_argument("--device", default="cpu", help="hf backend device")
+    p.add_argument("--tp", type=int, default=1, help="vllm backend tensor parallel size")
+    p.add_argument("--capture", choices=["auto", "hooks", "aux"], default="auto", help="vllm capture strategy")
+    p.add_argument("--no-fsync", action="store_true", help="skip fsync (faster; a crash may lose recent shards)")
+
+
+def _extract_config(a):
+    from eagle3.data import DataConfig
+    from eagle3.extract import ExtractConfig
+
+    return ExtractConfig(
+        model=a.model, out=a.out, backend=a.backend, layer_ids=a.layer_ids, batch_size=a.batch_size,
+        data=DataConfig(a.data, max_len=a.max_len, long_rule=a.long_rule, on_error=a.on_error,
+                        max_samples=a.max_samples),
+        shard_samples=a.shard_samples, shard_tokens=a.shard_tokens, device=a.device, tp=a.tp,
+        capture=a.capture, fsync=not a.no_fsync,
+    )
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", required=True)
+    p.add_argument("--out", required=True, help="checkpoints and the final draft (OUT/draft)")
+    p.add_argument("--target", default=None, help="target folder (default: the one the store came from)")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch", type=int, default=8, help="global batch in samples")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--ttt-steps", type=int, default=3)
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-resume", action="store_true")
+
+
+def _train_config(a):
+    from eagle3.train import TrainConfig
+
+    return TrainConfig(store=a.store, out=a.out, target=a.target, max_steps=a.steps, epochs=a.epochs,
+                       batch_samples=a.batch, lr=a.lr, ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab,
+                       device=a.device, dtype=a.dtype, checkpoint_every=a.checkpoint_every, seed=a.seed,
+                       resume=not a.no_resume)
+
+
+def cmd_demo(a) -> int:
+    """The whole chain on the tiny Kimi-family model and the bundled conversations, on CPU."""
+    from eagle3 import corpus, extract, presets, tiny, train
+    from eagle3.data import DataConfig
+    from eagle3.draft import check_vllm_loadable
+
+    out = Path(a.out)
+    t0 = time.perf_counter()
+    profile = presets.from_name(a.model)
+    print(f"[1/3] building {profile.name} ({profile.architecture}, {profile.num_hidden_layers} layers, "
+          f"hidden {profile.hidden_size}, random weights) in {out / 'model'}", flush=True)
+    model = tiny.build_model(profile, out / "model", seed=a.seed)
+    print(f"[2/3] extracting layers {list(profile.layer_ids)} of {corpus.BUNDLED.name} -> {out / 'store'}", flush=True)
+    ecfg = extract.ExtractConfig(model=str(model), out=str(out / "store"), batch_size=16,
+                                 data=DataConfig([str(corpus.BUNDLED)], max_len=a.max_len, max_samples=a.samples),
+                                 shard_samples=64)
+    es = extract.run(ecfg, progress=not a.quiet)
+    print(f"[3/3] training the EAGLE-3 draft -> {out / 'train'}", flush=True)
+    tcfg = train.TrainConfig(store=str(out / "store"), out=str(out / "train"), draft_vocab_size=512,
+                             batch_samples=8, epochs=a.epochs, max_steps=a.steps, lr=3e-3, seed=a.seed,
+                             checkpoint_every=25)
+    tr = train.train(tcfg, progress=not a.quiet)
+    draft_cfg = json.loads((Path(tr.draft) / "config.json").read_text())
+    problems = check_vllm_loadable(draft_cfg)
+    print("\n== eagle3 demo summary ==")
+    for line in es.lines() + tr.lines():
+        print(line)
+    print(f"loss curve {' '.join(f'{x:.3f}' for x in tr.losses[:: max(1, len(tr.losses) // 8)])}")
+    print(f"vllm check {'draft config loadable by vLLM speculators loader' if not problems else problems}")
+    print(f"wall time  {time.perf_counter() - t0:.1f} s")
+    return 1 if problems else 0
+
+
+def cmd_verify(a) -> int:
+    from eagle3 import verify
+
+    rep = verify.verify(a.store, deep=not a.quick)
+    for line in rep.lines():
+        print(line)
+    if a.fix and not rep.ok:
+        moved = verify.fix(a.store, rep)
+        print(f"quarantined {len(moved)} shard(s) to {Path(a.store) / 'quarantine'}; rerun the extraction to redo them")
+    return 0 if rep.ok else 1
+
+
+def cmd_eval(a) -> int:
+    from eagle3 import evaluate
+
+    report = evaluate.run(evaluate.EvalConfig(target=a.target, draft=a.draft, prompts=a.prompts, out=a.out,
+                                              k=a.k, max_tokens=a.max_tokens, num_prompts=a.num_prompts))
+    for line in report.lines():
+        print(line)
+    return 0
+
+
+def cmd_bench_report(a) -> int:
+    from eagle3 import bench
+
+    md, png = bench.report(a.history, a.out, baselines_dir=a.baselines)
+    print(f"wrote {md} and {png}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle3", description="EAGLE-3 drafts for large targets with vLLM")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug (workers too)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("doctor", help="versions, GPUs, and whether the installed vLLM is supported")
+    _add_extract_args(sub.add_parser("extract", help="capture target hidden states into a shard store"))
+    _add_train_args(sub.add_parser("train", help="train an EAGLE-3 draft on a store (torchrun for DDP)"))
+    d = sub.add_parser("demo", help="tiny Kimi-family model + bundled data: extract and train on CPU")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--model", default="tiny-kimi", help="a buildable preset: tiny-kimi or tiny-llama")
+    d.add_argument("--samples", type=int, default=None)
+    d.add_argument("--max-len", type=int, default=256)
+    d.add_argument("--epochs", type=int, default=3)
+    d.add_argument("--steps", type=int, default=None)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--quiet", action="store_true")
+    v = sub.add_parser("verify", help="check a store: checksums, shapes, NaN/zero/duplicate layers, ids")
+    v.add_argument("store")
+    v.add_argument("--fix", action="store_true", help="quarantine bad shards so a resumed extract redoes them")
+    v.add_argument("--quick", action="store_true", help="skip checksums and per-sample value checks")
+    e = sub.add_parser("eval", help="serve target + draft in vLLM; acceptance length and speedup")
+    e.add_argument("--target", required=True)
+    e.add_argument("--draft", required=True)
+    e.add_argument("--prompts", required=True, help="JSONL conversations; the last user turn is the prompt")
+    e.add_argument("--out", required=True)
+    e.add_argument("--k", type=int, default=3)
+    e.add_argument("--max-tokens", type=int, default=128)
+    e.add_argument("--num-prompts", type=int, default=64)
+    b = sub.add_parser("bench", help="benchmark reports")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    r = bsub.add_parser("report", help="Markdown table + PNG plot from pytest-benchmark JSON history")
+    r.add_argument("--history", nargs="+", required=True, help="benchmark JSON files or folders")
+    r.add_argument("--out", required=True)
+    r.add_argument("--baselines", default=None, help="folder of per-profile baseline JSON (default: bundled)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    if args.cmd == "doctor":
+        from eagle3 import doctor
+
+        return doctor.main([])
+    from eagle3.data import DataError
+    from eagle3.layers import LayerIdError
+    from eagle3.store import StoreError
+
+    try:
+        if args.cmd == "extract":
+            from eagle3 import extract
+
+            summary = extract.run(_extract_config(args))
+            print("\n".join(summary.lines()))
+            return 0
+        if args.cmd == "train":
+            from eagle3 import train
+
+            result = train.train(_train_config(args))
+            print("\n".join(result.lines()))
+            return 0
+        if args.cmd == "demo":
+            return cmd_demo(args)
+        if args.cmd == "verify":
+            return cmd_verify(args)
+        if args.cmd == "eval":
+            return cmd_eval(args)
+        if args.cmd == "bench":
+            return cmd_bench_report(args)
+    except (DataError, StoreError, LayerIdError) as e:
+        if args.verbose >= 2:
+            raise
+        print(f"eagle3 {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""Conversations (JSONL) -> samples {input_ids [T], loss_mask [T]} through the tokenizer's chat template.
+
+Readers: OpenAI ``{"messages": [{"role", "content"}]}`` and ShareGPT ``{"conversations": [{"from", "value"}]}``.
+Loss mask: 1 on tokens that start inside an assistant turn (its content and the end-of-turn marker).
+
+Long samples (more than ``max_len`` tokens), by ``long_rule``:
+  truncate (default) keep the first max_len tokens;
+  split    cut into consecutive windows of max_len tokens (ids ``file:line#k``); a window keeps the
+           tokens before it only as what it attends to inside the window, i.e. nothing;
+  drop     reject the sample (reason ``too_long``);
+  error    stop with an error naming file and line.
+Samples left with no assistant token are rejected (``no_assistant_tokens``). Bad lines are skipped and
+written to the rejects file with the reason (``on_error="skip"``, the default) or stop the run (``"stop"``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
+
+ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
+LONG_RULES = ("truncate", "split", "drop", "error")
+ON_ERROR = ("skip", "stop")
+
+
+class DataError(ValueError):
+    """Bad input: names the file, the line, what is wrong and what to do."""
+
+    def __init__(self, path: str | Path, line: int | None, problem: str, fix: str, reason: str = "invalid"):
+        where = f"{path}:{line}" if line else str(path)
+        super().__init__(f"{where}: {problem}. {fix}")
+        self.path, self.line, self.problem, self.fix, self.reason = str(path), line, problem, fix, reason
+
+
+@dataclass(frozen=True)
+class Sample:
+    sample_id: str
+    input_ids: tuple[int, ...]   # [T]
+    loss_mask: tuple[int, ...]   # [T], 1 = assistant token
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class DataConfig:
+    paths: list[str]
+    max_len: int = 2048
+    long_rule: str = "truncate"
+    on_error: str = "skip"
+    rejects_path: str | None = None
+    max_samples: int | None = None
+
+    def __post_init__(self):
+        if self.long_rule not in LONG_RULES:
+            raise ValueError(f"long_rule must be one of {LONG_RULES}, got {self.long_rule!r}")
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
+        if self.max_len < 2:
+            raise ValueError(f"max_len must be >= 2, got {self.max_len}")
+
+
+@dataclass
+class DataReport:
+    lines: int = 0
+    blank_lines: int = 0
+    samples: int = 0
+    tokens: int = 0
+    assistant_tokens: int = 0
+    truncated: int = 0
+    split_parts: int = 0
+    rejected: Counter = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        rej = ", ".join(f"{k}: {v}" for k, v in sorted(self.rejected.items())) or "none"
+        return (f"{self.lines} lines -> {self.samples} samples, {self.tokens} tokens "
+                f"({self.assistant_tokens} assistant); truncated {self.truncated}, split parts "
+                f"{self.split_parts}; rejected: {rej}")
+
+
+# ---------------------------------------------------------------------------------------- reading
+
+
+def parse_conversation(text: str, path: str | Path, line: int) -> list[dict[str, str]]:
+    """One JSONL line -> messages [{role, content}], or DataError saying what is wrong."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(path, line, f"invalid JSON ({e.msg} at column {e.colno})",
+                        "Each line must be one JSON object; fix or remove the line", "invalid_json") from None
+    if not isinstance(obj, dict):
+        raise DataError(path, line, f"expected a JSON object, got {type(obj).__name__}",
+                        'Write {"messages": [...]} or {"conversations": [...]}', "wrong_schema")
+    if "messages" in obj and "conversations" in obj:
+        raise DataError(path, line, 'has both "messages" and "conversations"', "Keep one of them",
+                        "wrong_schema")
+    if "messages" in obj:
+        turns, role_key, text_key = obj["messages"], "role", "content"
+    elif "conversations" in obj:
+        turns, role_key, text_key = obj["conversations"], "from", "value"
+    else:
+        raise DataError(path, line, f'no "messages" or "conversations" key (keys: {sorted(obj)[:8]})',
+                        'Use OpenAI {"messages": [{"role", "content"}]} or ShareGPT '
+                        '{"conversations": [{"from", "value"}]}', "wrong_schema")
+    if not isinstance(turns, list):
+        raise DataError(path, line, f"the turn list is {type(turns).__name__}, not a list",
+                        "Make it a JSON array of turns", "wrong_schema")
+    if not turns:
+        raise DataError(path, line, "empty conversation", "Remove the line or add turns", "empty")
+    messages = []
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise DataError(path, line, f"turn {k} is {type(turn).__name__}, not an object",
+                            f'Write each turn as {{"{role_key}": ..., "{text_key}": ...}}', "wrong_schema")
+        if role_key not in turn or text_key not in turn:
+            raise DataError(path, line, f'turn {k} lacks "{role_key}" or "{text_key}" (keys: {sorted(turn)})',
+                            f'Give every turn "{role_key}" and "{text_key}"', "wrong_schema")
+        role, content = turn[role_key], turn[text_key]
+        if not isinstance(role, str) or role.lower() not in ROLES:
+            raise DataError(path, line, f"turn {k} has unknown role {role!r}",
+                            f"Use one of {sorted(ROLES)}", "unknown_role")
+        if not isinstance(content, str):
+            raise DataError(path, line, f"turn {k} content is {type(content).__name__}, not a string",
+                            "Make the content a string", "wrong_schema")
+        messages.append({"role": ROLES[role.lower()], "content": content})
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        raise DataError(path, line, "no assistant turn with text (nothing to learn from)",
+                        "Add an assistant reply or remove the line", "no_assistant")
+    return messages
+
+
+def read_conversations(path: str | Path, report: DataReport) -> Iterator[tuple[int, str | None, Any]]:
+    """Yield (line number, raw text, messages or DataError) for each non-blank line."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(path, None, "file not found", "Check the path")
+    if path.is_dir():
+        raise DataError(path, None, "is a directory", "Pass JSONL files, not a folder")
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            report.lines += 1
+            try:
+                text = raw.decode("utf-8").lstrip("\ufeff")
+            except UnicodeDecodeError as e:
+                yield lineno, None, DataError(path, lineno, f"not UTF-8 (byte {e.start})",
+                                              "Re-encode the file as UTF-8", "bad_encoding")
+                continue
+            if not text.strip():
+                report.blank_lines += 1
+                continue
+            try:
+                yield lineno, text, parse_conversation(text, path, lineno)
+            except DataError as e:
+                yield lineno, text, e
+
+
+# ----------------------------------------------------------------------------------- tokenizing
+
+
+def check_tokenizer(tokenizer, where: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(where, None, "the tokenizer has no chat template",
+                        "Use the target's own tokenizer folder (tokenizer_config.json or chat_template.jinja "
+                        "must define chat_template)", "no_chat_template")
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(where, None, "the tokenizer is not a fast (Rust) tokenizer; offsets are needed for "
+                        "the loss mask", "Provide tokenizer.json", "slow_tokenizer")
+
+
+def render(tokenizer, messages: list[dict[str, str]], path: str | Path = "?", line: int = 0):
+    """messages -> (input_ids, loss_mask) via the chat template and character spans of assistant turns."""
+    def chat(msgs, gen=False):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) if msgs else ""
+
+    text = chat(messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, through = chat(messages[:i], gen=True), chat(messages[: i + 1])
+        if not (text.startswith(through) and through.startswith(before)):
+            raise DataError(path, line, "the chat template does not render conversations as prefixes of "
+                            "each other, so assistant spans cannot be located",
+                            "Use a template whose rendering of the first n turns is a prefix of the whole",
+                            "template_not_prefix")
+        spans.append((len(before), len(through)))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    mask = [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"]]
+    return ids, mask
+
+
+def _cut(sample_id: str, ids: list[int], mask: list[int], cfg: DataConfig, report: DataReport,
+         path: Path, line: int) -> list[Sample]:
+    if len(ids) <= cfg.max_len:
+        return [Sample(sample_id, tuple(ids), tuple(mask))]
+    if cfg.long_rule == "error":
+        raise DataError(path, line, f"sample has {len(ids)} tokens, more than max_len {cfg.max_len}",
+                        "Raise --max-len or choose --long truncate/split/drop", "too_long")
+    if cfg.long_rule == "drop":
+        raise DataError(path, line, f"sample has {len(ids)} tokens > max_len {cfg.max_len}",
+                        "Dropped by --long drop", "too_long")
+    if cfg.long_rule == "truncate":
+        report.truncated += 1
+        return [Sample(sample_id, tuple(ids[: cfg.max_len]), tuple(mask[: cfg.max_len]))]
+    parts = []
+    for k, start in enumerate(range(0, len(ids), cfg.max_len)):
+        window = slice(start, start + cfg.max_len)
+        if len(ids[window]) >= 2:
+            parts.append(Sample(f"{sample_id}#{k}", tuple(ids[window]), tuple(mask[window])))
+    report.split_parts += len(parts)
+    return parts
+
+
+def load_samples(cfg: DataConfig, tokenizer, tokenizer_where: str = "tokenizer") -> tuple[list[Sample], DataReport]:
+    """All samples of cfg.paths, in file then line order; rejects written to cfg.rejects_path."""
+    check_tokenizer(tokenizer, tokenizer_where)
+    names = [Path(p).name for p in cfg.paths]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise DataError(sorted(dup)[0], None, "two input files share this name, so sample ids would collide",
+                        "Rename one of them")
+    report, samples, rejects = DataReport(), [], []
+    for path in map(Path, cfg.paths):
+        for line, text, parsed in read_conversations(path, report):
+            try:
+                if isinstance(parsed, DataError):
+                    raise parsed
+                ids, mask = render(tokenizer, parsed, path, line)
+                parts = _cut(f"{path.name}:{line}", ids, mask, cfg, report, path, line)
+                kept = [s for s in parts if any(s.loss_mask)]
+                if not kept:
+                    raise DataError(path, line, "no assistant tokens left after the long-sample rule",
+                                    "Raise --max-len", "no_assistant_tokens")
+                if len(kept) < len(parts):
+                    report.rejected["no_assistant_tokens"] += len(parts) - len(kept)
+            except DataError as e:
+                if cfg.on_error == "stop" or e.reason == "too_long" and cfg.long_rule == "error":
+                    raise
+                report.rejected[e.reason] += 1
+                rejects.append({"file": str(path), "line": line, "reason": e.reason, "error": str(e),
+                                "text": (text or "")[:200]})
+                continue
+            samples.extend(kept)
+            if cfg.max_samples and len(samples) >= cfg.max_samples:
+                break
+        if cfg.max_samples and len(samples) >= cfg.max_samples:
+            samples = samples[: cfg.max_samples]
+            break
+    report.samples = len(samples)
+    report.tokens = sum(len(s) for s in samples)
+    report.assistant_tokens = sum(sum(s.loss_mask) for s in samples)
+    if cfg.rejects_path and rejects:
+        write_rejects(cfg.rejects_path, rejects)
+    if rejects:
+        log.warning("skipped %d bad lines (%s)%s", len(rejects), dict(report.rejected),
+                    f"; see {cfg.rejects_path}" if cfg.rejects_path else "")
+    if not samples:
+        raise DataError(", ".join(cfg.paths), None, f"no usable samples ({report.summary()})",
+                        "Check the input format; rejected lines and reasons are in the rejects file")
+    return samples, report
+
+
+def write_rejects(path: str | Path, rejects: list[dict]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    with open(tmp, "w") as f:
+        for r in rejects:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+def random_samples(n: int, seq_len: int | list[int], vocab_size: int, seed: int = 0,
+                   low: int = 8) -> list[Sample]:
+    """Token-id samples for targets without a tokenizer (GPU suite). loss_mask all ones."""
+    r = random.Random(seed)
+    lengths = seq_len if isinstance(seq_len, list) else [seq_len] * n
+    return [Sample(f"rand:{seed}:{i}", tuple(r.randrange(low, vocab_size) for _ in range(t)), (1,) * t)
+            for i, t in enumerate(lengths[:n])]

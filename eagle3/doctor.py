@@ -1,0 +1,89 @@
+"""`eagle3 doctor`: what is installed, what the GPUs are, and whether vLLM is one the adapter supports."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import platform
+import sys
+
+from eagle3 import vllm_compat
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def collect() -> dict[str, str]:
+    """Versions and devices, as strings; never imports vLLM."""
+    import torch
+
+    info = {
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "torch": f"{torch.__version__} (cuda build: {torch.version.cuda or 'none'})",
+        "transformers": _version("transformers") or "not installed",
+        "speculators": _version("speculators") or "not installed",
+        "safetensors": _version("safetensors") or "not installed",
+        "tokenizers": _version("tokenizers") or "not installed",
+        "vllm": vllm_compat.support_verdict(vllm_compat.installed_version()),
+    }
+    for extra in ("torchvision", "torchaudio"):
+        if _version(extra):
+            info[extra] = _version(extra)
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["gpus"] = f"{len(names)}: " + ", ".join(names)
+    else:
+        info["gpus"] = "none (CPU only: hf backend; the GPU suite needs CUDA)"
+    return info
+
+
+def install_problems() -> list[str]:
+    """Imports the pipeline needs; each failure is a sentence saying what to do."""
+    problems = []
+    checks = [
+        ("transformers.models.deepseek_v3", "DeepseekV3 (the Kimi family) does not import"),
+        ("transformers.models.llama", "Llama does not import"),
+        ("safetensors.torch", "safetensors does not import"),
+        ("tokenizers", "tokenizers does not import"),
+        ("speculators.models.eagle3", "speculators' EAGLE-3 model does not import"),
+    ]
+    for module, what in checks:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - reported, not swallowed
+            problems.append(f"{what}: {type(e).__name__}: {e}. Re-run scripts/setup-env.")
+    for extra in ("torchvision", "torchaudio"):
+        if _version(extra):
+            try:
+                importlib.import_module(extra)
+            except Exception as e:  # noqa: BLE001
+                problems.append(
+                    f"{extra} {_version(extra)} is installed but does not load beside torch "
+                    f"({type(e).__name__}: {e}); `pip uninstall {extra}` (eagle3 does not use it)."
+                )
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--check-install" in argv:
+        problems = install_problems()
+        for p in problems:
+            print(f"eagle3 install check: {p}", file=sys.stderr)
+        return 1 if problems else 0
+    info = collect()
+    width = max(map(len, info))
+    for k, v in info.items():
+        print(f"{k:<{width}}  {v}")
+    problems = install_problems()
+    for p in problems:
+        print(f"PROBLEM  {p}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""Extraction: samples -> a backend (hf or vllm) -> shard store, resumable at shard granularity.
+
+Rerunning the same command after a crash continues: the store's manifest says which samples are
+committed; files it does not name are removed when the store opens, and their samples are redone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from eagle3 import faults
+from eagle3.data import DataConfig, Sample, load_samples
+from eagle3.layers import default_layer_ids, validate_layer_ids
+from eagle3.presets import config_hash
+from eagle3.store import Store, StoreError, StoreSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExtractConfig:
+    model: str                              # target folder (config.json, weights, tokenizer)
+    out: str                                # store folder
+    data: DataConfig | None = None          # conversations; or pass samples to run()
+    backend: str = "hf"                     # hf | vllm
+    layer_ids: tuple[int, ...] | None = None  # default (2, L//2, L-3, L)
+    batch_size: int = 8                     # samples per backend call
+    dtype: str = "bfloat16"                 # dtype of stored states
+    device: str = "cpu"                     # hf backend
+    compute_dtype: str | None = None        # hf backend; None = the checkpoint's dtype
+    shard_tokens: int = 1 << 18
+    shard_samples: int | None = None
+    writer_threads: int = 1
+    fsync: bool = True
+    tp: int = 1                             # vllm backend
+    capture: str = "auto"                   # vllm backend: auto | hooks | aux
+    vllm_kwargs: dict = field(default_factory=dict)
+    fault: Callable[[str], None] | None = None  # tests: kill points
+
+
+@dataclass
+class ExtractSummary:
+    store: str
+    samples_total: int
+    samples_done_before: int
+    samples_written: int
+    tokens_written: int
+    seconds: float
+    bytes_written: int
+    data_report: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_written / self.seconds if self.seconds > 0 else 0.0
+
+    def lines(self) -> list[str]:
+        return [
+            f"store      {self.store}",
+            f"samples    {self.samples_written} written now, {self.samples_done_before} already there, "
+            f"{self.samples_total} planned",
+            f"tokens     {self.tokens_written} in {self.seconds:.1f} s = {self.tokens_per_s:,.0f} tok/s",
+            f"bytes      {self.bytes_written / 2**20:,.1f} MiB",
+        ] + ([f"data       {self.data_report}"] if self.data_report else [])
+
+
+def read_model_config(model: str | Path) -> dict:
+    path = Path(model) / "config.json"
+    if not path.exists():
+        raise StoreError(f"{path} not found: --model must be a model folder with config.json")
+    return json.loads(path.read_text())
+
+
+def store_spec(model: str | Path, layer_ids: Sequence[int] | None, dtype: str) -> StoreSpec:
+    cfg = read_model_config(model)
+    text = cfg.get("text_config") or cfg
+    num_layers = int(text["num_hidden_layers"])
+    ids = validate_layer_ids(layer_ids, num_layers) if layer_ids else default_layer_ids(num_layers)
+    target = {"name_or_path": str(Path(model).resolve()), "config_hash": config_hash(cfg),
+              "architecture": (cfg.get("architectures") or ["?"])[0], "num_hidden_layers": num_layers,
+              "vocab_size": int(text["vocab_size"])}
+    return StoreSpec(target=target, layer_ids=ids, hidden_size=int(text["hidden_size"]), dtype=dtype)
+
+
+def make_backend(cfg: ExtractConfig, spec: StoreSpec):
+    if cfg.backend == "hf":
+        from eagle3.hf_backend import HFBackend
+
+        return HFBackend(cfg.model, spec.layer_ids, device=cfg.device, compute_dtype=cfg.compute_dtype,
+                         out_dtype=cfg.dtype)
+    if cfg.backend == "vllm":
+        from eagle3.vllm_backend import VLLMBackend
+
+        return VLLMBackend(cfg.model, spec, tp=cfg.tp, capture=cfg.capture, **cfg.vllm_kwargs)
+    raise ValueError(f"unknown backend {cfg.backend!r}: use hf or vllm")
+
+
+def load_dataset(cfg: ExtractConfig):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    return load_samples(cfg.data, tokenizer, tokenizer_where=f"{cfg.model} (tokenizer)")
+
+
+def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=None,
+        progress: bool = True) -> ExtractSummary:
+    """Extract every sample not yet in the store at cfg.out. ``backend`` may be passed in to reuse an engine."""
+    fault = cfg.fault or faults.from_env()
+    report = ""
+    if samples is None:
+        if cfg.data is None:
+            raise ValueError("give conversations (cfg.data) or samples")
+        if cfg.data.rejects_path is None:
+            cfg.data.rejects_path = str(Path(cfg.out) / "rejects.jsonl")
+        samples, rep = load_dataset(cfg)
+        report = rep.summary()
+        log.info("data: %s", report)
+    spec = store_spec(cfg.model, cfg.layer_ids, cfg.dtype)
+    store = Store.open(cfg.out, spec, create=True, fsync=cfg.fsync)
+    ids = [s.sample_id for s in samples]
+    if len(set(ids)) != len(ids):
+        raise ValueError("sample ids repeat; each sample needs its own id")
+    plan = store.plan()
+    if plan is not None and plan != ids:
+        raise StoreError(f"{cfg.out} was planned for a different sample list ({len(plan)} samples, this run "
+                         f"{len(ids)}); use a new --out folder or the same data and options")
+    if plan is None:
+        store.write_plan(ids, fsync=cfg.fsync)
+    done_before = len(store.done_ids)
+    todo = [s for s in samples if s.sample_id not in store.done_ids]
+    own_backend = backend is None
+    backend = backend or make_backend(cfg, spec)
+    t0 = time.perf_counter()
+    written_tokens = written_bytes = 0
+    bar = _progress(progress, total=sum(len(s) for s in todo), unit="tok", desc=f"extract ({cfg.backend})")
+    try:
+        session = backend.open_session(store, cfg, fault) if hasattr(backend, "open_session") else \
+            _LocalSession(backend, store, cfg, fault)
+        for start in range(0, len(todo), cfg.batch_size):
+            batch = todo[start : start + cfg.batch_size]
+            infos = session.submit(batch)
+            store.commit(infos, fsync=cfg.fsync, fault=fault)
+            if fault:
+                fault("after_commit")
+            written_tokens += sum(i.num_tokens for i in infos)
+            written_bytes += sum(i.bytes for i in infos)
+            bar.update(sum(len(s) for s in batch))
+        infos = session.finish()
+        store.commit(infos, fsync=cfg.fsync, fault=fault)
+        written_tokens += sum(i.num_tokens for i in infos)
+        written_bytes += sum(i.bytes for i in infos)
+    finally:
+        bar.close()
+        if own_backend:
+            backend.close()
+    missing = set(ids) - store.done_ids
+    if missing:
+        raise StoreError(f"{len(missing)} samples were not written (e.g. {sorted(missing)[:3]})")
+    return ExtractSummary(str(cfg.out), len(samples), done_before, len(todo), written_tokens,
+                          time.perf_counter() - t0, written_bytes, report)
+
+
+class _LocalSession:
+    """In-process capture (hf backend): states come back here and go to a ShardWriter."""
+
+    def __init__(self, backend, store: Store, cfg: ExtractConfig, fault):
+        from eagle3.store import ShardWriter
+
+        self.backend, self.fault = backend, fault
+        self.writer = ShardWriter(store.root, store.spec, store.next_shard_index, cfg.shard_tokens,
+                                  cfg.shard_samples, cfg.fsync, threads=cfg.writer_threads, fault=fault)
+
+    def submit(self, batch: Sequence[Sample]):
+        states = self.backend.capture(batch)
+        if self.fault:
+            self.fault("after_batch")
+        done = []
+        for s, st in zip(batch, states):
+            done += self.writer.add(s.sample_id, torch.tensor(s.input_ids), torch.tensor(s.loss_mask), st)
+        return done
+
+    def finish(self):
+        try:
+            return self.writer.flush()
+        finally:
+            self.writer.close()
+
+
+def _progress(enabled: bool, **kw):
+    from tqdm import tqdm
+
+    return tqdm(disable=not enabled, dynamic_ncols=True, **kw)

@@ -1,0 +1,81 @@
+"""Reference extraction with transformers: the CPU default and the oracle GPU tests compare vLLM against.
+
+ids k < L come from ``output_hidden_states[k]`` (the input of decoder layer k). HF's index L is the
+output *after* the final norm, so id L is taken from the final norm's input instead (a pre-hook):
+the last layer's output before the norm, as vLLM captures it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from eagle3.data import Sample
+from eagle3.layers import validate_layer_ids
+
+log = logging.getLogger(__name__)
+
+
+def decoder_stack(model) -> torch.nn.Module:
+    """The module holding ``layers`` and ``norm`` (LlamaModel, DeepseekV3Model, ...)."""
+    for path in ("model", "model.language_model", "language_model.model"):
+        m = model
+        try:
+            for part in path.split("."):
+                m = getattr(m, part)
+        except AttributeError:
+            continue
+        if hasattr(m, "layers") and hasattr(m, "norm"):
+            return m
+    raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+class HFBackend:
+    name = "hf"
+
+    def __init__(self, model_path: str | Path, layer_ids: Sequence[int], device: str = "cpu",
+                 compute_dtype: str | None = None, out_dtype: str = "bfloat16", batch_size: int = 1):
+        from transformers import AutoModelForCausalLM
+
+        dtype = getattr(torch, compute_dtype) if compute_dtype else "auto"
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device).eval()
+        self.stack = decoder_stack(self.model)
+        self.num_layers = len(self.stack.layers)
+        self.layer_ids = validate_layer_ids(layer_ids, self.num_layers)
+        self.device, self.out_dtype, self.batch_size = device, getattr(torch, out_dtype), batch_size
+        self._prenorm: torch.Tensor | None = None
+        self.stack.norm.register_forward_pre_hook(self._grab_prenorm)
+
+    def _grab_prenorm(self, module, args):
+        self._prenorm = args[0]
+
+    @torch.inference_mode()
+    def forward_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> states [B, n_layers, T, H] in the compute dtype (ids in self.layer_ids)."""
+        out = self.model(input_ids=input_ids.to(self.device), attention_mask=None if attention_mask is None
+                         else attention_mask.to(self.device), output_hidden_states=True, use_cache=False)
+        hs = out.hidden_states  # L + 1 entries; [L] is post-norm
+        states = [self._prenorm if i == self.num_layers else hs[i] for i in self.layer_ids]
+        return torch.stack(states, dim=1)
+
+    def capture(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """Per sample: states [n_layers, T, H] in the output dtype, on CPU."""
+        out = []
+        for start in range(0, len(samples), self.batch_size):
+            chunk = samples[start : start + self.batch_size]
+            longest = max(len(s) for s in chunk)
+            ids = torch.zeros(len(chunk), longest, dtype=torch.long)
+            mask = torch.zeros(len(chunk), longest, dtype=torch.long)
+            for b, s in enumerate(chunk):  # right padding: causal attention keeps real positions exact
+                ids[b, : len(s)] = torch.tensor(s.input_ids)
+                mask[b, : len(s)] = 1
+            states = self.forward_states(ids, mask if len(chunk) > 1 else None)
+            for b, s in enumerate(chunk):
+                out.append(states[b, :, : len(s)].to(self.out_dtype).cpu())
+        return out
+
+    def close(self) -> None:
+        self.model = None

@@ -1,0 +1,109 @@
+"""Target profiles: data describing a target and what the suite asserts about it.
+
+A profile names the architecture and layer shapes; for the small ones it also carries the full HF
+config used to build a model with random weights (tiny.py). ``from_name`` picks a preset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from eagle3.layers import default_layer_ids, validate_layer_ids
+
+# Kimi-K2.5's decoder layer shapes (its text model is DeepseekV3): MLA and MoE dimensions.
+KIMI_MLA = dict(
+    num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+)
+_DEEPSEEK_COMMON = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_act="silu",
+    attention_bias=False, rms_norm_eps=1e-6, rope_theta=50000.0, scoring_func="sigmoid",
+    topk_method="noaux_tc", norm_topk_prob=True, n_group=1, topk_group=1, first_k_dense_replace=1,
+    num_nextn_predict_layers=0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+)
+
+
+@dataclass(frozen=True)
+class TargetProfile:
+    name: str
+    architecture: str          # HF architecture, e.g. DeepseekV3ForCausalLM
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    seq_len: int = 512         # tokens per sample the GPU suite uses
+    dtype: str = "bfloat16"    # dtype of captured states
+    layer_ids: tuple[int, ...] = ()
+    hf_config: dict[str, Any] = field(default_factory=dict)  # full config for locally built models
+
+    def __post_init__(self):
+        ids = self.layer_ids or default_layer_ids(self.num_hidden_layers)
+        object.__setattr__(self, "layer_ids", validate_layer_ids(ids, self.num_hidden_layers))
+
+    @property
+    def buildable(self) -> bool:
+        return bool(self.hf_config)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of captured states per token: layers x hidden x dtype size."""
+        return len(self.layer_ids) * self.hidden_size * (4 if self.dtype == "float32" else 2)
+
+    def with_(self, **kw) -> "TargetProfile":
+        return replace(self, **kw)
+
+
+def _deepseek(name, hidden, layers, vocab, experts, topk, moe_inter, inter, mla, **kw) -> TargetProfile:
+    cfg = dict(_DEEPSEEK_COMMON, hidden_size=hidden, num_hidden_layers=layers, vocab_size=vocab,
+               n_routed_experts=experts, num_experts_per_tok=topk, n_shared_experts=1,
+               moe_intermediate_size=moe_inter, intermediate_size=inter, max_position_embeddings=4096,
+               routed_scaling_factor=2.827, **mla)
+    return TargetProfile(name, "DeepseekV3ForCausalLM", hidden, layers, vocab, hf_config=cfg, **kw)
+
+
+PRESETS: dict[str, TargetProfile] = {
+    # The production target: states are asserted, never built here. 4 x [512, 7168] bf16 per sample.
+    "kimi-k2.5": TargetProfile("kimi-k2.5", "DeepseekV3ForCausalLM", 7168, 61, 163840),
+    # Same layer shapes as Kimi-K2.5 (hidden 7168, Kimi's MLA dims), 8 layers and 8 experts: one GPU.
+    "mini-kimi": _deepseek("mini-kimi", 7168, 8, 32768, experts=8, topk=2, moe_inter=512, inter=2048,
+                           mla=dict(KIMI_MLA, num_attention_heads=16, num_key_value_heads=16)),
+    # CPU default: the Kimi family at toy size (vocab set by the bundled tokenizer).
+    "tiny-kimi": _deepseek("tiny-kimi", 128, 8, 1024, experts=8, topk=2, moe_inter=64, inter=256,
+                           mla=dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
+                                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16), seq_len=256,
+                           dtype="bfloat16"),
+    "tiny-llama": TargetProfile(
+        "tiny-llama", "LlamaForCausalLM", 128, 8, 1024, seq_len=256,
+        hf_config=dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=128,
+                       intermediate_size=344, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=32, vocab_size=1024, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+                       hidden_act="silu"),
+    ),
+}
+
+
+def from_name(name: str) -> TargetProfile:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown target profile {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+def profile_from_config(config: dict[str, Any], name: str = "custom") -> TargetProfile:
+    """A profile for a model folder's config.json (multimodal configs: their text_config)."""
+    text = config.get("text_config") or config
+    arch = (config.get("architectures") or text.get("architectures") or ["unknown"])[0]
+    return TargetProfile(name, arch, int(text["hidden_size"]), int(text["num_hidden_layers"]),
+                         int(text["vocab_size"]))
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """Identity of a target for stores: sha256 of its config without bookkeeping keys, 16 hex digits."""
+    skip = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
+            "architectures"}
+    text = config.get("text_config") or config
+    canon = json.dumps({k: v for k, v in sorted(text.items()) if k not in skip}, sort_keys=True, default=str)
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]

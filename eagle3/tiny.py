@@ -1,0 +1,87 @@
+"""Tiny targets made locally: a BPE tokenizer with a chat template, and models with real random weights.
+
+Nothing here touches a hub. ``build_tokenizer`` trains a byte-level BPE on project-written dialogues;
+``build_model`` instantiates a profile's HF config with seeded random weights and saves safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from eagle3 import corpus
+from eagle3.presets import TargetProfile
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+# ChatML-style; BOS first. Assistant turns end with <|im_end|>, which the model learns to emit.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 1):
+    """Train a byte-level BPE on generated dialogues; save a fast tokenizer with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = [m["content"] for c in corpus.generate(3000, seed=seed) for m in c["messages"]]
+    texts += ["user", "assistant", "system", "\n"]
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>", pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|eos|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_model(profile: TargetProfile, out_dir: str | Path, seed: int = 0, dtype: str = "float32",
+                with_tokenizer: bool = True, overrides: dict | None = None) -> Path:
+    """Write config.json + model.safetensors (+ tokenizer) for a buildable profile; returns out_dir.
+
+    Idempotent: a folder that already holds this exact build (same profile, seed, dtype) is reused.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not profile.buildable:
+        raise ValueError(f"profile {profile.name!r} describes a real target; it cannot be built locally")
+    out_dir = Path(out_dir)
+    cfg = dict(profile.hf_config, **(overrides or {}))
+    stamp = json.dumps({"cfg": cfg, "seed": seed, "dtype": dtype, "tok": with_tokenizer}, sort_keys=True)
+    if (out_dir / ".eagle3-build").exists() and (out_dir / ".eagle3-build").read_text() == stamp:
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if with_tokenizer:
+        tok = build_tokenizer(out_dir, vocab_size=cfg["vocab_size"])
+        cfg.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "architectures"})
+    config.architectures = cfg["architectures"]
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(out_dir)
+    (out_dir / ".eagle3-build").write_text(stamp)
+    log.info("built %s (%s, %d layers, hidden %d) in %s", profile.name, profile.architecture,
+             profile.num_hidden_layers, profile.hidden_size, out_dir)
+    return out_dir
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3"))

@@ -1,0 +1,300 @@
+"""Train an EAGLE-3 draft (speculators' Eagle3DraftModel) on a shard store.
+
+Per sample (speculators' shift): input_ids[1:], aux states[:-1] (concatenated, [T-1, n_aux*H]),
+last-layer states[1:] -> the target's distribution through its final norm and lm_head (KL loss),
+loss mask[1:], positions 1..T-1. ``ttt_steps`` training-time-test steps feed the draft its own
+states. One optimizer step = ``batch_samples`` samples (the global batch, split over ranks under
+torchrun/DDP); the loss is the mean over those samples, so 1 and N processes follow the same curve.
+Checkpoints every ``checkpoint_every`` steps; a rerun resumes from the newest one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle3 import checkpoint, faults
+from eagle3.draft import DraftShape, draft_vocab, speculators_config
+from eagle3.extract import read_model_config
+from eagle3.layers import aux_ids
+from eagle3.presets import config_hash
+from eagle3.store import Store, StoreMismatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    store: str
+    out: str
+    target: str | None = None            # verifier folder; default: the store's target
+    draft_vocab_size: int = 32000        # clamped to the target vocabulary
+    ttt_steps: int = 3
+    ttt_step_loss_decay: float = 1.0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 0
+    epochs: int = 1
+    max_steps: int | None = None
+    batch_samples: int = 8               # global batch (samples per optimizer step)
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 0            # steps; 0 = only at the end
+    device: str = "cpu"
+    dtype: str = "float32"               # training dtype of the draft and its inputs
+    loss: str = "kl_div"
+    loss_impl: str = "eager"             # eager | fused (Triton, GPU)
+    attn_impl: str = "sdpa"
+    compile: bool = False
+    resume: bool = True
+    speculative_tokens: int | None = None  # written to the config; default ttt_steps
+    shape: dict = field(default_factory=dict)  # DraftShape overrides
+
+
+@dataclass
+class TrainResult:
+    out: str
+    draft: str
+    steps: int
+    samples_seen: int
+    tokens_seen: int
+    seconds: float
+    losses: list[float]
+    accept: dict[str, float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_seen / self.seconds if self.seconds > 0 else 0.0
+
+    def lines(self) -> list[str]:
+        a, b = (self.losses[0], self.losses[-1]) if self.losses else (float("nan"),) * 2
+        acc = ", ".join(f"{k} {v:.3f}" for k, v in self.accept.items())
+        return [f"draft      {self.draft}",
+                f"steps      {self.steps} ({self.samples_seen} samples, {self.tokens_seen} tokens) in "
+                f"{self.seconds:.1f} s = {self.tokens_per_s:,.0f} tok/s",
+                f"loss       {a:.4f} -> {b:.4f}",
+                f"accuracy   {acc}"]
+
+
+class StoreSamples:
+    """Random access to a store's samples: (input_ids [T], loss_mask [T], aux [T, n_aux*H], last [T, H])."""
+
+    def __init__(self, store: Store):
+        from safetensors import safe_open
+
+        self.store, self.ids = store, list(store.spec.layer_ids)
+        self.index: list[tuple[str, int, int, str]] = []
+        for shard in store.shards:
+            with safe_open(str(store.root / shard["file"]), framework="pt") as f:
+                off = f.get_tensor("offsets").tolist()
+                sids = json.loads(f.metadata()["sample_ids"])
+            self.index += [(shard["file"], off[s], off[s + 1], sid) for s, sid in enumerate(sids)]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token is a training target (loss-masked positions)."""
+        from safetensors import safe_open
+
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for shard in self.store.shards:
+            with safe_open(str(self.store.root / shard["file"]), framework="pt") as f:
+                ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
+            counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+        return counts
+
+    def get(self, i: int) -> dict:
+        from safetensors import safe_open
+
+        file, a, b, sid = self.index[i]
+        with safe_open(str(self.store.root / file), framework="pt") as f:
+            layers = [f.get_slice(f"layer.{k}")[a:b] for k in self.ids]
+            return {"sample_id": sid, "input_ids": f.get_slice("input_ids")[a:b].long(),
+                    "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
+                    "aux": torch.cat(layers[:-1], dim=-1), "last": layers[-1]}
+
+
+def model_inputs(x: dict, device: str, dtype: torch.dtype) -> dict:
+    """One sample, shifted as speculators expects, batch dim 1."""
+    t = x["input_ids"].shape[0] - 1
+    return {
+        "input_ids": x["input_ids"][1:][None].to(device),
+        "hidden_states": x["aux"][:-1][None].to(device, dtype),
+        "verifier_last_hidden_states": x["last"][1:][None].to(device, dtype),
+        "loss_mask": x["loss_mask"][1:][None].to(device),
+        "position_ids": torch.arange(1, t + 1, device=device)[None],
+        "document_ids": torch.zeros(1, t, dtype=torch.long, device=device),
+    }
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist, dist.get_rank(), dist.get_world_size()
+    return None, 0, 1
+
+
+def init_distributed(device: str) -> None:
+    """Under torchrun (WORLD_SIZE > 1): gloo on CPU, nccl on CUDA."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        if device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples):
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    target = cfg.target or store.spec.target["name_or_path"]
+    tcfg = read_model_config(target)
+    if config_hash(tcfg) != store.spec.target.get("config_hash"):
+        raise StoreMismatch(
+            f"store {store.root} was extracted from {store.spec.target.get('name_or_path')} (config "
+            f"{store.spec.target.get('config_hash')}), but --target {target} has config {config_hash(tcfg)}. "
+            "Train against the target the store came from."
+        )
+    shape = DraftShape.for_target(tcfg)
+    if cfg.shape:
+        shape = DraftShape(**dict(asdict(shape), **cfg.shape))
+    if shape.hidden_size != store.spec.hidden_size:
+        raise StoreMismatch(f"store hidden size {store.spec.hidden_size} != target hidden size {shape.hidden_size}")
+    n_draft = min(cfg.draft_vocab_size, shape.vocab_size)
+    t2d, d2t = draft_vocab(samples.token_counts(shape.vocab_size), n_draft)
+    config = speculators_config(
+        shape, aux_ids(store.spec.layer_ids), n_draft, cfg.speculative_tokens or cfg.ttt_steps, str(target),
+        list(tcfg.get("architectures") or []), attn_implementation=cfg.attn_impl,
+    )
+    torch.manual_seed(cfg.seed)
+    model = Eagle3DraftModel(config)
+    if n_draft < shape.vocab_size:
+        model.load_vocab_mappings(t2d, d2t)
+    model.load_verifier_weights()
+    return model.to(cfg.device, getattr(torch, cfg.dtype))
+
+
+def _lr_lambda(cfg: TrainConfig, total: int):
+    def f(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
+    from speculators.losses import resolve_loss_config
+    from tqdm import tqdm
+
+    fault = faults.from_env()
+    init_distributed(cfg.device)
+    dist, rank, world = _dist()
+    if cfg.batch_samples % world:
+        raise ValueError(f"batch_samples {cfg.batch_samples} must be divisible by the {world} processes")
+    store = Store.open(cfg.store)
+    if store.spec.dtype not in ("bfloat16", "float16", "float32"):
+        raise StoreMismatch(f"store dtype {store.spec.dtype} is not a float type the trainer reads")
+    samples = StoreSamples(store)
+    if len(samples) == 0:
+        raise StoreMismatch(f"store {cfg.store} has no samples")
+    model = build_draft(cfg, store, samples)
+    dtype = getattr(torch, cfg.dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    steps_per_epoch = len(samples) // cfg.batch_samples
+    if steps_per_epoch == 0:
+        raise ValueError(f"store has {len(samples)} samples, fewer than one batch of {cfg.batch_samples}")
+    total = min(cfg.max_steps or 10**12, steps_per_epoch * cfg.epochs)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg, total))
+    loss_config = resolve_loss_config(cfg.loss, cfg.loss_impl)
+    state = {"step": 0, "losses": [], "samples_seen": 0, "tokens_seen": 0, "config": asdict(cfg)}
+    out = Path(cfg.out)
+    ckpt = checkpoint.latest(out) if cfg.resume else None
+    if ckpt is not None:
+        state = checkpoint.load(ckpt, model, optimizer)
+        log.info("resuming from %s (step %d)", ckpt, state["step"])
+    for _ in range(state["step"]):
+        scheduler.step()
+    ddp = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()]
+                                      if cfg.device.startswith("cuda") else None)
+    model.train()
+    accept_sums: dict[str, float] = {}
+    t0, tokens_run = time.perf_counter(), 0
+    bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, desc="train", unit="step")
+    with torch.compiler.set_stance("default" if cfg.compile else "force_eager"):
+        while state["step"] < total:
+            step = state["step"]
+            epoch, k = divmod(step, steps_per_epoch)
+            order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+            batch = order[k * cfg.batch_samples : (k + 1) * cfg.batch_samples].tolist()
+            mine = batch[rank::world]
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for j, i in enumerate(mine):
+                x = samples.get(i)
+                inputs = model_inputs(x, cfg.device, dtype)
+                sync = j == len(mine) - 1 or world == 1
+                ctx = ddp.no_sync() if world > 1 and not sync else _null()
+                with ctx:
+                    _, loss, metrics = ddp(**inputs, ttt_steps=cfg.ttt_steps,
+                                           ttt_step_loss_decay=cfg.ttt_step_loss_decay, loss_config=loss_config)
+                    (loss * world / cfg.batch_samples).backward()
+                loss_sum += float(loss.detach())
+                tokens_run += inputs["input_ids"].shape[1]
+                for name, v in metrics.items():
+                    if name.startswith("full_acc_"):
+                        accept_sums[name] = accept_sums.get(name, 0.0) + float(v)
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if dist is not None:
+                dist.all_reduce(loss_sum)
+            state["losses"].append(float(loss_sum) / cfg.batch_samples)
+            state["step"] = step + 1
+            state["samples_seen"] += cfg.batch_samples
+            state["tokens_seen"] = state.get("tokens_seen", 0) + tokens_run * world
+            tokens_run = 0
+            bar.update(1)
+            bar.set_postfix(loss=f"{state['losses'][-1]:.4f}")
+            if fault:
+                fault("after_step")
+            last = state["step"] == total
+            if rank == 0 and (last or (cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0)):
+                path = checkpoint.save(out, state["step"], model, optimizer, state, fault=fault)
+                if last:
+                    checkpoint.publish(path, out)
+            if dist is not None:
+                dist.barrier()
+    bar.close()
+    accept = {}
+    for name in sorted(accept_sums):
+        if name.endswith("_sum"):
+            total_name = name[: -len("_sum")] + "_total"
+            if accept_sums.get(total_name):
+                accept[name[: -len("_sum")]] = accept_sums[name] / accept_sums[total_name]
+    return TrainResult(str(out), str(out / "draft"), state["step"], state["samples_seen"], state["tokens_seen"],
+                       time.perf_counter() - t0, state["losses"], accept)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

@@ -1,0 +1,184 @@
+"""`eagle3 verify STORE`: check every shard against the manifest and every sample's states.
+
+Findings (kind: what it means):
+  missing_file, size_mismatch, sha256_mismatch   the file is not the one committed
+  bad_header        not a readable safetensors file, or tensors/metadata missing
+  bad_dtype, bad_shape, bad_offsets               tensors disagree with the manifest or each other
+  ids_mismatch      the shard's sample ids differ from the manifest's
+  layer_ids_mismatch  the shard's layer ids/convention differ from the manifest's
+  nonfinite         NaN or Inf in a sample's states
+  zero_layer        a sample's layer is all zeros (never written)
+  duplicate_layers  two layers of a sample are identical (the signature of the reply[0] bug)
+  repeated_sample   a sample id in more than one place
+  missing_sample    a planned sample id that no shard holds
+  uncommitted_file  a shard file the manifest does not name (removed on the next extract)
+``--fix`` moves shards with findings to STORE/quarantine/ and drops them from the manifest, so
+rerunning the extraction redoes exactly those samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle3.store import QUARANTINE, SHARDS, Store, read_manifest
+
+_ST = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+@dataclass
+class Finding:
+    kind: str
+    shard: str | None
+    sample: str | None
+    detail: str
+
+    def __str__(self) -> str:
+        where = " ".join(x for x in (self.shard, self.sample and f"sample {self.sample}") if x)
+        return f"{self.kind:<18} {where}: {self.detail}"
+
+
+@dataclass
+class VerifyReport:
+    store: str
+    shards: int = 0
+    samples: int = 0
+    tokens: int = 0
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def kinds(self) -> Counter:
+        return Counter(f.kind for f in self.findings)
+
+    def lines(self) -> list[str]:
+        head = f"{self.store}: {self.shards} shards, {self.samples} samples, {self.tokens} tokens: "
+        head += "OK" if self.ok else f"{len(self.findings)} findings " + json.dumps(dict(self.kinds()))
+        return [head] + [str(f) for f in self.findings[:200]]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_shard(store: Store, shard: dict, rep: VerifyReport, seen: Counter, deep: bool) -> None:
+    from safetensors import safe_open
+
+    name, path, spec = shard["file"], store.root / shard["file"], store.spec
+
+    def bad(kind, detail, sample=None):
+        rep.findings.append(Finding(kind, name, sample, detail))
+
+    if not path.exists():
+        return bad("missing_file", "file is gone")
+    if path.stat().st_size != shard["bytes"]:
+        return bad("size_mismatch", f"{path.stat().st_size} bytes, manifest says {shard['bytes']}")
+    if deep and _sha256(path) != shard["sha256"]:
+        return bad("sha256_mismatch", "content differs from what was committed")
+    try:
+        f = safe_open(str(path), framework="pt")
+        meta, keys = f.metadata() or {}, set(f.keys())
+    except Exception as e:  # noqa: BLE001 - any parse failure is the finding
+        return bad("bad_header", f"{type(e).__name__}: {e}")
+    need = {"input_ids", "loss_mask", "offsets"} | {f"layer.{i}" for i in spec.layer_ids}
+    if need - keys or "sample_ids" not in meta:
+        return bad("bad_header", f"missing {sorted(need - keys) or ['sample_ids metadata']}")
+    if json.loads(meta.get("layer_ids", "null")) != list(spec.layer_ids) or meta.get("convention") != spec.convention:
+        bad("layer_ids_mismatch", f"shard has {meta.get('layer_ids')} / {meta.get('convention')!r}")
+    sample_ids = json.loads(meta["sample_ids"])
+    if sample_ids != shard["sample_ids"]:
+        bad("ids_mismatch", f"header holds {len(sample_ids)} ids that differ from the manifest's")
+    offsets = f.get_tensor("offsets").tolist()
+    n_tok = f.get_slice("input_ids").get_shape()[0]
+    if (len(offsets) != len(sample_ids) + 1 or offsets[0] != 0 or offsets[-1] != n_tok
+            or any(b <= a for a, b in zip(offsets, offsets[1:]))):
+        return bad("bad_offsets", f"offsets {offsets[:4]}... do not cut {n_tok} tokens into {len(sample_ids)} samples")
+    if f.get_slice("loss_mask").get_shape() != [n_tok]:
+        bad("bad_shape", f"loss_mask shape {f.get_slice('loss_mask').get_shape()}, expected [{n_tok}]")
+    for i in spec.layer_ids:
+        sl = f.get_slice(f"layer.{i}")
+        if sl.get_shape() != [n_tok, spec.hidden_size]:
+            return bad("bad_shape", f"layer.{i} shape {sl.get_shape()}, expected [{n_tok}, {spec.hidden_size}]")
+        if _ST.get(sl.get_dtype()) != spec.dtype:
+            return bad("bad_dtype", f"layer.{i} is {sl.get_dtype()}, manifest says {spec.dtype}")
+    rep.shards += 1
+    rep.tokens += n_tok
+    for sid in sample_ids:
+        seen[sid] += 1
+    if not deep:
+        rep.samples += len(sample_ids)
+        return
+    layers = [f.get_tensor(f"layer.{i}") for i in spec.layer_ids]  # each [N, H]
+    for s, sid in enumerate(sample_ids):
+        a, b = offsets[s], offsets[s + 1]
+        rows = [x[a:b] for x in layers]
+        for i, r in zip(spec.layer_ids, rows):
+            if not torch.isfinite(r).all():
+                bad("nonfinite", f"layer {i} has {int((~torch.isfinite(r)).sum())} NaN/Inf values", sid)
+            if not r.any():
+                bad("zero_layer", f"layer {i} is all zeros", sid)
+        for x in range(len(rows)):
+            for y in range(x + 1, len(rows)):
+                if torch.equal(rows[x], rows[y]):
+                    bad("duplicate_layers", f"layers {spec.layer_ids[x]} and {spec.layer_ids[y]} are identical "
+                        "(one layer stored twice: the reply[0] bug?)", sid)
+        rep.samples += 1
+
+
+def verify(root: str | Path, deep: bool = True) -> VerifyReport:
+    root = Path(root)
+    store = Store(root, read_manifest(root))  # not Store.open: verify must not delete anything
+    rep, seen = VerifyReport(str(root)), Counter()
+    for shard in store.shards:
+        _check_shard(store, shard, rep, seen, deep)
+    for sid, n in seen.items():
+        if n > 1:
+            rep.findings.append(Finding("repeated_sample", None, sid, f"stored {n} times"))
+    plan = store.plan()
+    if plan is not None:
+        missing = [sid for sid in plan if sid not in seen]
+        for sid in missing[:50]:
+            rep.findings.append(Finding("missing_sample", None, sid, "planned but in no shard"))
+        if len(missing) > 50:
+            rep.findings.append(Finding("missing_sample", None, None, f"... {len(missing) - 50} more"))
+    committed = {s["file"] for s in store.shards}
+    for p in sorted((root / SHARDS).glob("*")) if (root / SHARDS).exists() else []:
+        if f"{SHARDS}/{p.name}" not in committed:
+            rep.findings.append(Finding("uncommitted_file", f"{SHARDS}/{p.name}", None, "not in the manifest"))
+    return rep
+
+
+def fix(root: str | Path, rep: VerifyReport) -> list[str]:
+    """Quarantine shards with findings (and uncommitted files); returns the moved files."""
+    root = Path(root)
+    store = Store(root, read_manifest(root))
+    bad = {f.shard for f in rep.findings if f.shard}
+    if any(f.kind == "repeated_sample" for f in rep.findings):
+        first: dict[str, str] = {}
+        for s in store.shards:  # keep each sample's first shard, quarantine later copies
+            for sid in s["sample_ids"]:
+                if sid in first:
+                    bad.add(s["file"])
+                first.setdefault(sid, s["file"])
+    qdir = root / QUARANTINE
+    qdir.mkdir(exist_ok=True)
+    moved = []
+    for name in sorted(bad):
+        p = root / name
+        if p.exists():
+            os.replace(p, qdir / p.name)
+            moved.append(name)
+    store.drop_shards(bad)
+    return moved
