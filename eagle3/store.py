@@ -230,7 +230,8 @@ class ShardWriter:
         (self.root / SHARDS).mkdir(parents=True, exist_ok=True)
         self._pending: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._pending_tokens = 0
-        self._done: list[ShardInfo] = []
+        self._finished: dict[int, ShardInfo] = {}  # by shard index; released in index order
+        self._release = start_index
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
@@ -263,9 +264,13 @@ class ShardWriter:
         return self.take_done()
 
     def take_done(self) -> list[ShardInfo]:
+        """Finished shards in index order (a shard waits for all lower-numbered ones)."""
         self._raise_if_failed()
+        done = []
         with self._lock:
-            done, self._done = self._done, []
+            while self._release in self._finished:
+                done.append(self._finished.pop(self._release))
+                self._release += 1
         return done
 
     def flush(self) -> list[ShardInfo]:
@@ -311,7 +316,7 @@ class ShardWriter:
         sha, nbytes = atomic_write(self.root / name, safetensors_chunks(tensors, meta), self.fsync, self.fault)
         info = ShardInfo(name, sha, nbytes, len(batch), int(tensors["input_ids"].shape[0]), [b[0] for b in batch])
         with self._lock:
-            self._done.append(info)
+            self._finished[shard_index(name)] = info
             self.bytes_written += nbytes
             self.write_seconds += time.perf_counter() - t0
 

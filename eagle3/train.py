@@ -217,7 +217,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     if steps_per_epoch == 0:
         raise ValueError(f"store has {len(samples)} samples, fewer than one batch of {cfg.batch_samples}")
     total = min(cfg.max_steps or 10**12, steps_per_epoch * cfg.epochs)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg, total))
+    lr_at = _lr_lambda(cfg, total)
     loss_config = resolve_loss_config(cfg.loss, cfg.loss_impl)
     state = {"step": 0, "losses": [], "samples_seen": 0, "tokens_seen": 0, "config": asdict(cfg)}
     out = Path(cfg.out)
@@ -225,8 +225,6 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     if ckpt is not None:
         state = checkpoint.load(ckpt, model, optimizer)
         log.info("resuming from %s (step %d)", ckpt, state["step"])
-    for _ in range(state["step"]):
-        scheduler.step()
     ddp = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -260,8 +258,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                     if name.startswith("full_acc_"):
                         accept_sums[name] = accept_sums.get(name, 0.0) + float(v)
             torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.lr * lr_at(step)
             optimizer.step()
-            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             if dist is not None:
                 dist.all_reduce(loss_sum)

@@ -73,7 +73,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _check_shard(store: Store, shard: dict, rep: VerifyReport, seen: Counter, deep: bool) -> None:
+def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> None:
     from safetensors import safe_open
 
     name, path, spec = shard["file"], store.root / shard["file"], store.spec
@@ -115,8 +115,6 @@ def _check_shard(store: Store, shard: dict, rep: VerifyReport, seen: Counter, de
             return bad("bad_dtype", f"layer.{i} is {sl.get_dtype()}, manifest says {spec.dtype}")
     rep.shards += 1
     rep.tokens += n_tok
-    for sid in sample_ids:
-        seen[sid] += 1
     if not deep:
         rep.samples += len(sample_ids)
         return
@@ -142,7 +140,8 @@ def verify(root: str | Path, deep: bool = True) -> VerifyReport:
     store = Store(root, read_manifest(root))  # not Store.open: verify must not delete anything
     rep, seen = VerifyReport(str(root)), Counter()
     for shard in store.shards:
-        _check_shard(store, shard, rep, seen, deep)
+        _check_shard(store, shard, rep, deep)
+        seen.update(shard["sample_ids"])
     for sid, n in seen.items():
         if n > 1:
             rep.findings.append(Finding("repeated_sample", None, sid, f"stored {n} times"))

@@ -1,0 +1,84 @@
+"""Shared CPU fixtures: tiny targets and a small store, built once per session (seconds, not minutes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from eagle3 import corpus, presets, tiny
+from eagle3.data import DataConfig
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_kimi(tmp_path_factory):
+    """tiny-kimi (DeepseekV3: MLA + MoE, 8 layers, hidden 128) with random weights and the BPE tokenizer."""
+    return tiny.build_model(presets.from_name("tiny-kimi"), tmp_path_factory.mktemp("tiny-kimi"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return tiny.build_model(presets.from_name("tiny-llama"), tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_kimi):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_kimi)
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory):
+    """48 bundled-style conversations in a JSONL file."""
+    path = tmp_path_factory.mktemp("data") / "small.jsonl"
+    return corpus.write_jsonl(path, corpus.generate(48, seed=7))
+
+
+@pytest.fixture(scope="session")
+def small_store(tiny_kimi, small_data, tmp_path_factory):
+    """An hf-backend store of small_data on tiny-kimi, shards of 8 samples."""
+    from eagle3 import extract
+
+    out = tmp_path_factory.mktemp("store") / "store"
+    cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(out), data=DataConfig([str(small_data)], max_len=192),
+                                batch_size=8, shard_samples=8, writer_threads=0)
+    extract.run(cfg, progress=False)
+    return out
+
+
+@pytest.fixture
+def one_thread():
+    """Bitwise comparisons across processes need the same float reduction order: one torch thread,
+    as in forked children."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_forked(fn) -> tuple[bool, int]:
+    """Run fn() in a forked child (one torch thread: OpenMP does not survive fork with more).
+
+    Returns (killed by SIGKILL, exit code). The child exits 0 if fn returns, 3 if it raises.
+    """
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 0
+        try:
+            torch.set_num_threads(1)
+            fn()
+        except BaseException:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return os.WTERMSIG(status) == signal.SIGKILL, -1
+    return False, os.WEXITSTATUS(status)

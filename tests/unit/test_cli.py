@@ -1,0 +1,43 @@
+"""The `eagle3` command line: doctor, and the demo chain at a small size."""
+
+import json
+import subprocess
+import sys
+
+from eagle3 import cli, doctor, vllm_compat
+
+
+def test_doctor_prints_versions_and_finds_no_problem():
+    out = subprocess.run([sys.executable, "-m", "eagle3.cli", "doctor"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for key in ("python", "torch", "transformers", "speculators", "vllm", "gpus"):
+        assert any(line.startswith(key) for line in out.stdout.splitlines()), out.stdout
+    assert "PROBLEM" not in out.stdout
+
+
+def test_importing_eagle3_does_not_import_vllm_or_initialize_cuda():
+    code = ("import sys, eagle3, eagle3.cli, eagle3.extract, eagle3.rpc, eagle3.vllm_compat, eagle3.doctor;"
+            "import torch; print('vllm' in sys.modules, torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_vllm_support_verdicts():
+    assert "not installed" in vllm_compat.support_verdict(None)
+    assert "NOT supported" in vllm_compat.support_verdict("0.11.1")
+    assert "tested" in vllm_compat.support_verdict("0.26.0")
+    assert "not tested here" in vllm_compat.support_verdict("0.27.0rc1+cu130")
+    assert vllm_compat.parse_version("0.16.0rc2.dev5+g1") == (0, 16, 0)
+
+
+def test_install_problems_name_what_to_do(monkeypatch):
+    assert doctor.install_problems() == []
+
+
+def test_demo_chain_small(tmp_path, capsys):
+    code = cli.main(["demo", "--out", str(tmp_path), "--samples", "24", "--steps", "4", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "draft config loadable by vLLM" in out and "loss " in out and "tok/s" in out
+    cfg = json.loads((tmp_path / "train" / "draft" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3"

@@ -1,0 +1,106 @@
+"""Bad input and hostile conditions end in an error a person can act on, with nothing half-written."""
+
+import errno
+import json
+import shutil
+
+import pytest
+
+from eagle3 import cli, extract, store as store_mod, verify
+from eagle3.data import DataConfig, DataError, load_samples
+
+
+def _extract_cfg(model, data, out, **kw):
+    return extract.ExtractConfig(model=str(model), out=str(out), data=DataConfig([str(data)], max_len=128),
+                                 batch_size=4, shard_samples=4, writer_threads=0, **kw)
+
+
+@pytest.mark.parametrize("setup,match", [
+    (lambda p: p, "file not found"),
+    (lambda p: (p.mkdir(), p)[1], "is a directory"),
+    (lambda p: (p.write_text(""), p)[1], "no usable samples"),
+    (lambda p: (p.write_text("\n\n  \n"), p)[1], "no usable samples"),
+])
+def test_file_level_problems(tmp_path, tokenizer, setup, match):
+    path = setup(tmp_path / "in.jsonl")
+    with pytest.raises(DataError, match=match):
+        load_samples(DataConfig([str(path)]), tokenizer)
+
+
+def test_two_inputs_with_one_name_would_collide(tmp_path, tokenizer, small_data):
+    (tmp_path / "a").mkdir()
+    shutil.copy(small_data, tmp_path / "a" / small_data.name)
+    with pytest.raises(DataError, match="share this name"):
+        load_samples(DataConfig([str(small_data), str(tmp_path / "a" / small_data.name)]), tokenizer)
+
+
+def test_tokenizer_without_chat_template(tmp_path, tokenizer, small_data):
+    tokenizer.save_pretrained(tmp_path / "tok")
+    from transformers import AutoTokenizer
+
+    bare = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    bare.chat_template = None
+    with pytest.raises(DataError, match="tokenizer has no chat template.*chat_template"):
+        load_samples(DataConfig([str(small_data)]), bare, tokenizer_where=str(tmp_path / "tok"))
+
+
+@pytest.mark.parametrize("ids,msg", [("2,4,4,8", "repeat"), ("2,4,9", "outside"), ("2,4,5", "last layer id must be 8")])
+def test_cli_refuses_bad_layer_ids_before_writing(tiny_kimi, small_data, tmp_path, capsys, ids, msg):
+    out = tmp_path / "s"
+    code = cli.main(["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(out),
+                     "--layer-ids", ids])
+    assert code == 2
+    assert msg in capsys.readouterr().err
+    assert not (out / "manifest.json").exists()
+
+
+def test_disk_full_mid_extraction_then_resume_completes(tiny_kimi, small_data, tmp_path, monkeypatch):
+    out = tmp_path / "s"
+    calls = {"n": 0}
+    real = store_mod.write_chunks
+
+    def fill_up(f, chunks):
+        calls["n"] += 1
+        if calls["n"] > 9:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(f, chunks)
+
+    monkeypatch.setattr(store_mod, "write_chunks", fill_up)
+    with pytest.raises(store_mod.StoreError, match="disk full"):
+        extract.run(_extract_cfg(tiny_kimi, small_data, out), progress=False)
+    assert not list(out.rglob(".tmp-*"))
+    committed = store_mod.Store.open(out).done_ids
+    assert 0 < len(committed) < 48
+    monkeypatch.setattr(store_mod, "write_chunks", real)
+    summary = extract.run(_extract_cfg(tiny_kimi, small_data, out), progress=False)
+    assert summary.samples_done_before == len(committed) and summary.samples_total == 48
+    assert verify.verify(out).ok
+
+
+def test_resume_with_other_options_is_refused(tiny_kimi, small_data, small_store, tmp_path):
+    out = tmp_path / "s"
+    shutil.copytree(small_store, out)
+    with pytest.raises(store_mod.StoreMismatch, match="layer_ids"):
+        extract.run(_extract_cfg(tiny_kimi, small_data, out, layer_ids=(1, 4, 5, 8)), progress=False)
+    with pytest.raises(store_mod.StoreError, match="different sample list"):
+        extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(out),
+                                          data=DataConfig([str(small_data)], max_len=128, max_samples=10)),
+                    progress=False)
+
+
+def test_trainer_refuses_hidden_size_mismatch(small_store, tmp_path):
+    from eagle3.train import TrainConfig, train
+
+    out = tmp_path / "s"
+    shutil.copytree(small_store, out)
+    m = json.loads((out / "manifest.json").read_text())
+    m["spec"]["hidden_size"] = 64
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(store_mod.StoreMismatch, match="hidden size 64 != target hidden size 128"):
+        train(TrainConfig(store=str(out), out=str(tmp_path / "t"), max_steps=1, batch_samples=4), progress=False)
+
+
+def test_store_files_are_never_unpickled(small_store):
+    """Only safetensors and JSON live in a store."""
+    suffixes = {p.suffix for p in small_store.rglob("*") if p.is_file()}
+    assert suffixes <= {".json", ".safetensors", ".jsonl"}

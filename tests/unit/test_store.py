@@ -1,0 +1,138 @@
+"""Shard store: round trips, atomic writes, commit rules, and refusing a store of another setup."""
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from eagle3 import store as store_mod
+from eagle3.store import ShardWriter, Store, StoreError, StoreMismatch, StoreSpec, safetensors_chunks
+
+SPEC = StoreSpec(target={"name_or_path": "t", "config_hash": "abc"}, layer_ids=(2, 4, 5, 8), hidden_size=6)
+
+
+def _sample(i, t):
+    g = torch.Generator().manual_seed(i)
+    return (f"s{i}", torch.randint(0, 100, (t,), generator=g), torch.randint(0, 2, (t,), generator=g),
+            torch.randn(4, t, 6, generator=g).to(torch.bfloat16))
+
+
+@settings(max_examples=30)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=25), shard_tokens=st.integers(1, 120),
+       shard_samples=st.one_of(st.none(), st.integers(1, 6)), threads=st.sampled_from([0, 2]))
+def test_round_trip_over_lengths_and_shard_boundaries(tmp_path_factory, lengths, shard_tokens, shard_samples, threads):
+    root = tmp_path_factory.mktemp("rt")
+    store = Store.open(root, SPEC, create=True, fsync=False)
+    w = ShardWriter(root, SPEC, store.next_shard_index, shard_tokens=shard_tokens, shard_samples=shard_samples,
+                    fsync=False, threads=threads)
+    samples = [_sample(i, t) for i, t in enumerate(lengths)]
+    for s in samples:
+        store.commit(w.add(*s), fsync=False)
+    store.commit(w.flush(), fsync=False)
+    w.close()
+    back = list(Store.open(root).iter_samples())
+    assert [b["sample_id"] for b in back] == [s[0] for s in samples]
+    for (sid, ids, mask, states), b in zip(samples, back):
+        assert torch.equal(b["input_ids"], ids.to(torch.int32)) and torch.equal(b["loss_mask"], mask.to(torch.uint8))
+        for k, layer_id in enumerate(SPEC.layer_ids):
+            assert torch.equal(b["states"][layer_id], states[k])
+    assert sum(s["num_tokens"] for s in store.shards) == sum(lengths)
+
+
+def test_our_safetensors_bytes_read_back_with_the_safetensors_library(tmp_path):
+    tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.int32),
+               "c": torch.zeros(0, 4), "d": torch.tensor([1, 0, 1], dtype=torch.uint8)}
+    p = tmp_path / "x.safetensors"
+    store_mod.atomic_write(p, safetensors_chunks(tensors, {"k": "v"}))
+    back = load_file(str(p))
+    for k, t in tensors.items():
+        assert torch.equal(back[k], t) and back[k].dtype == t.dtype
+
+
+def test_commit_refuses_duplicates_and_uncommitted_files_are_removed(tmp_path):
+    store = Store.open(tmp_path, SPEC, create=True)
+    w = ShardWriter(tmp_path, SPEC, 0, shard_samples=1)
+    info = w.add(*_sample(1, 5))
+    store.commit(info)
+    with pytest.raises(StoreError, match="already in the store"):
+        store.commit(info)
+    orphan = w.add(*_sample(2, 5))  # written, never committed (as after a crash)
+    assert (tmp_path / orphan[0].file).exists()
+    (tmp_path / ".tmp-manifest.json").write_text("{partial")
+    reopened = Store.open(tmp_path, SPEC)
+    assert not (tmp_path / orphan[0].file).exists() and not (tmp_path / ".tmp-manifest.json").exists()
+    assert reopened.done_ids == {"s1"} and reopened.next_shard_index == 1
+
+
+@pytest.mark.parametrize("change,msg", [
+    (dict(target={"name_or_path": "other", "config_hash": "zzz"}), "target model"),
+    (dict(layer_ids=(2, 4, 6, 8)), "layer_ids"),
+    (dict(hidden_size=7), "hidden_size"),
+    (dict(dtype="float16"), "dtype"),
+])
+def test_store_of_another_setup_is_refused(tmp_path, change, msg):
+    Store.open(tmp_path, SPEC, create=True)
+    other = StoreSpec(**{**SPEC.__dict__, **change})
+    with pytest.raises(StoreMismatch, match=msg):
+        Store.open(tmp_path, other)
+
+
+def test_disk_full_leaves_nothing_half_written(tmp_path, monkeypatch):
+    store = Store.open(tmp_path, SPEC, create=True)
+    w = ShardWriter(tmp_path, SPEC, 0, shard_samples=1)
+    store.commit(w.add(*_sample(1, 5)))
+    before = (tmp_path / "manifest.json").read_bytes()
+
+    def full(f, chunks):
+        f.write(b"abc")  # a few bytes land, then the device is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_mod, "write_chunks", full)
+    with pytest.raises(StoreError, match="disk full while writing .*rerunning the same command resumes"):
+        w.add(*_sample(2, 5))
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["shard-000000.safetensors"]
+    assert not list(tmp_path.rglob(".tmp-*"))
+    with pytest.raises(StoreError, match="disk full"):
+        store_mod.atomic_write_json(tmp_path / "manifest.json", {"x": 1})
+    assert (tmp_path / "manifest.json").read_bytes() == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere; covered by the probe-failure test below")
+def test_unwritable_output_folder(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    with pytest.raises(StoreError, match="not writable"):
+        Store.open(ro / "store", SPEC, create=True)
+
+
+def test_unwritable_output_folder_reported_before_any_work(tmp_path, monkeypatch):
+    real = type(tmp_path).write_bytes
+
+    def deny(self, data):
+        if self.name == ".tmp-write-probe":
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(self, data)
+
+    monkeypatch.setattr(type(tmp_path), "write_bytes", deny)
+    with pytest.raises(StoreError, match="output folder .* is not writable .*choose another --out"):
+        Store.open(tmp_path / "s", SPEC, create=True)
+    assert not (tmp_path / "s" / "manifest.json").exists()
+
+
+def test_manifest_problems_are_explained(tmp_path):
+    Store.open(tmp_path, SPEC, create=True)
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    (tmp_path / "manifest.json").write_text(json.dumps(dict(m, schema_version=99)))
+    with pytest.raises(StoreError, match="schema_version 99"):
+        Store.open(tmp_path)
+    (tmp_path / "manifest.json").write_text("{oops")
+    with pytest.raises(StoreError, match="not valid JSON"):
+        Store.open(tmp_path)
+    with pytest.raises(StoreError, match="not a store"):
+        Store.open(tmp_path / "nothing")

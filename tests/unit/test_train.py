@@ -1,0 +1,114 @@
+"""The trainer: loss goes down, checkpoints vLLM can load, vocab mapping, resume, refusals."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3 import checkpoint, faults, tiny
+from eagle3.draft import DraftShape, check_vllm_loadable, draft_vocab
+from eagle3.presets import from_name
+from eagle3.store import StoreMismatch
+from eagle3.train import TrainConfig, train
+
+from .conftest import run_forked
+
+
+def _cfg(store, out, **kw):
+    base = dict(store=str(store), out=str(out), draft_vocab_size=256, batch_samples=4, lr=3e-3, seed=0)
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def trained(small_store, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train")
+    return train(_cfg(small_store, out, max_steps=12, checkpoint_every=4), progress=False), out
+
+
+def test_loss_decreases_on_a_fixed_seed(trained):
+    result, _ = trained
+    assert result.steps == 12 and len(result.losses) == 12
+    assert sum(result.losses[-3:]) / 3 < 0.8 * sum(result.losses[:3]) / 3, result.losses
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_saved_draft_is_what_vllm_speculators_loader_requires(trained, tiny_kimi):
+    result, _ = trained
+    cfg = json.loads(open(f"{result.draft}/config.json").read())
+    assert check_vllm_loadable(cfg) == []
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(tiny_kimi.resolve())
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["hidden_size"] == 128 and layer["vocab_size"] == 1024
+    assert not any(k in layer for k in ("kv_lora_rank", "n_routed_experts", "q_lora_rank"))
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and cfg["norm_before_residual"] is False
+    weights = load_file(f"{result.draft}/model.safetensors")
+    assert weights["fc.weight"].shape == (128, 3 * 128)
+    assert weights["d2t"].shape == (256,) and weights["lm_head.weight"].shape == (256, 128)
+    assert "verifier_lm_head.weight" not in weights
+
+
+def test_draft_vocab_mapping_selects_the_verifier_rows_it_claims(trained, tiny_kimi):
+    result, _ = trained
+    w = load_file(f"{result.draft}/model.safetensors")
+    target = load_file(str(tiny_kimi / "model.safetensors"))
+    targets = torch.arange(256) + w["d2t"]
+    assert torch.equal(targets, torch.nonzero(w["t2d"]).flatten())
+    torch.testing.assert_close(w["lm_head.weight"], target["lm_head.weight"][targets])
+
+
+def test_draft_vocab_keeps_the_most_frequent_tokens_in_ascending_order():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    t2d, d2t = draft_vocab(counts, 3)
+    assert t2d.tolist() == [False, False, True, True, False, True]
+    assert (torch.arange(3) + d2t).tolist() == [2, 3, 5]
+    with pytest.raises(ValueError):
+        draft_vocab(counts, 7)
+
+
+def test_speculators_from_training_args_cannot_take_a_deepseek_verifier(tiny_kimi):
+    """Why the draft config is built here: copying the DeepseekV3 verifier config gives a layer type
+    neither speculators' draft nor vLLM's loader has."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from transformers import AutoConfig
+
+    with pytest.raises(KeyError, match="deepseek_v3"):
+        Eagle3DraftModel.from_training_args(AutoConfig.from_pretrained(tiny_kimi), verifier_name_or_path=str(tiny_kimi),
+                                            draft_vocab_size=256, norm_before_residual=False, ttt_steps=3,
+                                            target_layer_ids=[2, 4, 5])
+    shape = DraftShape.for_target(json.loads((tiny_kimi / "config.json").read_text()))
+    assert shape.llama_config().model_type == "llama"
+    kimi = DraftShape.for_target({"hidden_size": 7168, "vocab_size": 163840, "intermediate_size": 18432})
+    assert (kimi.hidden_size, kimi.head_dim, kimi.num_attention_heads) == (7168, 128, 56)
+
+
+def _train_with_fault(cfg, point, k):
+    os.environ["EAGLE3_FAULT"] = f"{point}:{k}"  # runs in the forked child only
+    train(cfg, progress=False)
+
+
+def test_killed_training_resumes_with_the_same_loss_curve(small_store, tmp_path, one_thread):
+    ref = train(_cfg(small_store, tmp_path / "ref", max_steps=6, checkpoint_every=2), progress=False).losses
+    cfg = _cfg(small_store, tmp_path / "killed", max_steps=6, checkpoint_every=2)
+    # kill -9 after step 3 (checkpoint 2 exists), then again while checkpoint 4 is being written
+    for point, k in [("after_step", 3), ("mid_checkpoint", 1)]:
+        killed, _ = run_forked(lambda: _train_with_fault(cfg, point, k))
+        assert killed, point
+        assert checkpoint.latest(tmp_path / "killed").name == "step-0000002"
+    resumed = train(cfg, progress=False)
+    assert resumed.losses == ref
+
+
+def test_trainer_refuses_a_store_from_another_target(small_store, tmp_path):
+    other = tiny.build_model(from_name("tiny-kimi"), tmp_path / "other", seed=0, with_tokenizer=False,
+                             overrides={"num_hidden_layers": 9})
+    with pytest.raises(StoreMismatch, match="Train against the target the store came from"):
+        train(_cfg(small_store, tmp_path / "o", max_steps=1, target=str(other)), progress=False)
+
+
+def test_fault_points_are_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("EAGLE3_FAULT", raising=False)
+    assert faults.from_env() is None

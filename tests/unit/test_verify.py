@@ -1,0 +1,187 @@
+"""`eagle3 verify` finds each planted corruption class; --fix quarantines and a resume repairs."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from eagle3 import cli, extract, verify
+from eagle3.data import DataConfig
+from eagle3.store import atomic_write, safetensors_chunks
+
+
+@pytest.fixture
+def store(small_store, tmp_path):
+    out = tmp_path / "store"
+    shutil.copytree(small_store, out)
+    return out
+
+
+def _manifest(root):
+    return json.loads((root / "manifest.json").read_text())
+
+
+def _save_manifest(root, m):
+    (root / "manifest.json").write_text(json.dumps(m))
+
+
+def _rewrite(root, i, mutate, meta_mutate=None):
+    """Rewrite shard i with mutate(tensors) and re-commit its checksum, as a buggy writer would have."""
+    m = _manifest(root)
+    path = root / m["shards"][i]["file"]
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+    mutate(tensors)
+    if meta_mutate:
+        meta_mutate(meta)
+    sha, n = atomic_write(path, safetensors_chunks(tensors, meta))
+    m["shards"][i].update(sha256=sha, bytes=n)
+    _save_manifest(root, m)
+
+
+def _first_sample_rows(root, i=0):
+    m = _manifest(root)
+    with safe_open(str(root / m["shards"][i]["file"]), framework="pt") as f:
+        off = f.get_tensor("offsets").tolist()
+    return slice(off[0], off[1])
+
+
+def _flip_byte(root):
+    p = root / _manifest(root)["shards"][1]["file"]
+    b = bytearray(p.read_bytes())
+    b[-10] ^= 0xFF
+    p.write_bytes(bytes(b))
+
+
+def _truncate(root):
+    p = root / _manifest(root)["shards"][1]["file"]
+    p.write_bytes(p.read_bytes()[:-100])
+
+
+def _delete(root):
+    (root / _manifest(root)["shards"][1]["file"]).unlink()
+
+
+def _garbage_header(root):
+    m = _manifest(root)
+    p = root / m["shards"][1]["file"]
+    raw = b"\xff" * 64 + p.read_bytes()[64:]
+    sha, n = atomic_write(p, [raw])
+    m["shards"][1].update(sha256=sha, bytes=n)
+    _save_manifest(root, m)
+
+
+def _nan(root):
+    rows = _first_sample_rows(root)
+    _rewrite(root, 0, lambda t: t["layer.4"][rows].__setitem__((0, 3), float("nan")))
+
+
+def _inf(root):
+    rows = _first_sample_rows(root)
+    _rewrite(root, 0, lambda t: t["layer.5"][rows].__setitem__((1, 1), float("inf")))
+
+
+def _zero_layer(root):
+    rows = _first_sample_rows(root)
+    _rewrite(root, 0, lambda t: t["layer.5"][rows].zero_())
+
+
+def _duplicate_layer(root):
+    """What the reply[0] bug leaves: one layer's states stored under two ids."""
+    rows = _first_sample_rows(root)
+    _rewrite(root, 0, lambda t: t["layer.4"][rows].copy_(t["layer.2"][rows]))
+
+
+def _wrong_ids(root):
+    _rewrite(root, 0, lambda t: None, lambda meta: meta.__setitem__(
+        "sample_ids", json.dumps(["x"] + json.loads(meta["sample_ids"])[1:])))
+
+
+def _wrong_layer_ids(root):
+    _rewrite(root, 0, lambda t: None, lambda meta: meta.__setitem__("layer_ids", "[1, 4, 5, 8]"))
+
+
+def _bad_offsets(root):
+    _rewrite(root, 0, lambda t: t["offsets"].__setitem__(1, 10**6))
+
+
+def _bad_dtype(root):
+    def f(t):
+        t["layer.8"] = t["layer.8"].float()
+    _rewrite(root, 0, f)
+
+
+def _bad_shape(root):
+    def f(t):
+        t["layer.8"] = t["layer.8"][:, :64].contiguous()
+    _rewrite(root, 0, f)
+
+
+def _repeat_sample(root):
+    m = _manifest(root)
+    m["shards"][2]["sample_ids"][0] = m["shards"][1]["sample_ids"][0]
+    _save_manifest(root, m)
+
+
+def _missing_sample(root):
+    m = _manifest(root)
+    dropped = m["shards"].pop(3)
+    (root / dropped["file"]).unlink()
+    _save_manifest(root, m)
+
+
+def _stray_file(root):
+    (root / "shards" / "shard-000999.safetensors").write_bytes(b"partial")
+
+
+PLANTS = {
+    "sha256_mismatch": _flip_byte, "size_mismatch": _truncate, "missing_file": _delete,
+    "bad_header": _garbage_header, "nonfinite": _nan, "zero_layer": _zero_layer,
+    "duplicate_layers": _duplicate_layer, "ids_mismatch": _wrong_ids, "layer_ids_mismatch": _wrong_layer_ids,
+    "bad_offsets": _bad_offsets, "bad_dtype": _bad_dtype, "bad_shape": _bad_shape,
+    "repeated_sample": _repeat_sample, "missing_sample": _missing_sample, "uncommitted_file": _stray_file,
+}
+
+
+def test_clean_store_verifies(small_store):
+    rep = verify.verify(small_store)
+    assert rep.ok and rep.samples == 48 and rep.shards == 6
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTS))
+def test_each_corruption_class_is_found(store, kind):
+    PLANTS[kind](store)
+    rep = verify.verify(store)
+    assert not rep.ok
+    assert kind in rep.kinds(), rep.lines()
+
+
+def test_infinity_is_found_too(store):
+    _inf(store)
+    assert set(verify.verify(store).kinds()) == {"nonfinite"}
+
+
+def test_fix_quarantines_and_a_resume_redoes_exactly_those_samples(store, tiny_kimi, small_data, capsys):
+    reference = {s["sample_id"]: s["states"][4].clone() for s in
+                 __import__("eagle3.store", fromlist=["Store"]).Store.open(store).iter_samples()}
+    _duplicate_layer(store)
+    _flip_byte(store)
+    assert cli.main(["verify", str(store), "--fix"]) == 1
+    out = capsys.readouterr().out
+    assert "duplicate_layers" in out and "quarantined 2 shard(s)" in out
+    assert len(list((store / "quarantine").iterdir())) == 2
+    summary = extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(store), shard_samples=8,
+                                                data=DataConfig([str(small_data)], max_len=192), writer_threads=0),
+                          progress=False)
+    assert summary.samples_written == 16
+    assert cli.main(["verify", str(store)]) == 0
+    from eagle3.store import Store
+
+    again = {s["sample_id"]: s["states"][4] for s in Store.open(store).iter_samples()}
+    assert again.keys() == reference.keys()
+    for sid, t in reference.items():
+        assert torch.equal(again[sid], t), sid
