@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +20,14 @@ TESTED = ("0.26.0",)
 
 
 def parse_version(v: str) -> tuple[int, ...]:
+    """'0.16.0rc2.dev5+g1' -> (0, 16, 0): leading release numbers only."""
     out = []
     for part in v.split("+")[0].split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        if not digits:
+        m = re.match(r"\d+", part)
+        if not m:
             break
-        out.append(int(digits))
-        if not part.isdigit():
+        out.append(int(m.group()))
+        if m.end() != len(part):
             break
     return tuple(out)
 
