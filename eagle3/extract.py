@@ -180,10 +180,9 @@ class _LocalSession:
         states = self.backend.capture(batch)
         if self.fault:
             self.fault("after_batch")
-        done = []
         for s, st in zip(batch, states):
-            done += self.writer.add(s.sample_id, torch.tensor(s.input_ids), torch.tensor(s.loss_mask), st)
-        return done
+            self.writer.add(s.sample_id, torch.tensor(s.input_ids), torch.tensor(s.loss_mask), st)
+        return self.writer.take_done()
 
     def finish(self):
         try:

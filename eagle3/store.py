@@ -217,9 +217,9 @@ def shard_index(name: str) -> int:
 class ShardWriter:
     """Groups samples into shards of about ``shard_tokens`` tokens and writes each atomically.
 
-    ``add`` returns the ShardInfos of shards finished since the last call (with ``threads=0`` the
-    write happens inside ``add``; with threads > 0 it happens in background threads and ``add`` only
-    blocks when ``max_pending`` shards are queued). ``flush`` writes the rest and waits.
+    ``take_done`` returns the ShardInfos of shards finished since the last call, in index order. With
+    ``threads=0`` a shard is written inside ``add``; with threads > 0 in background threads, and ``add``
+    only blocks when ``max_pending`` shards are queued. ``flush`` writes the rest, waits, and returns them.
     """
 
     def __init__(self, root: str | Path, spec: StoreSpec, start_index: int, shard_tokens: int = 1 << 18,
@@ -245,7 +245,7 @@ class ShardWriter:
                 self._threads.append(t)
 
     def add(self, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-            states: torch.Tensor | Sequence[torch.Tensor]) -> list[ShardInfo]:
+            states: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """states: [n_layers, T, H] (or a list of n_layers [T, H]) for this sample."""
         n_layers = len(states)
         if n_layers != len(self.spec.layer_ids):
@@ -261,7 +261,6 @@ class ShardWriter:
             self.shard_samples and len(self._pending) >= self.shard_samples
         ):
             self._cut()
-        return self.take_done()
 
     def take_done(self) -> list[ShardInfo]:
         """Finished shards in index order (a shard waits for all lower-numbered ones)."""

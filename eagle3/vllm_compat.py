@@ -12,7 +12,6 @@ import importlib.metadata
 import inspect
 import os
 import re
-from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_MIN = (0, 16)
@@ -49,3 +48,159 @@ def support_verdict(version: str | None) -> str:
     if version.split("+")[0] in TESTED:
         return f"{version}: supported, tested by the GPU suite"
     return f"{version}: supported range, not tested here (tested: {', '.join(TESTED)}); run the contract tests"
+
+
+# ----------------------------------------------------------------------------- engine side (driver)
+
+WORKER_EXTENSION = "eagle3.vllm_worker.CaptureExtension"
+STRATEGIES = ("hooks", "aux")
+
+
+def engine_fields() -> set[str]:
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def supports_aux_capture() -> bool:
+    """vLLM's own aux-hidden-state path without a drafter: the extract_hidden_states method (>= 0.2x)."""
+    try:
+        from vllm.config.speculative import SpeculativeConfig
+    except ImportError:
+        return False
+    return hasattr(SpeculativeConfig, "uses_extract_hidden_states")
+
+
+def pick_strategy(requested: str) -> str:
+    if requested == "auto":
+        return "aux" if supports_aux_capture() else "hooks"
+    if requested not in STRATEGIES:
+        raise ValueError(f"capture strategy {requested!r}: use auto, hooks or aux")
+    if requested == "aux" and not supports_aux_capture():
+        raise ValueError(f"vLLM {installed_version()} has no extract_hidden_states method: use --capture hooks")
+    return requested
+
+
+def prepare_environment(log_level: str | None = None) -> None:
+    """Before an engine starts (workers inherit the environment):
+    - the V1 GPU model runner, whose batch layout the capture reads (V2 is the default for some
+      architectures from 0.2x on);
+    - the log level for eagle3's logger inside worker processes (they start at vLLM's WARNING)."""
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if log_level:
+        os.environ["EAGLE3_LOG_LEVEL"] = log_level
+
+
+def engine_kwargs(model: str, *, strategy: str, layer_ids: tuple[int, ...], tp: int = 1, dtype: str = "bfloat16",
+                  gpu_memory_utilization: float = 0.85, max_model_len: int | None = None,
+                  load_format: str = "auto", skip_tokenizer_init: bool = True,
+                  max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """LLM(**kwargs) for extraction. Prefix caching off: it skips computing shared prefixes, whose states
+    would then be missing. Async scheduling off: the capture reads the runner's batch layout of the step
+    it is in. Hooks need eager mode; the aux path keeps torch.compile and CUDA graphs."""
+    kw: dict[str, Any] = dict(
+        model=model, tensor_parallel_size=tp, dtype=dtype, enable_prefix_caching=False, async_scheduling=False,
+        worker_extension_cls=WORKER_EXTENSION, gpu_memory_utilization=gpu_memory_utilization,
+        load_format=load_format, skip_tokenizer_init=skip_tokenizer_init, disable_log_stats=True,
+        kernel_config={"enable_flashinfer_autotune": False},
+    )
+    if max_model_len:
+        kw["max_model_len"] = max_model_len
+    if max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = max_num_batched_tokens
+    if max_num_seqs:
+        kw["max_num_seqs"] = max_num_seqs
+    if strategy == "hooks":
+        kw["enforce_eager"] = True
+    elif strategy == "aux":
+        kw["speculative_config"] = {
+            "method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+        }
+    kw.update(extra or {})
+    known = engine_fields()
+    dropped = sorted(k for k in kw if k not in known and k != "model")
+    for k in dropped:
+        if k in ("kernel_config", "async_scheduling", "disable_log_stats"):
+            kw.pop(k)  # optional tuning knobs that older versions lack
+        else:
+            raise ValueError(f"vLLM {installed_version()} EngineArgs has no {k!r}")
+    return kw
+
+
+def collective_rpc(llm, method: str, args: tuple = ()) -> Any:
+    """LLM.collective_rpc: one reply per worker (0.26 has no unique_reply_rank at this level)."""
+    return llm.collective_rpc(method, args=args)
+
+
+# ---------------------------------------------------------------------------- worker side (inside vLLM)
+
+
+def get_model(worker):
+    return worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.get_model()
+
+
+def decoder_layers(model) -> Any:
+    """The decoder layer list of a vLLM model (plain CausalLM or a multimodal wrapper like Kimi-K2.5)."""
+    candidates = [("model",), ("language_model", "model"), ("model", "language_model", "model")]
+    if hasattr(model, "get_language_model"):
+        try:
+            lm = model.get_language_model()
+            if hasattr(lm, "model") and hasattr(lm.model, "layers"):
+                return lm.model.layers
+        except (AttributeError, NotImplementedError):
+            pass
+    for path in candidates:
+        m = model
+        try:
+            for p in path:
+                m = getattr(m, p)
+            return m.layers
+        except AttributeError:
+            continue
+    raise TypeError(f"cannot find decoder layers in {type(model).__name__}")
+
+
+def layer_state(output) -> Any:
+    """A decoder layer's output as the residual stream: (hidden, residual) -> their sum."""
+    if isinstance(output, tuple):
+        hidden, residual = output[0], output[1] if len(output) > 1 else None
+        return hidden if residual is None else hidden + residual
+    return output
+
+
+def parallel_info() -> dict[str, Any]:
+    from vllm.distributed import parallel_state as ps
+
+    return {"tp_rank": ps.get_tensor_model_parallel_rank(), "tp_size": ps.get_tensor_model_parallel_world_size(),
+            "pp_last": ps.get_pp_group().is_last_rank, "pp_size": ps.get_pp_group().world_size}
+
+
+def step_layout(runner):
+    """The current step's batch layout from the V1 GPU model runner."""
+    from eagle3.capture import StepLayout
+
+    batch = runner.input_batch
+    n = batch.num_reqs
+    req_ids = list(batch.req_ids[:n])
+    starts = runner.query_start_loc.np[: n + 1].tolist()
+    computed = batch.num_computed_tokens_cpu[:n].tolist()
+    prompts = [runner.requests[r].prompt_token_ids for r in req_ids]
+    return StepLayout(req_ids, starts, computed, [len(p or ()) for p in prompts], prompts)
+
+
+def patch_drafter(runner, on_aux) -> None:
+    """With method extract_hidden_states the runner hands the drafter the aux states of each step:
+    take them (on_aux(list of [n_tok, H])) instead of writing them into a hidden-state KV cache.
+    Returns the sampled tokens as drafts, as ExtractHiddenStatesProposer.propose does."""
+    drafter = runner.drafter
+
+    def propose(*args, **kwargs):
+        bound = inspect.signature(type(drafter).propose).bind(drafter, *args, **kwargs)
+        on_aux(list(bound.arguments["target_hidden_states"]))
+        return bound.arguments["sampled_token_ids"][:, :1]
+
+    drafter.propose = propose

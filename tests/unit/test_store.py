@@ -32,7 +32,8 @@ def test_round_trip_over_lengths_and_shard_boundaries(tmp_path_factory, lengths,
                     fsync=False, threads=threads)
     samples = [_sample(i, t) for i, t in enumerate(lengths)]
     for s in samples:
-        store.commit(w.add(*s), fsync=False)
+        w.add(*s)
+        store.commit(w.take_done(), fsync=False)
     store.commit(w.flush(), fsync=False)
     w.close()
     back = list(Store.open(root).iter_samples())
@@ -57,11 +58,13 @@ def test_our_safetensors_bytes_read_back_with_the_safetensors_library(tmp_path):
 def test_commit_refuses_duplicates_and_uncommitted_files_are_removed(tmp_path):
     store = Store.open(tmp_path, SPEC, create=True)
     w = ShardWriter(tmp_path, SPEC, 0, shard_samples=1)
-    info = w.add(*_sample(1, 5))
+    w.add(*_sample(1, 5))
+    info = w.take_done()
     store.commit(info)
     with pytest.raises(StoreError, match="already in the store"):
         store.commit(info)
-    orphan = w.add(*_sample(2, 5))  # written, never committed (as after a crash)
+    w.add(*_sample(2, 5))
+    orphan = w.take_done()  # written, never committed (as after a crash)
     assert (tmp_path / orphan[0].file).exists()
     (tmp_path / ".tmp-manifest.json").write_text("{partial")
     reopened = Store.open(tmp_path, SPEC)
@@ -85,7 +88,8 @@ def test_store_of_another_setup_is_refused(tmp_path, change, msg):
 def test_disk_full_leaves_nothing_half_written(tmp_path, monkeypatch):
     store = Store.open(tmp_path, SPEC, create=True)
     w = ShardWriter(tmp_path, SPEC, 0, shard_samples=1)
-    store.commit(w.add(*_sample(1, 5)))
+    w.add(*_sample(1, 5))
+    store.commit(w.take_done())
     before = (tmp_path / "manifest.json").read_bytes()
 
     def full(f, chunks):

@@ -1,0 +1,115 @@
+"""Production extraction: a vLLM engine whose workers capture states during prefill (max_tokens=1)
+and write them straight into the store. Only small records cross collective_rpc; every reply goes
+through eagle3.rpc.normalize_reply and is cross-checked across ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+from eagle3 import vllm_compat as compat
+from eagle3.data import Sample
+from eagle3.rpc import Expect, Record, check_consistent, normalize_reply
+from eagle3.store import ShardInfo, Store, StoreError, StoreSpec
+
+log = logging.getLogger(__name__)
+
+SETUP_KEYS = frozenset({"rank", "tp_rank", "tp_size", "owner", "num_layers", "layer_ids", "strategy"})
+COLLECT_KEYS = frozenset({"rank", "owner", "steps", "tokens", "completed", "shards", "errors"})
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(self, model: str, spec: StoreSpec, tp: int = 1, capture: str = "auto",
+                 gpu_memory_utilization: float = 0.85, max_model_len: int | None = None,
+                 load_format: str = "auto", skip_tokenizer_init: bool = True,
+                 max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                 extra_engine_args: dict | None = None, log_level: str | None = None):
+        import vllm
+
+        self.spec, self.tp = spec, tp
+        self.strategy = compat.pick_strategy(capture)
+        compat.prepare_environment(log_level or logging.getLevelName(logging.getLogger("eagle3").getEffectiveLevel()))
+        kwargs = compat.engine_kwargs(
+            str(model), strategy=self.strategy, layer_ids=spec.layer_ids, tp=tp, dtype=spec.dtype,
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, load_format=load_format,
+            skip_tokenizer_init=skip_tokenizer_init, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, extra=extra_engine_args)
+        t0 = time.perf_counter()
+        self.llm = vllm.LLM(**kwargs)
+        self.start_seconds = time.perf_counter() - t0
+        records = self.call("eagle3_setup", {"layer_ids": list(spec.layer_ids), "strategy": self.strategy,
+                                             "log_level": compat.os.environ.get("EAGLE3_LOG_LEVEL")},
+                            keys=SETUP_KEYS)
+        check_consistent(records, ["num_layers", "layer_ids", "strategy", "tp_size"])
+        owners = [r["rank"] for r in records if r["owner"]]
+        if len(owners) != 1:
+            raise StoreError(f"expected exactly one owner rank (TP rank 0 of the last stage), got {owners}")
+        self.world = len(records)
+        log.info("vLLM engine up in %.1f s: %d worker(s), strategy %s, owner rank %d", self.start_seconds,
+                 self.world, self.strategy, owners[0])
+
+    def call(self, method: str, *args, keys: frozenset = frozenset()) -> list[dict]:
+        """collective_rpc -> one validated record per rank."""
+        reply = compat.collective_rpc(self.llm, method, args=args)
+        world = getattr(self, "world", None) or (len(reply) if isinstance(reply, list) else 1)
+        return normalize_reply(reply, Expect(world, Record(keys)))
+
+    def generate_prefill(self, token_lists: Sequence[Sequence[int]]) -> None:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        self.llm.generate([{"prompt_token_ids": list(t)} for t in token_lists], params, use_tqdm=False)
+
+    def open_session(self, store: Store, cfg, fault=None, mode: str = "store") -> "VLLMSession":
+        return VLLMSession(self, store, cfg, mode)
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+            del llm
+
+
+class VLLMSession:
+    """One extraction run over an open store: announce, generate, collect, commit."""
+
+    def __init__(self, backend: VLLMBackend, store: Store | None, cfg, mode: str = "store"):
+        self.backend, self.mode = backend, mode
+        open_cfg = {"mode": mode, "hidden_size": backend.spec.hidden_size, "dtype": backend.spec.dtype,
+                    "writer_threads": getattr(cfg, "writer_threads", 2) or 2, "slots": 4}
+        if mode == "store":
+            open_cfg.update(root=str(store.root), spec=store.spec.to_json(), start_index=store.next_shard_index,
+                            shard_tokens=cfg.shard_tokens, shard_samples=cfg.shard_samples, fsync=cfg.fsync)
+        backend.call("eagle3_open", open_cfg, keys=frozenset({"rank", "mode"}))
+        self.steps = self.tokens = 0
+
+    def submit(self, batch: Sequence[Sample]) -> list[ShardInfo]:
+        self.backend.call("eagle3_expect", [(s.sample_id, list(s.input_ids), list(s.loss_mask)) for s in batch],
+                          keys=frozenset({"rank", "announced"}))
+        self.backend.generate_prefill([s.input_ids for s in batch])
+        return self._collect("eagle3_collect", expected_tokens=sum(len(s) for s in batch))
+
+    def finish(self) -> list[ShardInfo]:
+        return self._collect("eagle3_close", expected_tokens=None)
+
+    def _collect(self, method: str, expected_tokens: int | None) -> list[ShardInfo]:
+        records = self.backend.call(method, keys=COLLECT_KEYS)
+        errors = [f"rank {r['rank']}: {e}" for r in records for e in r["errors"]]
+        if errors:
+            raise StoreError("capture failed: " + "; ".join(errors[:5]))
+        check_consistent(records, ["steps", "tokens"])  # every rank ran the same steps over the same tokens
+        tokens = records[0]["tokens"]
+        if expected_tokens is not None and tokens - self.tokens < expected_tokens:
+            raise StoreError(f"the engine computed {tokens - self.tokens} prompt tokens for a batch of "
+                             f"{expected_tokens}: some were skipped (prefix caching?)")
+        self.tokens, self.steps = tokens, records[0]["steps"]
+        owner = next(r for r in records if r["owner"])
+        log.debug("%s: %d shards from the owner, %d samples completed", method, len(owner["shards"]), owner["completed"])
+        return [ShardInfo(**s) for s in owner["shards"]]

@@ -1,0 +1,150 @@
+"""Worker extension mixed into each vLLM worker (``worker_extension_cls``). Driven by VLLMBackend via
+collective_rpc; every reply is a small dict. Hidden states never leave the worker except into the
+store, written by the owner (TP rank 0 of the last pipeline stage); other ranks only count tokens, so
+the driver can check that every rank saw the same steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import torch
+
+from eagle3 import vllm_compat as compat
+from eagle3.capture import Announced, Capturer
+from eagle3.layers import hook_layer_index, validate_layer_ids
+
+log = logging.getLogger("eagle3.worker")
+
+
+def configure_worker_logging(level: str | None = None) -> None:
+    """Worker processes start with vLLM's logging only; give eagle3's logger a handler at the chosen level."""
+    level = (level or os.environ.get("EAGLE3_LOG_LEVEL") or "WARNING").upper()
+    logger = logging.getLogger("eagle3")
+    logger.setLevel(level)
+    if not any(getattr(h, "_eagle3", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s eagle3 worker pid={os.getpid()}: %(message)s"))
+        handler._eagle3 = True
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+class CaptureExtension:
+    """Methods callable as ``llm.collective_rpc("eagle3_...")``."""
+
+    def eagle3_setup(self, cfg: dict) -> dict:
+        """Install the capture. cfg: layer_ids, strategy (hooks | aux), log_level."""
+        configure_worker_logging(cfg.get("log_level"))
+        par = compat.parallel_info()
+        if par["pp_size"] > 1:
+            raise RuntimeError("pipeline parallel capture is not supported; use tensor parallelism (--tp)")
+        model = compat.get_model(self)
+        layers = compat.decoder_layers(model)
+        ids = validate_layer_ids(cfg["layer_ids"], len(layers))
+        self._e3 = {"ids": ids, "strategy": cfg["strategy"], "owner": par["tp_rank"] == 0 and par["pp_last"],
+                    "capturer": None, "step": [], "last": None, "par": par}
+        runner = self.model_runner
+        if cfg["strategy"] == "hooks":
+            handles = []
+            for k, layer_id in enumerate(ids):
+                layer = layers[hook_layer_index(layer_id)]
+                handles.append(layer.register_forward_hook(self._e3_hook(k == len(ids) - 1)))
+            self._e3["handles"] = handles
+        else:
+            compat.patch_drafter(runner, self._e3_on_step)
+        hidden = int(getattr(model.config, "hidden_size", 0) or 0) if hasattr(model, "config") else 0
+        log.info("capture installed: strategy %s, layer ids %s, tp rank %d/%d, owner %s",
+                 cfg["strategy"], list(ids), par["tp_rank"], par["tp_size"], self._e3["owner"])
+        return {"rank": int(getattr(self, "rank", par["tp_rank"])), "tp_rank": par["tp_rank"],
+                "tp_size": par["tp_size"], "owner": self._e3["owner"], "num_layers": len(layers),
+                "layer_ids": list(ids), "hidden_size": hidden, "strategy": cfg["strategy"], "pid": os.getpid()}
+
+    def _e3_hook(self, last: bool):
+        def hook(module, args, output):
+            self._e3["step"].append(compat.layer_state(output))
+            if last:
+                step, self._e3["step"] = self._e3["step"], []
+                self._e3_on_step(step)
+        return hook
+
+    def _e3_on_step(self, layers: list) -> None:
+        cap = self._e3["capturer"]
+        self._e3["last"] = layers
+        if cap is None:
+            return
+        layout = compat.step_layout(self.model_runner)
+        if layout.req_ids:
+            cap.on_step(layers, layout)
+
+    def eagle3_open(self, cfg: dict) -> dict:
+        """Start a session. cfg: mode (store | host | count), store root/spec/start_index, writer options."""
+        from eagle3.store import ShardWriter, StoreSpec
+
+        e3 = self._e3
+        mode = cfg["mode"] if e3["owner"] else "count"
+        writer = None
+        if mode == "store":
+            spec = StoreSpec.from_json(cfg["spec"])
+            writer = ShardWriter(cfg["root"], spec, cfg["start_index"], shard_tokens=cfg["shard_tokens"],
+                                 shard_samples=cfg.get("shard_samples"), fsync=cfg["fsync"],
+                                 threads=cfg.get("writer_threads", 2))
+        hidden, dtype = int(cfg["hidden_size"]), getattr(torch, cfg.get("dtype", "bfloat16"))
+        sink = None if writer is None else (lambda sid, ids, mask, st: writer.add(sid, ids, mask, st))
+        e3["writer"], e3["shards"] = writer, []
+        e3["capturer"] = Capturer(len(e3["ids"]), hidden, dtype, sink, mode=mode, slots=cfg.get("slots", 4))
+        e3["t0"] = time.perf_counter()
+        return {"rank": e3["par"]["tp_rank"], "mode": mode}
+
+    def eagle3_expect(self, samples: list) -> dict:
+        """Announce the next batch: [(sample_id, input_ids, loss_mask)]."""
+        cap = self._e3["capturer"]
+        if self._e3["owner"] and cap.mode == "store":
+            cap.assembler.announce([Announced(sid, torch.tensor(ids, dtype=torch.int32),
+                                              torch.tensor(mask, dtype=torch.uint8)) for sid, ids, mask in samples])
+        return {"rank": self._e3["par"]["tp_rank"], "announced": len(samples)}
+
+    def eagle3_collect(self) -> dict:
+        """After generate(): wait for this batch's copies, report shards finished so far and any errors."""
+        e3, cap = self._e3, self._e3["capturer"]
+        cap.drain()
+        errors = list(cap.assembler.errors)
+        cap.assembler.errors.clear()
+        outstanding = cap.assembler.outstanding() if cap.mode == "store" else []
+        if outstanding:
+            errors.append(f"{len(outstanding)} announced samples were not captured (e.g. {outstanding[:3]})")
+            cap.assembler.expected.clear()
+        shards = []
+        if e3["writer"] is not None:
+            try:
+                shards = [vars(i) for i in e3["writer"].take_done()]
+            except Exception as ex:  # noqa: BLE001 - a failed shard write is reported, not raised here
+                errors.append(f"shard writer: {type(ex).__name__}: {ex}")
+        return {"rank": e3["par"]["tp_rank"], "owner": e3["owner"], "steps": cap.stats.steps,
+                "tokens": cap.stats.tokens, "bytes_to_host": cap.stats.bytes_to_host,
+                "completed": cap.assembler.completed, "shards": shards, "errors": errors}
+
+    def eagle3_close(self) -> dict:
+        """Flush the writer and stop the session; returns the last shards."""
+        e3 = self._e3
+        reply = self.eagle3_collect()
+        if e3["writer"] is not None:
+            try:
+                reply["shards"] += [vars(i) for i in e3["writer"].flush()]
+            except Exception as ex:  # noqa: BLE001
+                reply["errors"].append(f"shard writer: {type(ex).__name__}: {ex}")
+            e3["writer"].close()
+        e3["capturer"].close()
+        e3["capturer"], e3["writer"] = None, None
+        return reply
+
+    def eagle3_debug_layers(self, n_tokens: int) -> list:
+        """The last step's first n_tokens rows of each captured layer, as tensors.
+
+        What the original generator's ``_get_captured_states`` returned through collective_rpc; kept
+        only so the GPU suite can show what such a reply looks like. Never used for data."""
+        last = self._e3["last"] or []
+        return [t[:n_tokens].detach().cpu() for t in last]

@@ -1,0 +1,234 @@
+"""A stand-in for the parts of vLLM that eagle3's vLLM backend touches, for CPU tests.
+
+It has exactly the surface vllm_compat relies on (tests/unit/test_vllm_contract.py checks the real
+vLLM has the same): LLM(**engine args) with collective_rpc / generate, workers mixing in the
+worker extension, a V1-style model runner (input_batch.req_ids / num_reqs / num_computed_tokens_cpu,
+query_start_loc.np, requests[id].prompt_token_ids, drafter.propose), decoder layers returning
+(hidden, residual), and parallel_state. Steps are scheduled with chunked prefill under a token budget;
+the "forward" replays the states of a reference model, split as hidden + residual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+import types
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+_CURRENT = {"tp_rank": 0, "tp_size": 1}
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    model: str = ""
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    enable_prefix_caching: bool | None = None
+    async_scheduling: bool | None = None
+    worker_extension_cls: str = ""
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    disable_log_stats: bool = False
+    kernel_config: dict | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enforce_eager: bool = False
+    speculative_config: dict | None = None
+
+
+class SpeculativeConfig:
+    def uses_extract_hidden_states(self):  # presence is what the adapter checks
+        return True
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    detokenize: bool = True
+
+
+class _Layer(torch.nn.Module):
+    def forward(self, positions, hidden, residual):
+        return self.next_out  # (hidden, residual) set by the engine for this step
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, n_layers, hidden):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([_Layer() for _ in range(n_layers)])
+        self.config = types.SimpleNamespace(hidden_size=hidden)
+
+
+class _Buffer:
+    def __init__(self, n):
+        self.np = np.zeros(n, dtype=np.int32)
+
+
+class _InputBatch:
+    def __init__(self):
+        self._req_ids: list[str] = []
+        self.num_computed_tokens_cpu = np.zeros(1024, dtype=np.int32)
+
+    @property
+    def req_ids(self):
+        return self._req_ids
+
+    @property
+    def num_reqs(self):
+        return len(self._req_ids)
+
+
+class _Drafter:
+    def propose(self, num_speculative_tokens, sampled_token_ids, target_hidden_states, common_attn_metadata,
+                slot_mappings=None):
+        raise AssertionError("the extension must replace propose")
+
+
+class _Runner:
+    def __init__(self, model):
+        self.model = model
+        self.input_batch = _InputBatch()
+        self.query_start_loc = _Buffer(1025)
+        self.requests: dict[str, types.SimpleNamespace] = {}
+        self.drafter = _Drafter()
+
+    def get_model(self):
+        return self.model
+
+
+class FakeLLM:
+    """``reference(prompt) -> [L + 1, T, H]`` gives every layer id's states for a prompt."""
+
+    reference = None
+    token_budget = 96          # tokens per step (chunked prefill)
+    prefix_caching = False     # when True, repeated prompt prefixes are not recomputed (the trap)
+    encode_replies = False     # return tensors in replies engine-encoded, as vLLM 0.26 does
+    last = None
+
+    def __init__(self, **kw):
+        from eagle3.vllm_worker import CaptureExtension
+
+        assert kw["worker_extension_cls"] == "eagle3.vllm_worker.CaptureExtension"
+        self.kw = kw
+        self.tp = kw.get("tensor_parallel_size", 1)
+        self.aux = kw.get("speculative_config") is not None
+        n_layers = FakeLLM.n_layers
+        worker_cls = type("Worker", (CaptureExtension,), {})
+        self.workers = []
+        for rank in range(self.tp):
+            w = worker_cls()
+            w.rank = rank
+            w.model_runner = _Runner(_Model(n_layers, FakeLLM.hidden))
+            self.workers.append(w)
+        self.counter = 0
+        self.seen_prefixes: set[tuple[int, ...]] = set()
+        self.rng = random.Random(0)
+        FakeLLM.last = self
+
+    @contextmanager
+    def _as(self, rank):
+        _CURRENT.update(tp_rank=rank, tp_size=self.tp)
+        try:
+            yield
+        finally:
+            _CURRENT.update(tp_rank=0, tp_size=1)
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        out = []
+        for rank, w in enumerate(self.workers):
+            with self._as(rank):
+                r = getattr(w, method)(*args, **(kwargs or {}))
+            if self.encode_replies and isinstance(r, list):
+                r = [[str(t.dtype).removeprefix("torch."), list(t.shape), 1] if isinstance(t, torch.Tensor) else t
+                     for t in r]
+            out.append(r)
+        return out
+
+    def generate(self, prompts, params, use_tqdm=False):
+        assert params.max_tokens == 1
+        reqs = []
+        for p in prompts:
+            ids = list(p["prompt_token_ids"])
+            rid = str(self.counter)
+            self.counter += 1
+            skip = 0
+            if self.prefix_caching:  # a block-aligned shared prefix of 16 tokens is served from cache
+                key = tuple(ids[:16])
+                if len(ids) > 16 and key in self.seen_prefixes:
+                    skip = 16
+                self.seen_prefixes.add(key)
+            reqs.append([rid, ids, skip, FakeLLM.reference(ids)])
+        waiting = list(reqs)
+        while waiting:
+            budget, step = self.token_budget, []
+            for r in waiting:
+                if budget == 0:
+                    break
+                n = min(budget, len(r[1]) - r[2], self.rng.randint(1, self.token_budget))
+                step.append((r, n))
+                budget -= n
+            self._run_step(step)
+            for r, n in step:
+                r[2] += n
+            waiting = [r for r in waiting if r[2] < len(r[1])]
+
+    def _run_step(self, step):
+        starts = [0]
+        for _, n in step:
+            starts.append(starts[-1] + n)
+        # rows of every layer id 0..L for this step: [L + 1, n_tok, H]
+        rows = torch.cat([r[3][:, r[2] : r[2] + n] for r, n in step], dim=1)
+        for rank, w in enumerate(self.workers):
+            runner = w.model_runner
+            runner.input_batch._req_ids = [r[0] for r, _ in step]
+            runner.input_batch.num_computed_tokens_cpu[: len(step)] = [r[2] for r, _ in step]
+            runner.query_start_loc.np[: len(starts)] = starts
+            for r, _ in step:
+                runner.requests.setdefault(r[0], types.SimpleNamespace(prompt_token_ids=r[1]))
+            with self._as(rank):
+                if self.aux:
+                    ids = w._e3["ids"]
+                    runner.drafter.propose(num_speculative_tokens=1, sampled_token_ids=torch.zeros(len(step), 1),
+                                           target_hidden_states=[rows[i].clone() for i in ids],
+                                           common_attn_metadata=None)
+                else:
+                    pad = torch.zeros(2, rows.shape[2])  # vLLM pads steps; captures must use the first n rows
+                    for i, layer in enumerate(runner.model.model.layers):
+                        state = torch.cat([rows[i + 1], pad])
+                        residual = state * 0.5  # hidden + residual == state exactly in floating point
+                        layer.next_out = (state - residual, residual)
+                        layer(None, None, None)
+
+
+def install(monkeypatch, n_layers: int, hidden: int, reference) -> type[FakeLLM]:
+    """Put fake `vllm` modules in sys.modules for the duration of a test."""
+    FakeLLM.n_layers, FakeLLM.hidden, FakeLLM.reference = n_layers, hidden, staticmethod(reference)
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams, vllm.__version__ = FakeLLM, SamplingParams, "0.26.0"
+    engine = types.ModuleType("vllm.engine")
+    arg_utils = types.ModuleType("vllm.engine.arg_utils")
+    arg_utils.EngineArgs = EngineArgs
+    config = types.ModuleType("vllm.config")
+    speculative = types.ModuleType("vllm.config.speculative")
+    speculative.SpeculativeConfig = SpeculativeConfig
+    distributed = types.ModuleType("vllm.distributed")
+    ps = types.ModuleType("vllm.distributed.parallel_state")
+    ps.get_tensor_model_parallel_rank = lambda: _CURRENT["tp_rank"]
+    ps.get_tensor_model_parallel_world_size = lambda: _CURRENT["tp_size"]
+    ps.get_pp_group = lambda: types.SimpleNamespace(is_last_rank=True, world_size=1)
+    distributed.parallel_state = ps
+    mods = {"vllm": vllm, "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils, "vllm.config": config,
+            "vllm.config.speculative": speculative, "vllm.distributed": distributed,
+            "vllm.distributed.parallel_state": ps}
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr("eagle3.vllm_compat.installed_version", lambda: "0.26.0")
+    return FakeLLM

@@ -1,0 +1,154 @@
+"""The vLLM backend's driver + worker extension + capture pipeline on CPU, against a fake vLLM
+(tests/unit/fake_vllm.py) that replays reference states with chunked prefill and a simulated TP world.
+The same code runs against real vLLM in tests/gpu/."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eagle3 import extract
+from eagle3.data import random_samples
+from eagle3.hf_backend import HFBackend
+from eagle3.rpc import Expect, LayerStack, ReplyError, normalize_reply
+from eagle3.store import Store, StoreError
+
+from . import fake_vllm
+
+IDS = (2, 4, 5, 8)
+
+
+@pytest.fixture(scope="module")
+def reference_states(tiny_kimi):
+    """prompt -> states of every id 0..8, [9, T, H] float32, from the hf reference."""
+    backend = HFBackend(tiny_kimi, tuple(range(9)), compute_dtype="float32", out_dtype="float32")
+    cache = {}
+
+    def ref(ids):
+        key = tuple(ids)
+        if key not in cache:
+            cache[key] = backend.forward_states(torch.tensor([ids]))[0]
+        return cache[key]
+
+    return ref
+
+
+@pytest.fixture
+def fake(monkeypatch, reference_states):
+    llm = fake_vllm.install(monkeypatch, n_layers=8, hidden=128, reference=reference_states)
+    monkeypatch.setattr(llm, "token_budget", 96)
+    monkeypatch.setattr(llm, "prefix_caching", False)
+    return llm
+
+
+def _samples():
+    return random_samples(14, [40, 7, 130, 64, 3, 200, 17, 90, 12, 150, 33, 64, 5, 81], vocab_size=1024, seed=3)
+
+
+def _cfg(tiny_kimi, out, **kw):
+    return extract.ExtractConfig(model=str(tiny_kimi), out=str(out), batch_size=5, shard_samples=4, **kw)
+
+
+def _read(path):
+    return {s["sample_id"]: s for s in Store.open(path).iter_samples()}
+
+
+@pytest.fixture(scope="module")
+def hf_store(tiny_kimi, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hfstore") / "s"
+    extract.run(_cfg(tiny_kimi, out, compute_dtype="float32", writer_threads=0), samples=_samples(), progress=False)
+    return _read(out)
+
+
+@pytest.mark.parametrize("capture,tp", [("hooks", 1), ("aux", 1), ("hooks", 4), ("aux", 2)])
+def test_vllm_backend_store_equals_the_hf_reference(fake, tiny_kimi, tmp_path, hf_store, capture, tp):
+    out = tmp_path / "s"
+    summary = extract.run(_cfg(tiny_kimi, out, backend="vllm", capture=capture, tp=tp), samples=_samples(),
+                          progress=False)
+    assert summary.samples_written == 14
+    got = _read(out)
+    assert got.keys() == hf_store.keys()
+    for sid, ref in hf_store.items():
+        assert torch.equal(got[sid]["input_ids"], ref["input_ids"])
+        assert torch.equal(got[sid]["loss_mask"], ref["loss_mask"])
+        for i in IDS:
+            assert torch.equal(got[sid]["states"][i], ref["states"][i]), (sid, i)
+    llm = fake.last
+    assert llm.kw["enable_prefix_caching"] is False and llm.kw["async_scheduling"] is False
+    assert llm.kw.get("enforce_eager", False) == (capture == "hooks")
+    if capture == "aux":
+        assert llm.kw["speculative_config"]["draft_model_config"]["hf_config"][
+            "eagle_aux_hidden_state_layer_ids"] == list(IDS)
+    # only the owner (TP rank 0) held a writer; every rank counted the same tokens
+    assert [w._e3["owner"] for w in llm.workers] == [True] + [False] * (tp - 1)
+
+
+def test_prefix_caching_loses_states_and_is_caught(fake, tiny_kimi, tmp_path):
+    fake.prefix_caching = True
+    shared = random_samples(1, 40, 1024, seed=9)[0].input_ids[:16]
+    samples = [s.__class__(s.sample_id, shared + s.input_ids[16:], s.loss_mask) for s in
+               random_samples(3, 40, 1024, seed=4)]
+    with pytest.raises(StoreError, match="prefix caching"):
+        extract.run(_cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="hooks"), samples=samples, progress=False)
+
+
+def test_ranks_that_disagree_are_reported(fake, tiny_kimi, tmp_path, monkeypatch):
+    from eagle3 import vllm_worker
+
+    real = vllm_worker.CaptureExtension.eagle3_collect
+
+    def skewed(self):
+        r = real(self)
+        if r["rank"] == 1:
+            r["tokens"] -= 1
+        return r
+
+    monkeypatch.setattr(vllm_worker.CaptureExtension, "eagle3_collect", skewed)
+    with pytest.raises(ReplyError, match="disagree on 'tokens'"):
+        extract.run(_cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="hooks", tp=2), samples=_samples()[:3],
+                    progress=False)
+
+
+def test_resume_after_a_crash_with_the_vllm_backend(fake, tiny_kimi, tmp_path, hf_store):
+    out = tmp_path / "s"
+    with pytest.raises(RuntimeError, match="boom"):
+        extract.run(_cfg(tiny_kimi, out, backend="vllm", capture="aux",
+                         fault=lambda p: (_ for _ in ()).throw(RuntimeError("boom")) if p == "after_commit" else None),
+                    samples=_samples(), progress=False)
+    done = len(Store.open(out).done_ids)
+    summary = extract.run(_cfg(tiny_kimi, out, backend="vllm", capture="aux"), samples=_samples(), progress=False)
+    assert summary.samples_done_before == done and summary.samples_total == 14
+    got = _read(out)
+    assert got.keys() == hf_store.keys()
+
+
+def test_tensors_in_rpc_replies_are_refused_as_vllm_026_sends_them(fake, tiny_kimi, tmp_path):
+    """The old generator read layer tensors out of collective_rpc; vLLM 0.26 encodes them."""
+    backend = extract.make_backend(_cfg(tiny_kimi, tmp_path, backend="vllm", capture="hooks"),
+                                   extract.store_spec(tiny_kimi, IDS, "bfloat16"))
+    session = backend.open_session(Store.open(tmp_path / "s", extract.store_spec(tiny_kimi, IDS, "bfloat16"),
+                                              create=True), _cfg(tiny_kimi, tmp_path), mode="count")
+    session.submit(_samples()[:2])
+    fake.last.encode_replies = True
+    reply = backend.llm.collective_rpc("eagle3_debug_layers", args=(4,))
+    spec = LayerStack(4, (4, 128), torch.float32)
+    with pytest.raises(ReplyError, match="engine-encoded"):
+        normalize_reply(reply, Expect(1, spec, reply_rank=0))
+    with pytest.raises(ReplyError, match="engine-encoded"):  # reply[0] as if unwrapping unique_reply_rank
+        normalize_reply(reply[0], Expect(1, spec, reply_rank=0, unique_reply_rank=True))
+    fake.last.encode_replies = False
+    plain = backend.llm.collective_rpc("eagle3_debug_layers", args=(4,))
+    assert len(normalize_reply(plain, Expect(1, spec, reply_rank=0))) == 4
+    with pytest.raises(ReplyError, match="expected list of 4 layer tensors"):
+        normalize_reply(plain[0][0], Expect(1, spec, reply_rank=0, unique_reply_rank=True))
+
+
+@pytest.mark.parametrize("level,shown", [("INFO", True), (None, False)])
+def test_worker_logs_reach_the_user_at_the_chosen_level(level, shown):
+    code = ("from eagle3.vllm_worker import configure_worker_logging, log;"
+            f"configure_worker_logging({level!r}); log.info('capture installed: hello')")
+    env = {"PATH": "/usr/bin:/bin", "EAGLE3_LOG_LEVEL": ""}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert ("capture installed: hello" in out.stderr) == shown
