@@ -2,7 +2,7 @@
 
 - Tests marked ``gpu`` are skipped (with the reason) on ordinary runs. Selecting them with ``-m gpu`` on
   a machine without CUDA is a usage error, not a green run of skips.
-- Tests marked ``benchmark`` run only when the ``-m`` expression names ``benchmark``.
+- Tests marked ``benchmark`` or ``e2e`` (long GPU runs) run only when the ``-m`` expression names them.
 - Hypothesis: profile ``ci`` (derandomized, used when CI=true) and ``dev`` (fewer examples).
 """
 
@@ -43,12 +43,12 @@ def _selects_positively(markexpr: str, name: str) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     markexpr = config.getoption("-m") or ""
-    if not _mentions(markexpr, "benchmark"):
-        keep = [i for i in items if "benchmark" not in i.keywords]
-        dropped = [i for i in items if "benchmark" in i.keywords]
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = keep
+    for opt_in in ("benchmark", "e2e"):
+        if not _mentions(markexpr, opt_in):
+            dropped = [i for i in items if opt_in in i.keywords]
+            if dropped:
+                config.hook.pytest_deselected(items=dropped)
+                items[:] = [i for i in items if opt_in not in i.keywords]
 
     gpu_items = [i for i in items if "gpu" in i.keywords]
     if not gpu_items:

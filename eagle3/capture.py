@@ -1,13 +1,19 @@
-"""Per-step capture inside a vLLM worker, independent of vLLM: copy out, reassemble, hand to the writer.
+"""Per-step capture inside a vLLM worker, independent of vLLM: from the GPU straight into shard buffers.
 
 A forward step covers several requests, each a contiguous row range of the step's tokens, possibly a
 chunk of a longer prompt (chunked prefill). For each step the worker passes the captured layers
-([n_layers] x [>= n_tok, H] on the GPU) and the step's layout. The device side stacks them into one
-tensor (a device-to-device copy on the compute stream, so the next step may overwrite vLLM's buffers)
-and starts a device-to-host copy into a pinned buffer on a side stream. A consumer thread waits for
-that copy, scatters rows into per-request buffers, and when a request's prompt is complete matches it to
-an announced sample (by its token ids) and gives it to the sink (a ShardWriter, or nothing for
-benchmarks). A request whose first rows never arrive (prefix caching skipped them) is reported.
+([n_layers] x [>= n_tok, H] on the GPU) and the step's layout. Per step:
+
+  1. stack the layers into [n_tok, n_layers, H] on the compute stream (a device copy, so vLLM may
+     overwrite its buffers - CUDA-graph outputs - in the next step);
+  2. on a side stream, copy each request's rows straight into its reserved rows of a pinned shard
+     buffer (a request is matched to its announced sample, by token ids, the first time it is seen);
+  3. a consumer thread waits for the copies; a shard whose rows have all arrived and that is full (or
+     flushed) goes to the ShardWriter, which writes it from the pinned buffer and hands it back.
+
+No host memcpy, no per-request allocation. Modes: "store" (the above), "host" (copy to a pinned buffer
+and drop: the null sink of the benchmarks), "count" (nothing copied). A request whose first rows never
+arrive (prefix caching skipped them) or that matches no announced sample is reported as an error.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import queue
 import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -36,7 +42,7 @@ class StepLayout:
     starts: list[int]       # [n_req + 1] row offsets (query_start_loc)
     computed: list[int]     # [n_req] tokens of each request computed before this step
     prompt_lens: list[int]  # [n_req]
-    prompts: list[Sequence[int] | None]  # prompt token ids, for requests seen for the first time
+    prompts: list[Sequence[int] | None]  # prompt token ids
 
     @property
     def num_tokens(self) -> int:
@@ -46,67 +52,123 @@ class StepLayout:
 @dataclass
 class Announced:
     sample_id: str
-    input_ids: torch.Tensor   # [T] int
-    loss_mask: torch.Tensor   # [T]
+    input_ids: torch.Tensor   # [T] int32
+    loss_mask: torch.Tensor   # [T] uint8
 
 
-class Assembler:
-    """Host side: step rows -> complete requests -> announced samples -> sink(sample_id, ids, mask, states)."""
+@dataclass
+class ShardBuffer:
+    """Pinned rows for one shard: tokens, loss mask, states [cap, n_layers, H]."""
 
-    def __init__(self, n_layers: int, hidden: int, dtype: torch.dtype, sink: Callable | None):
-        self.n_layers, self.hidden, self.dtype, self.sink = n_layers, hidden, dtype, sink
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    states: torch.Tensor
+    used: int = 0
+    samples: list[tuple[str, int]] = field(default_factory=list)  # (sample_id, length) in row order
+    missing: int = 0          # rows reserved but not yet arrived on the host
+    sealed: bool = False      # no more requests will be placed here
+    queued: bool = False      # handed to the writer
+
+    @property
+    def capacity(self) -> int:
+        return self.states.shape[0]
+
+
+class ShardFiller:
+    """Reserves rows for requests in pinned shard buffers and hands complete shards to a ShardWriter."""
+
+    def __init__(self, writer, n_layers: int, hidden: int, dtype: torch.dtype, capacity: int, pin: bool,
+                 free: list[ShardBuffer] | None = None):
+        self.writer, self.n_layers, self.hidden, self.dtype = writer, n_layers, hidden, dtype
+        self.capacity, self.pin = capacity, pin
+        self.free: list[ShardBuffer] = free if free is not None else []  # pinned buffers, reused
+        self.open: ShardBuffer | None = None
+        self.where: dict[str, tuple[ShardBuffer, int, int]] = {}  # req -> (buffer, first row, length)
+        self.done: set[str] = set()  # requests whose prompt rows are all placed (cleared per batch)
         self.expected: dict[tuple[int, ...], deque[Announced]] = defaultdict(deque)
-        self.partial: dict[str, tuple[torch.Tensor, list[int], tuple[int, ...]]] = {}  # req -> (buf, filled, key)
+        self.lock = threading.Lock()
         self.errors: list[str] = []
         self.completed = 0
-        self.tokens = 0
 
     def announce(self, samples: Sequence[Announced]) -> None:
         for s in samples:
-            self.expected[tuple(int(t) for t in s.input_ids.tolist())].append(s)
+            self.expected[tuple(s.input_ids.tolist())].append(s)
 
     def outstanding(self) -> list[str]:
         return [s.sample_id for q in self.expected.values() for s in q]
 
-    def add_step(self, layout: StepLayout, rows: torch.Tensor) -> None:
-        """rows: [n_layers, >= n_tok, H] on the host for this step."""
-        for i, req in enumerate(layout.req_ids):
-            a, b, c = layout.starts[i], layout.starts[i + 1], layout.computed[i]
-            if b == a:
-                continue
-            if req not in self.partial:
-                prompt = layout.prompts[i]
-                if prompt is None:
-                    self.errors.append(f"request {req}: no prompt token ids")
-                    continue
-                key = tuple(int(t) for t in prompt)
-                buf = torch.empty(self.n_layers, len(key), self.hidden, dtype=self.dtype)
-                self.partial[req] = (buf, [0], key)
-                if c != 0:
-                    self.errors.append(
-                        f"request {req}: first captured rows start at token {c}, not 0 - the engine skipped "
-                        "computing a prefix (prefix caching must be off for extraction)")
-            buf, filled, key = self.partial[req]
-            end = min(c + (b - a), len(key))  # decode steps beyond the prompt are not captured
-            if end > c:
-                buf[:, c:end] = rows[:, a : a + (end - c)]
-                filled[0] += end - c
-                self.tokens += end - c
-            if filled[0] >= len(key):
-                del self.partial[req]
-                self._complete(req, key, buf)
+    def _buffer(self, rows: int) -> ShardBuffer:
+        with self.lock:
+            for i, b in enumerate(self.free):
+                if b.capacity >= rows:
+                    b = self.free.pop(i)
+                    b.used, b.samples, b.missing, b.sealed, b.queued = 0, [], 0, False, False
+                    return b
+        cap = max(rows, self.capacity)
+        return ShardBuffer(torch.empty(cap, dtype=torch.int32), torch.empty(cap, dtype=torch.uint8),
+                           torch.empty(cap, self.n_layers, self.hidden, dtype=self.dtype, pin_memory=self.pin))
 
-    def _complete(self, req: str, key: tuple[int, ...], states: torch.Tensor) -> None:
-        queue_ = self.expected.get(key)
-        if not queue_:
+    def reserve(self, req: str, prompt: Sequence[int], computed: int) -> tuple[ShardBuffer, int, int] | None:
+        """First sight of a request: its sample and rows. None (and an error) if it cannot be placed."""
+        if computed != 0:
+            self.errors.append(f"request {req}: first captured rows start at token {computed}, not 0 - the engine "
+                               "skipped computing a prefix (prefix caching must be off for extraction)")
+            return None
+        key = tuple(int(t) for t in prompt)
+        q = self.expected.get(key)
+        if not q:
             self.errors.append(f"request {req}: its prompt ({len(key)} tokens) matches no announced sample")
-            return
-        s = queue_.popleft()
-        if not queue_:
+            return None
+        sample = q.popleft()
+        if not q:
             del self.expected[key]
-        self.completed += 1
-        if self.sink is not None:
-            self.sink(s.sample_id, s.input_ids, s.loss_mask, states)
+        t = len(key)
+        if self.open is None or self.open.used + t > self.open.capacity:
+            self.seal()
+            self.open = self._buffer(t)
+        b = self.open
+        row = b.used
+        b.input_ids[row : row + t] = sample.input_ids
+        b.loss_mask[row : row + t] = sample.loss_mask
+        b.samples.append((sample.sample_id, t))
+        with self.lock:
+            b.used += t
+            b.missing += t
+        self.where[req] = (b, row, t)
+        return self.where[req]
+
+    def seal(self) -> None:
+        if self.open is not None:
+            b, self.open = self.open, None
+            with self.lock:
+                b.sealed = True
+            self._maybe_write(b)
+
+    def arrived(self, b: ShardBuffer, rows: int) -> None:
+        with self.lock:
+            b.missing -= rows
+        self._maybe_write(b)
+
+    def _maybe_write(self, b: ShardBuffer) -> None:
+        with self.lock:
+            ready = b.sealed and b.missing == 0 and b.used > 0 and not b.queued
+            if ready:
+                b.queued = True
+        if not ready:
+            return
+        self.completed += len(b.samples)
+
+        def build(b=b):
+            offsets = torch.zeros(len(b.samples) + 1, dtype=torch.int64)
+            offsets[1:] = torch.tensor([n for _, n in b.samples], dtype=torch.int64).cumsum(0)
+            return ({"input_ids": b.input_ids[: b.used], "loss_mask": b.loss_mask[: b.used], "offsets": offsets,
+                     "hidden_states": b.states[: b.used]}, [sid for sid, _ in b.samples])
+
+        def release(b=b):
+            with self.lock:
+                self.free.append(b)
+
+        self.writer.submit(build, release)
 
 
 class PinnedPool:
@@ -126,13 +188,13 @@ class PinnedPool:
             for i, t in enumerate(self.free):
                 if t.dtype == dtype and t.numel() >= n:
                     return self.free.pop(i)[:n].view(shape)
-        size = max(n, 1 << 20)
+        size = 1 << max(20, (n - 1).bit_length())  # powers of two: few distinct sizes to reuse
         return torch.empty(size, dtype=dtype, pin_memory=self.pin)[:n].view(shape)
 
     def put(self, t: torch.Tensor) -> None:
         base = t._base if t._base is not None else t
         with self.lock:
-            self.free.append(base.view(-1) if base.dim() != 1 else base)
+            self.free.append(base)
         self.sem.release()
 
 
@@ -146,20 +208,35 @@ class CaptureStats:
 class Capturer:
     """Device side + consumer thread. ``on_step`` is called from the forward (hooks) or the drafter."""
 
-    MODES = ("store", "host", "count")  # assemble + sink | copy to host and drop | count tokens only
+    MODES = ("store", "host", "count")
 
-    def __init__(self, n_layers: int, hidden: int, dtype: torch.dtype, sink: Callable | None,
-                 mode: str = "store", slots: int = 4):
-        if mode not in self.MODES:
-            raise ValueError(f"capture mode {mode!r} not in {self.MODES}")
-        self.assembler = Assembler(n_layers, hidden, dtype, sink)
-        self.mode, self.stats = mode, CaptureStats()
+    def __init__(self, n_layers: int, hidden: int, dtype: torch.dtype, slots: int = 4):
+        self.n_layers, self.hidden, self.dtype = n_layers, hidden, dtype
         self.cuda = torch.cuda.is_available()
+        self.stats = CaptureStats()
+        self.mode, self.filler = "count", None
+        self.shard_buffers: list[ShardBuffer] = []  # kept across sessions: pinning memory is slow
         self.pool = PinnedPool(slots, pin=self.cuda)
         self.stream = torch.cuda.Stream() if self.cuda else None
         self.queue: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._consume, name="eagle3-assemble", daemon=True)
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._consume, name="eagle3-capture", daemon=True)
         self.thread.start()
+
+    def start(self, mode: str, writer=None, shard_tokens: int = 8192) -> None:
+        """Begin a session in ``mode``; ``stop`` (or another start) ends it."""
+        if mode not in self.MODES:
+            raise ValueError(f"capture mode {mode!r} not in {self.MODES}")
+        if mode == "store" and writer is None:
+            raise ValueError("store mode needs a writer")
+        self.drain()
+        self.mode, self.stats, self.errors = mode, CaptureStats(), []
+        self.filler = ShardFiller(writer, self.n_layers, self.hidden, self.dtype, shard_tokens, self.cuda,
+                                  free=self.shard_buffers) if mode == "store" else None
+
+    def stop(self) -> None:
+        self.drain()
+        self.mode, self.filler = "count", None
 
     def on_step(self, layers: Sequence[torch.Tensor], layout: StepLayout) -> None:
         n = layout.num_tokens
@@ -171,20 +248,48 @@ class Capturer:
             if t.shape[0] < n:
                 raise CaptureError(f"captured {t.shape[0]} rows but the step has {n} tokens (sequence-parallel "
                                    "shards? use --capture aux)")
-        staged = torch.stack([t[:n] for t in layers])  # [n_layers, n, H] device copy, compute stream
-        host = self.pool.get(tuple(staged.shape), staged.dtype)
+        staged = torch.stack([t[:n] for t in layers], dim=1)  # [n, n_layers, H], compute stream
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []   # (host destination, device source)
+        arrivals: list[tuple[ShardBuffer, int]] = []
+        host = None
+        if self.mode == "host":
+            host = self.pool.get(tuple(staged.shape), staged.dtype)
+            copies.append((host, staged))
+        else:
+            f = self.filler
+            for i, req in enumerate(layout.req_ids):
+                a, b, c = layout.starts[i], layout.starts[i + 1], layout.computed[i]
+                if b == a:
+                    continue
+                if req in f.done:
+                    continue  # a decode step after the prompt: nothing to capture
+                place = f.where.get(req) or f.reserve(req, layout.prompts[i] or (), c)
+                if place is None:
+                    f.done.add(req)
+                    continue
+                buf, row, length = place
+                rows = min(b - a, length - c)  # tokens beyond the prompt (decode) are not captured
+                if rows <= 0:
+                    continue
+                copies.append((buf.states[row + c : row + c + rows], staged[a : a + rows]))
+                arrivals.append((buf, rows))
+                if c + rows >= length:
+                    del f.where[req]
+                    f.done.add(req)
         event = None
         if staged.is_cuda:
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
-                host.copy_(staged, non_blocking=True)
+                for dst, src in copies:
+                    dst.copy_(src, non_blocking=True)
                 staged.record_stream(self.stream)
                 event = torch.cuda.Event()
                 event.record(self.stream)
         else:
-            host.copy_(staged)
-        self.stats.bytes_to_host += host.numel() * host.element_size()
-        self.queue.put((layout, host, event))
+            for dst, src in copies:
+                dst.copy_(src)
+        self.stats.bytes_to_host += staged.numel() * staged.element_size()
+        self.queue.put((event, arrivals, host))
 
     def _consume(self) -> None:
         while True:
@@ -192,22 +297,28 @@ class Capturer:
             try:
                 if item is None:
                     return
-                layout, host, event = item
+                event, arrivals, host = item
                 if event is not None:
                     event.synchronize()
-                try:
-                    if self.mode == "store":
-                        self.assembler.add_step(layout, host)
-                except Exception as e:  # noqa: BLE001 - reported through errors
-                    self.assembler.errors.append(f"{type(e).__name__}: {e}")
-                finally:
+                if host is not None:
                     self.pool.put(host)
+                for buf, rows in arrivals:
+                    self.filler.arrived(buf, rows)
+            except Exception as e:  # noqa: BLE001 - reported through errors
+                self.errors.append(f"{type(e).__name__}: {e}")
             finally:
                 self.queue.task_done()
 
     def drain(self) -> None:
-        """Wait until every step handed over so far has been assembled."""
+        """Wait until every step handed over so far is on the host (and complete shards are queued)."""
         self.queue.join()
+
+    def take_errors(self) -> list[str]:
+        errors = self.errors + (self.filler.errors if self.filler else [])
+        self.errors = []
+        if self.filler:
+            self.filler.errors = []
+        return errors
 
     def close(self) -> None:
         self.queue.put(None)

@@ -58,6 +58,7 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="hf backend device")
     p.add_argument("--tp", type=int, default=1, help="vllm backend tensor parallel size")
     p.add_argument("--capture", choices=["auto", "hooks", "aux"], default="auto", help="vllm capture strategy")
+    p.add_argument("--gpu-mem", type=float, default=0.85, help="vllm gpu_memory_utilization")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (faster; a crash may lose recent shards)")
 
 
@@ -70,7 +71,7 @@ def _extract_config(a):
         data=DataConfig(a.data, max_len=a.max_len, long_rule=a.long_rule, on_error=a.on_error,
                         max_samples=a.max_samples),
         shard_samples=a.shard_samples, shard_tokens=a.shard_tokens, device=a.device, tp=a.tp,
-        capture=a.capture, fsync=not a.no_fsync,
+        capture=a.capture, fsync=not a.no_fsync, vllm_kwargs={"gpu_memory_utilization": a.gpu_mem},
     )
 
 

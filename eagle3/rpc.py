@@ -124,6 +124,8 @@ def _decode_tensor(x: Sequence[Any], where: str) -> torch.Tensor:
     """Rebuild a tensor from vLLM's msgpack encoding when its bytes are inline; refuse otherwise."""
     dtype_name, shape, data = x
     dtype = _TORCH_DTYPES[dtype_name]
+    if hasattr(data, "code") and isinstance(getattr(data, "data", None), (bytes, bytearray, memoryview)):
+        data = data.data  # a msgpack extension (inline raw view) decoded without vLLM's ext_hook
     if isinstance(data, (bytes, bytearray, memoryview)):
         itemsize = torch.empty((), dtype=dtype).element_size()
         want = math.prod(shape) * itemsize

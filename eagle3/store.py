@@ -7,7 +7,8 @@
         input_ids  int32 [N]        N = tokens in the shard
         loss_mask  uint8 [N]
         offsets    int64 [S + 1]    sample s = rows offsets[s]:offsets[s+1]
-        layer.{id} dtype [N, H]     one per layer id, in the manifest's order
+        hidden_states dtype [N, n_layers, H]   layers in the manifest's layer_ids order (as vLLM's
+                                    extract_hidden_states lays them out: a token's layers are adjacent)
         header metadata: sample_ids (JSON), layer_ids, convention, dtype, hidden_size, target_config_hash
 
 Writes go to a temp name, are fsynced, then renamed; the manifest is rewritten the same way after the
@@ -182,25 +183,34 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     return [memoryview(len(raw).to_bytes(8, "little")), memoryview(raw), *views]
 
 
+def shard_meta(spec: StoreSpec, sample_ids: Sequence[str]) -> dict[str, str]:
+    return {
+        "schema": str(SCHEMA_VERSION), "sample_ids": json.dumps(list(sample_ids)),
+        "layer_ids": json.dumps(list(spec.layer_ids)), "convention": spec.convention, "dtype": spec.dtype,
+        "hidden_size": str(spec.hidden_size), "target_config_hash": str(spec.target.get("config_hash")),
+    }
+
+
 def shard_tensors(samples: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
-                  spec: StoreSpec) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+                  spec: StoreSpec) -> dict[str, torch.Tensor]:
     """samples of (sample_id, input_ids [T], loss_mask [T], states [n_layers, T, H]) -> shard tensors."""
     lengths = [int(ids.shape[0]) for _, ids, _, _ in samples]
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    tensors = {
+    return {
         "input_ids": torch.cat([ids.to(torch.int32) for _, ids, _, _ in samples]),
         "loss_mask": torch.cat([m.to(torch.uint8) for _, _, m, _ in samples]),
         "offsets": offsets,
+        "hidden_states": torch.cat([torch.stack(list(st), dim=1).to(spec.torch_dtype) for _, _, _, st in samples]),
     }
-    for k, layer_id in enumerate(spec.layer_ids):
-        tensors[f"layer.{layer_id}"] = torch.cat([st[k].to(spec.torch_dtype) for _, _, _, st in samples])
-    meta = {
-        "schema": str(SCHEMA_VERSION), "sample_ids": json.dumps([s[0] for s in samples]),
-        "layer_ids": json.dumps(list(spec.layer_ids)), "convention": spec.convention, "dtype": spec.dtype,
-        "hidden_size": str(spec.hidden_size), "target_config_hash": str(spec.target.get("config_hash")),
-    }
-    return tensors, meta
+
+
+def write_shard(root: Path, name: str, tensors: dict[str, torch.Tensor], spec: StoreSpec,
+                sample_ids: Sequence[str], fsync: bool = True, fault=None) -> ShardInfo:
+    """One shard file from ready tensors (zero-copy views), atomically."""
+    sha, nbytes = atomic_write(Path(root) / name, safetensors_chunks(tensors, shard_meta(spec, sample_ids)), fsync,
+                               fault)
+    return ShardInfo(name, sha, nbytes, len(sample_ids), int(tensors["input_ids"].shape[0]), list(sample_ids))
 
 
 def shard_name(index: int) -> str:
@@ -289,13 +299,19 @@ class ShardWriter:
 
     def _cut(self) -> None:
         batch, self._pending, self._pending_tokens = self._pending, [], 0
-        name = shard_name(self.next_index)
+        self.submit(lambda: (shard_tensors(batch, self.spec), [b[0] for b in batch]))
+
+    def submit(self, build: Callable[[], tuple[dict, list[str]]], on_done: Callable[[], None] | None = None) -> int:
+        """Queue one shard: build() -> (tensors, sample_ids) runs in the writer; on_done() after the write.
+        Returns the shard's index."""
+        index = self.next_index
         self.next_index += 1
         if self._queue is None:
-            self._write(name, batch)
+            self._write(shard_name(index), build, on_done)
         else:
             self._raise_if_failed()
-            self._queue.put((name, batch))
+            self._queue.put((shard_name(index), build, on_done))
+        return index
 
     def _worker(self) -> None:
         while True:
@@ -309,14 +325,17 @@ class ShardWriter:
             finally:
                 self._queue.task_done()
 
-    def _write(self, name: str, batch) -> None:
+    def _write(self, name: str, build, on_done=None) -> None:
         t0 = time.perf_counter()
-        tensors, meta = shard_tensors(batch, self.spec)
-        sha, nbytes = atomic_write(self.root / name, safetensors_chunks(tensors, meta), self.fsync, self.fault)
-        info = ShardInfo(name, sha, nbytes, len(batch), int(tensors["input_ids"].shape[0]), [b[0] for b in batch])
+        try:
+            tensors, sample_ids = build()
+            info = write_shard(self.root, name, tensors, self.spec, sample_ids, self.fsync, self.fault)
+        finally:
+            if on_done is not None:
+                on_done()
         with self._lock:
             self._finished[shard_index(name)] = info
-            self.bytes_written += nbytes
+            self.bytes_written += info.bytes
             self.write_seconds += time.perf_counter() - t0
 
     def _raise_if_failed(self) -> None:
@@ -442,11 +461,13 @@ class Store:
                 offsets = f.get_tensor("offsets").tolist()
                 sample_ids = json.loads(f.metadata()["sample_ids"])
                 input_ids, loss_mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
-                slices = {i: f.get_slice(f"layer.{i}") for i in ids}
+                hs = f.get_slice("hidden_states")
+                col = {i: self.spec.layer_ids.index(i) for i in ids}
                 for s, sid in enumerate(sample_ids):
                     a, b = offsets[s], offsets[s + 1]
+                    rows = hs[a:b]  # [T, n_layers, H]
                     yield {"sample_id": sid, "input_ids": input_ids[a:b], "loss_mask": loss_mask[a:b],
-                           "states": {i: slices[i][a:b] for i in ids}}
+                           "states": {i: rows[:, col[i]] for i in ids}}
 
 
 def read_manifest(root: str | Path) -> dict:

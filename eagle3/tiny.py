@@ -50,11 +50,32 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 1):
     return fast
 
 
+def fix_routing(model, topk: int) -> None:
+    """DeepseekV3 MoE: make experts 0..topk-1 win every token's top-k selection.
+
+    The selection uses sigmoid scores (in (0, 1)) plus e_score_correction_bias; a bias of +1 on the
+    first topk experts decides it, while the routing weights still come from each token's own scores.
+    Comparisons between engines then cannot be thrown off by near-ties that bf16 rounding flips to a
+    different expert (a discontinuity, not an error of either engine).
+    """
+    import torch
+
+    for layer in model.model.layers:
+        gate = getattr(getattr(layer, "mlp", None), "gate", None)
+        bias = getattr(gate, "e_score_correction_bias", None)
+        if bias is not None:
+            with torch.no_grad():
+                bias.zero_()
+                bias[:topk] = 1.0
+
+
 def build_model(profile: TargetProfile, out_dir: str | Path, seed: int = 0, dtype: str = "float32",
-                with_tokenizer: bool = True, overrides: dict | None = None) -> Path:
+                with_tokenizer: bool = True, overrides: dict | None = None, device: str = "cpu",
+                fixed_routing: bool = False) -> Path:
     """Write config.json + model.safetensors (+ tokenizer) for a buildable profile; returns out_dir.
 
     Idempotent: a folder that already holds this exact build (same profile, seed, dtype) is reused.
+    ``device="cuda"`` initializes large models (mini-Kimi: 1.6 B parameters) in seconds.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -63,7 +84,8 @@ def build_model(profile: TargetProfile, out_dir: str | Path, seed: int = 0, dtyp
         raise ValueError(f"profile {profile.name!r} describes a real target; it cannot be built locally")
     out_dir = Path(out_dir)
     cfg = dict(profile.hf_config, **(overrides or {}))
-    stamp = json.dumps({"cfg": cfg, "seed": seed, "dtype": dtype, "tok": with_tokenizer}, sort_keys=True)
+    stamp = json.dumps({"cfg": cfg, "seed": seed, "dtype": dtype, "tok": with_tokenizer, "routing": fixed_routing},
+                       sort_keys=True)
     if (out_dir / ".eagle3-build").exists() and (out_dir / ".eagle3-build").read_text() == stamp:
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -73,10 +95,15 @@ def build_model(profile: TargetProfile, out_dir: str | Path, seed: int = 0, dtyp
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "architectures"})
     config.architectures = cfg["architectures"]
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
+        if device.startswith("cuda"):
+            torch.cuda.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    if fixed_routing:
+        fix_routing(model, int(cfg.get("num_experts_per_tok", 0)))
     model.save_pretrained(out_dir)
+    del model
     (out_dir / ".eagle3-build").write_text(stamp)
     log.info("built %s (%s, %d layers, hidden %d) in %s", profile.name, profile.architecture,
              profile.num_hidden_layers, profile.hidden_size, out_dir)

@@ -117,10 +117,10 @@ class StoreSamples:
 
         file, a, b, sid = self.index[i]
         with safe_open(str(self.store.root / file), framework="pt") as f:
-            layers = [f.get_slice(f"layer.{k}")[a:b] for k in self.ids]
+            hs = f.get_slice("hidden_states")[a:b]  # [T, n_layers, H]; aux layers first, the last id last
             return {"sample_id": sid, "input_ids": f.get_slice("input_ids")[a:b].long(),
                     "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
-                    "aux": torch.cat(layers[:-1], dim=-1), "last": layers[-1]}
+                    "aux": hs[:, :-1].reshape(hs.shape[0], -1), "last": hs[:, -1]}
 
 
 def model_inputs(x: dict, device: str, dtype: torch.dtype) -> dict:

@@ -92,7 +92,7 @@ def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> No
         meta, keys = f.metadata() or {}, set(f.keys())
     except Exception as e:  # noqa: BLE001 - any parse failure is the finding
         return bad("bad_header", f"{type(e).__name__}: {e}")
-    need = {"input_ids", "loss_mask", "offsets"} | {f"layer.{i}" for i in spec.layer_ids}
+    need = {"input_ids", "loss_mask", "offsets", "hidden_states"}
     if need - keys or "sample_ids" not in meta:
         return bad("bad_header", f"missing {sorted(need - keys) or ['sample_ids metadata']}")
     if json.loads(meta.get("layer_ids", "null")) != list(spec.layer_ids) or meta.get("convention") != spec.convention:
@@ -107,21 +107,21 @@ def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> No
         return bad("bad_offsets", f"offsets {offsets[:4]}... do not cut {n_tok} tokens into {len(sample_ids)} samples")
     if f.get_slice("loss_mask").get_shape() != [n_tok]:
         bad("bad_shape", f"loss_mask shape {f.get_slice('loss_mask').get_shape()}, expected [{n_tok}]")
-    for i in spec.layer_ids:
-        sl = f.get_slice(f"layer.{i}")
-        if sl.get_shape() != [n_tok, spec.hidden_size]:
-            return bad("bad_shape", f"layer.{i} shape {sl.get_shape()}, expected [{n_tok}, {spec.hidden_size}]")
-        if _ST.get(sl.get_dtype()) != spec.dtype:
-            return bad("bad_dtype", f"layer.{i} is {sl.get_dtype()}, manifest says {spec.dtype}")
+    sl = f.get_slice("hidden_states")
+    want = [n_tok, len(spec.layer_ids), spec.hidden_size]
+    if sl.get_shape() != want:
+        return bad("bad_shape", f"hidden_states shape {sl.get_shape()}, expected {want}")
+    if _ST.get(sl.get_dtype()) != spec.dtype:
+        return bad("bad_dtype", f"hidden_states is {sl.get_dtype()}, manifest says {spec.dtype}")
     rep.shards += 1
     rep.tokens += n_tok
     if not deep:
         rep.samples += len(sample_ids)
         return
-    layers = [f.get_tensor(f"layer.{i}") for i in spec.layer_ids]  # each [N, H]
+    hs = f.get_tensor("hidden_states")  # [N, n_layers, H]
     for s, sid in enumerate(sample_ids):
         a, b = offsets[s], offsets[s + 1]
-        rows = [x[a:b] for x in layers]
+        rows = [hs[a:b, k] for k in range(len(spec.layer_ids))]
         for i, r in zip(spec.layer_ids, rows):
             if not torch.isfinite(r).all():
                 bad("nonfinite", f"layer {i} has {int((~torch.isfinite(r)).sum())} NaN/Inf values", sid)

@@ -81,64 +81,64 @@ class CaptureExtension:
             cap.on_step(layers, layout)
 
     def eagle3_open(self, cfg: dict) -> dict:
-        """Start a session. cfg: mode (store | host | count), store root/spec/start_index, writer options."""
+        """Start a session. cfg: mode (store | host | count), hidden_size, dtype, and for store: root,
+        spec, start_index, shard_tokens, fsync, writer_threads."""
         from eagle3.store import ShardWriter, StoreSpec
 
         e3 = self._e3
         mode = cfg["mode"] if e3["owner"] else "count"
+        if e3["capturer"] is None:
+            e3["capturer"] = Capturer(len(e3["ids"]), int(cfg["hidden_size"]), getattr(torch, cfg.get("dtype", "bfloat16")),
+                                      slots=cfg.get("slots", 4))
         writer = None
         if mode == "store":
-            spec = StoreSpec.from_json(cfg["spec"])
-            writer = ShardWriter(cfg["root"], spec, cfg["start_index"], shard_tokens=cfg["shard_tokens"],
-                                 shard_samples=cfg.get("shard_samples"), fsync=cfg["fsync"],
-                                 threads=cfg.get("writer_threads", 2))
-        hidden, dtype = int(cfg["hidden_size"]), getattr(torch, cfg.get("dtype", "bfloat16"))
-        sink = None if writer is None else (lambda sid, ids, mask, st: writer.add(sid, ids, mask, st))
-        e3["writer"], e3["shards"] = writer, []
-        e3["capturer"] = Capturer(len(e3["ids"]), hidden, dtype, sink, mode=mode, slots=cfg.get("slots", 4))
-        e3["t0"] = time.perf_counter()
+            writer = ShardWriter(cfg["root"], StoreSpec.from_json(cfg["spec"]), cfg["start_index"],
+                                 fsync=cfg["fsync"], threads=cfg.get("writer_threads", 2))
+        e3["writer"] = writer
+        e3["capturer"].start(mode, writer, shard_tokens=cfg.get("shard_tokens") or 8192)
         return {"rank": e3["par"]["tp_rank"], "mode": mode}
 
     def eagle3_expect(self, samples: list) -> dict:
         """Announce the next batch: [(sample_id, input_ids, loss_mask)]."""
         cap = self._e3["capturer"]
-        if self._e3["owner"] and cap.mode == "store":
-            cap.assembler.announce([Announced(sid, torch.tensor(ids, dtype=torch.int32),
-                                              torch.tensor(mask, dtype=torch.uint8)) for sid, ids, mask in samples])
+        if cap.filler is not None:
+            cap.filler.announce([Announced(sid, torch.tensor(ids, dtype=torch.int32),
+                                           torch.tensor(mask, dtype=torch.uint8)) for sid, ids, mask in samples])
         return {"rank": self._e3["par"]["tp_rank"], "announced": len(samples)}
 
-    def eagle3_collect(self) -> dict:
-        """After generate(): wait for this batch's copies, report shards finished so far and any errors."""
+    def eagle3_collect(self, final: bool = False) -> dict:
+        """After generate(): wait for this batch's copies; report finished shards and any errors."""
         e3, cap = self._e3, self._e3["capturer"]
         cap.drain()
-        errors = list(cap.assembler.errors)
-        cap.assembler.errors.clear()
-        outstanding = cap.assembler.outstanding() if cap.mode == "store" else []
-        if outstanding:
-            errors.append(f"{len(outstanding)} announced samples were not captured (e.g. {outstanding[:3]})")
-            cap.assembler.expected.clear()
+        errors = cap.take_errors()
+        if cap.filler is not None:
+            outstanding = cap.filler.outstanding()
+            if outstanding:
+                errors.append(f"{len(outstanding)} announced samples were not captured (e.g. {outstanding[:3]})")
+                cap.filler.expected.clear()
+            if cap.filler.where:
+                errors.append(f"{len(cap.filler.where)} requests ended with rows missing")
+                cap.filler.where.clear()
+            cap.filler.done.clear()
         shards = []
         if e3["writer"] is not None:
             try:
-                shards = [vars(i) for i in e3["writer"].take_done()]
+                if final:
+                    cap.filler.seal()
+                shards = [vars(i) for i in (e3["writer"].flush() if final else e3["writer"].take_done())]
             except Exception as ex:  # noqa: BLE001 - a failed shard write is reported, not raised here
                 errors.append(f"shard writer: {type(ex).__name__}: {ex}")
         return {"rank": e3["par"]["tp_rank"], "owner": e3["owner"], "steps": cap.stats.steps,
                 "tokens": cap.stats.tokens, "bytes_to_host": cap.stats.bytes_to_host,
-                "completed": cap.assembler.completed, "shards": shards, "errors": errors}
+                "completed": cap.filler.completed if cap.filler else 0, "shards": shards, "errors": errors}
 
     def eagle3_close(self) -> dict:
-        """Flush the writer and stop the session; returns the last shards."""
-        e3 = self._e3
-        reply = self.eagle3_collect()
-        if e3["writer"] is not None:
-            try:
-                reply["shards"] += [vars(i) for i in e3["writer"].flush()]
-            except Exception as ex:  # noqa: BLE001
-                reply["errors"].append(f"shard writer: {type(ex).__name__}: {ex}")
-            e3["writer"].close()
-        e3["capturer"].close()
-        e3["capturer"], e3["writer"] = None, None
+        """Seal and write the open shard, wait for every write; returns the last shards."""
+        reply = self.eagle3_collect(final=True)
+        self._e3["capturer"].stop()
+        if self._e3["writer"] is not None:
+            self._e3["writer"].close()
+            self._e3["writer"] = None
         return reply
 
     def eagle3_debug_layers(self, n_tokens: int) -> list:

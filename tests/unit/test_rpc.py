@@ -179,3 +179,11 @@ def test_expect_rejects_impossible_requests():
         Expect(2, Record(), reply_rank=2)
     with pytest.raises(ValueError):
         Expect(2, Record(), unique_reply_rank=True)
+
+
+def test_msgpack_extension_payload_is_read():
+    class Ext:  # msgspec.msgpack.Ext as an untyped decode returns it
+        code, data = 3, torch.ones(2, dtype=torch.float16).numpy().tobytes()
+
+    got = normalize_reply([[["float16", [2], Ext()]]], Expect(1, LayerStack(1, (2,), torch.float16)))
+    assert torch.equal(got[0][0], torch.ones(2, dtype=torch.float16))

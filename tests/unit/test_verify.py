@@ -77,23 +77,23 @@ def _garbage_header(root):
 
 def _nan(root):
     rows = _first_sample_rows(root)
-    _rewrite(root, 0, lambda t: t["layer.4"][rows].__setitem__((0, 3), float("nan")))
+    _rewrite(root, 0, lambda t: t["hidden_states"][rows, 1].__setitem__((0, 3), float("nan")))
 
 
 def _inf(root):
     rows = _first_sample_rows(root)
-    _rewrite(root, 0, lambda t: t["layer.5"][rows].__setitem__((1, 1), float("inf")))
+    _rewrite(root, 0, lambda t: t["hidden_states"][rows, 2].__setitem__((1, 1), float("inf")))
 
 
 def _zero_layer(root):
     rows = _first_sample_rows(root)
-    _rewrite(root, 0, lambda t: t["layer.5"][rows].zero_())
+    _rewrite(root, 0, lambda t: t["hidden_states"][rows, 2].zero_())
 
 
 def _duplicate_layer(root):
     """What the reply[0] bug leaves: one layer's states stored under two ids."""
     rows = _first_sample_rows(root)
-    _rewrite(root, 0, lambda t: t["layer.4"][rows].copy_(t["layer.2"][rows]))
+    _rewrite(root, 0, lambda t: t["hidden_states"][rows, 1].copy_(t["hidden_states"][rows, 0]))
 
 
 def _wrong_ids(root):
@@ -111,13 +111,13 @@ def _bad_offsets(root):
 
 def _bad_dtype(root):
     def f(t):
-        t["layer.8"] = t["layer.8"].float()
+        t["hidden_states"] = t["hidden_states"].float()
     _rewrite(root, 0, f)
 
 
 def _bad_shape(root):
     def f(t):
-        t["layer.8"] = t["layer.8"][:, :64].contiguous()
+        t["hidden_states"] = t["hidden_states"][:, :, :64].contiguous()
     _rewrite(root, 0, f)
 
 

@@ -1,0 +1,119 @@
+"""Throughput records, baselines per hardware profile, regression checks, `eagle3 bench report`.
+
+A record is one pytest-benchmark entry whose extra_info holds: key ("mode/BxT"), mode, batch, seq_len,
+tokens_per_s, profile (hardware profile name), and optionally bytes_per_s, gpu_mem_gib, vllm.
+Baselines (eagle3/bundled/baselines/*.json) give tokens/s per key for a hardware profile and the
+margin below which a run counts as a regression.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+BASELINES = Path(__file__).parent / "bundled" / "baselines"
+
+
+@dataclass
+class Record:
+    run: str          # when (pytest-benchmark datetime)
+    profile: str      # hardware profile
+    key: str          # mode/BxT
+    tokens_per_s: float
+    extra: dict
+
+
+def load_baselines(folder: str | Path | None = None) -> dict[str, dict]:
+    folder = Path(folder) if folder else BASELINES
+    return {json.loads(p.read_text())["profile"]: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+
+
+def regression(record: Record, baselines: dict[str, dict]) -> str | None:
+    """A message when the record is more than the profile's margin below its baseline, else None."""
+    base = baselines.get(record.profile)
+    if not base or record.key not in base["tokens_per_s"]:
+        return None
+    want = base["tokens_per_s"][record.key]
+    floor = want * (1 - base.get("margin", 0.1))
+    if record.tokens_per_s < floor:
+        return (f"{record.profile} {record.key}: {record.tokens_per_s:,.0f} tok/s is below the baseline "
+                f"{want:,.0f} minus {base.get('margin', 0.1):.0%} ({floor:,.0f})")
+    return None
+
+
+def _files(paths: Iterable[str | Path]) -> list[Path]:
+    out = []
+    for p in map(Path, paths):
+        out += sorted(p.rglob("*.json")) if p.is_dir() else [p]
+    return out
+
+
+def load_history(paths: Iterable[str | Path]) -> list[Record]:
+    records = []
+    for f in _files(paths):
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        for b in data.get("benchmarks", []) if isinstance(data, dict) else []:
+            info = b.get("extra_info") or {}
+            if "tokens_per_s" in info and "key" in info:
+                records.append(Record(data.get("datetime", f.stem), info.get("profile", "?"), info["key"],
+                                      float(info["tokens_per_s"]), info))
+    return sorted(records, key=lambda r: (r.run, r.profile, r.key))
+
+
+def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | Path | None = None) -> tuple[Path, Path]:
+    """Markdown table + PNG plot (tokens/s over runs per key, baseline as a dashed line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = load_history(history)
+    if not records:
+        raise ValueError(f"no benchmark records with tokens_per_s in {list(map(str, history))}")
+    baselines = load_baselines(baselines_dir)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# eagle3 extraction throughput", "",
+             "| run | profile | key | tokens/s | vs plain prefill | vs baseline | regression |",
+             "|---|---|---|---:|---:|---:|---|"]
+    plain = {(r.run, r.profile, r.key.split("/")[1]): r.tokens_per_s for r in records if r.key.startswith("plain/")}
+    for r in records:
+        shape = r.key.split("/")[1] if "/" in r.key else ""
+        p = plain.get((r.run, r.profile, shape))
+        base = baselines.get(r.profile, {}).get("tokens_per_s", {}).get(r.key)
+        reg = regression(r, baselines)
+        vs_plain = f"{r.tokens_per_s / p:.2f}x" if p else "-"
+        vs_base = f"{r.tokens_per_s / base:.2f}x" if base else "-"
+        lines.append(f"| {r.run} | {r.profile} | {r.key} | {r.tokens_per_s:,.0f} | {vs_plain} | {vs_base} | "
+                     f"{'YES: ' + reg if reg else 'no'} |")
+    md = out / "throughput.md"
+    md.write_text("\n".join(lines) + "\n")
+
+    profiles = sorted({r.profile for r in records})
+    fig, axes = plt.subplots(len(profiles), 1, figsize=(10, 4.5 * len(profiles)), squeeze=False)
+    for ax, prof in zip(axes[:, 0], profiles):
+        rs = [r for r in records if r.profile == prof]
+        runs = sorted({r.run for r in rs})
+        for key in sorted({r.key for r in rs}):
+            pts = [(runs.index(r.run), r.tokens_per_s) for r in rs if r.key == key]
+            line, = ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=key)
+            base = baselines.get(prof, {}).get("tokens_per_s", {}).get(key)
+            if base:
+                ax.axhline(base, linestyle="--", color=line.get_color(), alpha=0.6)
+        ax.set_title(f"{prof}: extraction tokens/s per run (dashed: baseline)")
+        ax.set_xticks(range(len(runs)))
+        ax.set_xticklabels([r[:16] for r in runs], rotation=20, fontsize=8)
+        ax.set_ylabel("tokens/s")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    png = out / "throughput.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return md, png

@@ -1,0 +1,120 @@
+"""GPU suite fixtures: the target under test, one vLLM engine per capture strategy per session, the hf
+reference on the same weights, and a folder for reports.
+
+Here (one H200) the target is mini-Kimi, built with real random weights (DeepseekV3, hidden 7168, Kimi's
+MLA dims, 8 layers, 8 experts). On the cluster the same tests run against the real model:
+    pytest -m gpu --target-model /path/to/Kimi-K2.5 --tp 8
+with expected shapes taken from the target's profile (config.json), never hard-coded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from eagle3 import extract, presets, tiny
+from eagle3.presets import TargetProfile
+from eagle3.store import Store
+
+
+@dataclass
+class TargetUnderTest:
+    path: Path
+    profile: TargetProfile
+    tp: int
+    local: bool  # built here: small enough for the hf reference and several engines at once
+
+
+@pytest.fixture(scope="session")
+def gpu_out(request, tmp_path_factory) -> Path:
+    """Where logs, reports and benchmark JSON go (--gpu-out, else a temp folder)."""
+    path = request.config.getoption("--gpu-out") or os.environ.get("EAGLE3_GPU_OUT")
+    out = Path(path) if path else tmp_path_factory.mktemp("gpu-out")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def report(gpu_out):
+    """Numbers the suite measured, written to gpu_out/report.json as they arrive."""
+    data: dict = {}
+
+    def put(key, value):
+        data[key] = value
+        (gpu_out / "report.json").write_text(json.dumps(data, indent=1, default=str))
+
+    return put
+
+
+@pytest.fixture(scope="session")
+def target(request, tmp_path_factory, report) -> TargetUnderTest:
+    path = request.config.getoption("--target-model")
+    tp = request.config.getoption("--tp")
+    name = request.config.getoption("--target-profile")
+    if path:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        profile = presets.from_name(name) if name else presets.profile_from_config(cfg, Path(path).name)
+        return TargetUnderTest(Path(path), profile, tp, local=False)
+    profile = presets.from_name(name or "mini-kimi")
+    t0 = time.perf_counter()
+    folder = tiny.build_model(profile, tmp_path_factory.mktemp(profile.name), seed=0, dtype="bfloat16",
+                              device="cuda", fixed_routing=True)
+    report("target_build_s", round(time.perf_counter() - t0, 1))
+    return TargetUnderTest(folder, profile, tp, local=True)
+
+
+class Engines:
+    """One VLLMBackend per capture strategy, started on first use and kept for the session."""
+
+    def __init__(self, target: TargetUnderTest, report):
+        self.target, self.report, self.cache = target, report, {}
+        self.spec = extract.store_spec(target.path, target.profile.layer_ids, "bfloat16")
+
+    def get(self, strategy: str):
+        from eagle3.vllm_backend import VLLMBackend
+
+        if strategy not in self.cache:
+            if not self.target.local:  # a real target fills the GPUs: one engine at a time
+                self.close()
+            self.cache[strategy] = VLLMBackend(
+                str(self.target.path), self.spec, tp=self.target.tp, capture=strategy,
+                gpu_memory_utilization=0.2 if self.target.local else 0.85, max_model_len=8192,
+                max_num_batched_tokens=16384, log_level="INFO")
+            self.report(f"engine_start_s[{strategy}]", round(self.cache[strategy].start_seconds, 1))
+        return self.cache[strategy]
+
+    def close(self):
+        for b in self.cache.values():
+            b.close()
+        self.cache.clear()
+
+
+@pytest.fixture(scope="session")
+def engines(target, report):
+    e = Engines(target, report)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(target):
+    """transformers on the same weights, computing in float32: the oracle for vLLM's bf16 states."""
+    if not target.local:
+        pytest.skip(f"{target.profile.name} does not fit the hf reference on one device")
+    from eagle3.hf_backend import HFBackend
+
+    return HFBackend(target.path, target.profile.layer_ids, device="cuda", compute_dtype="float32",
+                     out_dtype="float32", batch_size=1)
+
+
+def extract_with(backend, target: TargetUnderTest, samples, out: Path, batch_size: int = 8, **kw) -> dict:
+    """Run the production extraction path into a store; return {sample_id: sample} read back."""
+    cfg = extract.ExtractConfig(model=str(target.path), out=str(out), backend="vllm", batch_size=batch_size,
+                                shard_samples=kw.pop("shard_samples", 8), **kw)
+    extract.run(cfg, samples=samples, backend=backend, progress=False)
+    return {s["sample_id"]: s for s in Store.open(out).iter_samples()}

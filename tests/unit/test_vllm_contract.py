@@ -1,0 +1,113 @@
+"""Contract: every vLLM attribute and signature eagle3.vllm_compat relies on, checked against the
+installed vLLM. Runs wherever vLLM imports (the GPU host; CPU CI has no vLLM and skips this module)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here; the contract runs on the GPU host")
+
+from eagle3 import vllm_compat  # noqa: E402
+from eagle3.rpc import Expect, LayerStack, ReplyError, normalize_reply  # noqa: E402
+
+
+def _src(obj) -> str:
+    return inspect.getsource(obj)
+
+
+def test_version_is_supported():
+    assert vllm_compat.parse_version(vllm.__version__)[:2] >= vllm_compat.SUPPORTED_MIN
+
+
+@pytest.mark.parametrize("strategy", vllm_compat.STRATEGIES)
+def test_engine_args_accept_what_the_adapter_passes(strategy):
+    from vllm.engine.arg_utils import EngineArgs
+
+    kw = vllm_compat.engine_kwargs("m", strategy=strategy, layer_ids=(2, 4, 5, 8), max_model_len=4096,
+                                   max_num_batched_tokens=8192, max_num_seqs=64)
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert set(kw) <= fields
+    assert {"kernel_config", "async_scheduling", "enable_prefix_caching", "worker_extension_cls"} <= set(kw)
+
+
+def test_llm_collective_rpc_signature():
+    params = inspect.signature(vllm.LLM.collective_rpc).parameters
+    assert list(params)[:5] == ["self", "method", "timeout", "args", "kwargs"]
+    assert "unique_reply_rank" not in params  # the LLM-level API returns one entry per worker
+
+
+def test_aux_capture_path_exists():
+    from vllm.v1.spec_decode.extract_hidden_states import ExtractHiddenStatesProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert vllm_compat.supports_aux_capture()
+    params = inspect.signature(ExtractHiddenStatesProposer.propose).parameters
+    assert {"sampled_token_ids", "target_hidden_states"} <= set(params)
+    src = _src(GPUModelRunner)
+    assert "uses_extract_hidden_states" in src and "target_hidden_states=target_hidden_states" in src
+    assert "self.drafter = ExtractHiddenStatesProposer" in src
+
+
+def test_runner_exposes_the_batch_layout():
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    init = _src(GPUModelRunner.__init__)
+    for attr in ("self.input_batch", "self.query_start_loc", "self.requests"):
+        assert attr in init or attr in _src(GPUModelRunner), attr
+    assert isinstance(inspect.getattr_static(InputBatch, "req_ids"), property)
+    assert "num_computed_tokens_cpu" in _src(InputBatch.__init__)
+    assert isinstance(inspect.getattr_static(InputBatch, "num_reqs"), property)
+    assert "prompt_token_ids" in {f.name for f in dataclasses.fields(CachedRequestState)}
+    # the layout is written before the forward: positions = num_computed + arange over query_start_loc
+    prep = _src(GPUModelRunner._prepare_inputs)
+    assert "num_computed_tokens_cpu[req_indices]" in prep and "self.query_start_loc.np[1 : num_reqs + 1]" in prep
+
+
+def test_worker_and_parallel_state():
+    from vllm.distributed import parallel_state as ps
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert callable(Worker.get_model)
+    for fn in ("get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "get_pp_group"):
+        assert callable(getattr(ps, fn))
+
+
+def test_deepseek_layers_return_hidden_and_residual():
+    from vllm.model_executor.models import deepseek_v2
+
+    layer_src = _src(deepseek_v2.DeepseekV2DecoderLayer.forward)
+    assert "return hidden_states, residual" in layer_src
+    model_src = _src(deepseek_v2.DeepseekV2Model.forward)
+    assert "aux_hidden_state = hidden_states + residual" in model_src
+    assert "self.end_layer in self.aux_hidden_state_layers" in model_src  # id L = last output before norm
+
+
+def test_v1_runner_is_forced_for_extraction(monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    vllm_compat.prepare_environment("INFO")
+    import os
+
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" and os.environ["EAGLE3_LOG_LEVEL"] == "INFO"
+
+
+def test_engine_encoded_tensors_are_what_the_normalizer_expects():
+    """Encode with vLLM's own msgpack encoder, decode untyped (as utility replies are): small tensors
+    arrive inline and are rebuilt; large ones arrive as an index into buffers the reply lost."""
+    import msgspec
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    small = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    big = torch.zeros(256, 1024, dtype=torch.bfloat16)
+    enc = MsgpackEncoder()
+    bufs = enc.encode([[small]])
+    decoded = msgspec.msgpack.decode(bufs[0])
+    got = normalize_reply(decoded, Expect(1, LayerStack(1, (2, 3), torch.float32)))
+    assert torch.equal(got[0][0], small)
+    bufs = enc.encode([[big]])
+    with pytest.raises(ReplyError, match="engine-encoded"):
+        normalize_reply(msgspec.msgpack.decode(bufs[0]), Expect(1, LayerStack(1, (256, 1024), torch.bfloat16)))
