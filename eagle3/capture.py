@@ -78,7 +78,7 @@ class ShardFiller:
     """Reserves rows for requests in pinned shard buffers and hands complete shards to a ShardWriter."""
 
     def __init__(self, writer, n_layers: int, hidden: int, dtype: torch.dtype, capacity: int, pin: bool,
-                 free: list[ShardBuffer] | None = None):
+                 free: list[ShardBuffer] | None = None, max_buffers: int = 8):
         self.writer, self.n_layers, self.hidden, self.dtype = writer, n_layers, hidden, dtype
         self.capacity, self.pin = capacity, pin
         self.free: list[ShardBuffer] = free if free is not None else []  # pinned buffers, reused
@@ -87,6 +87,8 @@ class ShardFiller:
         self.done: set[str] = set()  # requests whose prompt rows are all placed (cleared per batch)
         self.expected: dict[tuple[int, ...], deque[Announced]] = defaultdict(deque)
         self.lock = threading.Lock()
+        self.released = threading.Condition(self.lock)
+        self.max_buffers, self.allocated, self.in_writer = max_buffers, len(self.free), 0
         self.errors: list[str] = []
         self.completed = 0
 
@@ -98,12 +100,19 @@ class ShardFiller:
         return [s.sample_id for q in self.expected.values() for s in q]
 
     def _buffer(self, rows: int) -> ShardBuffer:
+        """A free buffer; at the limit, wait for the writer to hand one back (back-pressure on the GPU) -
+        but only while some buffer is in the writer, since open shards may need future steps to fill."""
         with self.lock:
-            for i, b in enumerate(self.free):
-                if b.capacity >= rows:
-                    b = self.free.pop(i)
-                    b.used, b.samples, b.missing, b.sealed, b.queued = 0, [], 0, False, False
-                    return b
+            while True:
+                for i, b in enumerate(self.free):
+                    if b.capacity >= rows:
+                        b = self.free.pop(i)
+                        b.used, b.samples, b.missing, b.sealed, b.queued = 0, [], 0, False, False
+                        return b
+                if self.allocated < self.max_buffers or self.in_writer == 0:
+                    break
+                self.released.wait(timeout=60)
+            self.allocated += 1
         cap = max(rows, self.capacity)
         return ShardBuffer(torch.empty(cap, dtype=torch.int32), torch.empty(cap, dtype=torch.uint8),
                            torch.empty(cap, self.n_layers, self.hidden, dtype=self.dtype, pin_memory=self.pin))
@@ -154,6 +163,7 @@ class ShardFiller:
             ready = b.sealed and b.missing == 0 and b.used > 0 and not b.queued
             if ready:
                 b.queued = True
+                self.in_writer += 1
         if not ready:
             return
         self.completed += len(b.samples)
@@ -167,6 +177,8 @@ class ShardFiller:
         def release(b=b):
             with self.lock:
                 self.free.append(b)
+                self.in_writer -= 1
+                self.released.notify_all()
 
         self.writer.submit(build, release)
 

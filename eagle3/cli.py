@@ -54,7 +54,7 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
                    help="bad input lines: skip and write them to STORE/rejects.jsonl (default), or stop")
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--shard-samples", type=int, default=None, help="samples per shard (default: by tokens)")
-    p.add_argument("--shard-tokens", type=int, default=1 << 18)
+    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: ~512 MiB of states)")
     p.add_argument("--device", default="cpu", help="hf backend device")
     p.add_argument("--tp", type=int, default=1, help="vllm backend tensor parallel size")
     p.add_argument("--capture", choices=["auto", "hooks", "aux"], default="auto", help="vllm capture strategy")
@@ -150,9 +150,20 @@ def cmd_eval(a) -> int:
     from eagle3 import evaluate
 
     report = evaluate.run(evaluate.EvalConfig(target=a.target, draft=a.draft, prompts=a.prompts, out=a.out,
-                                              k=a.k, max_tokens=a.max_tokens, num_prompts=a.num_prompts))
+                                              k=a.k, max_tokens=a.max_tokens, num_prompts=a.num_prompts,
+                                              gpu_memory_utilization=a.gpu_mem, shifted=not a.no_shifted,
+                                              baseline=not a.no_baseline))
     for line in report.lines():
         print(line)
+    return 0
+
+
+def cmd_make_target(a) -> int:
+    from eagle3 import learnable
+
+    info = learnable.make_target(a.out, steps=a.steps, device=a.device)
+    print(f"target     {a.out} (learnable-llama: hidden 256, 8 layers) trained {info['steps']} steps in "
+          f"{info['seconds']} s; loss {info['first_loss']:.3f} -> {info['final_loss']:.3f}")
     return 0
 
 
@@ -187,11 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="serve target + draft in vLLM; acceptance length and speedup")
     e.add_argument("--target", required=True)
     e.add_argument("--draft", required=True)
-    e.add_argument("--prompts", required=True, help="JSONL conversations; the last user turn is the prompt")
+    e.add_argument("--prompts", default=None,
+                   help="JSONL conversations, prompted up to their last assistant turn (default: the learnable "
+                        "target's held-out prompts)")
     e.add_argument("--out", required=True)
     e.add_argument("--k", type=int, default=3)
     e.add_argument("--max-tokens", type=int, default=128)
     e.add_argument("--num-prompts", type=int, default=64)
+    e.add_argument("--gpu-mem", type=float, default=0.3)
+    e.add_argument("--no-shifted", action="store_true", help="skip the layer-ids-shifted-by-one run")
+    e.add_argument("--no-baseline", action="store_true", help="skip the target-only run")
+    m = sub.add_parser("make-target", help="train the learnable tiny Llama target (a minute on a GPU)")
+    m.add_argument("--out", required=True)
+    m.add_argument("--steps", type=int, default=1500)
+    m.add_argument("--device", default=None)
     b = sub.add_parser("bench", help="benchmark reports")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     r = bsub.add_parser("report", help="Markdown table + PNG plot from pytest-benchmark JSON history")
@@ -233,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_eval(args)
         if args.cmd == "bench":
             return cmd_bench_report(args)
+        if args.cmd == "make-target":
+            return cmd_make_target(args)
     except (DataError, StoreError, LayerIdError) as e:
         if args.verbose >= 2:
             raise

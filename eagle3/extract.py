@@ -35,7 +35,7 @@ class ExtractConfig:
     dtype: str = "bfloat16"                 # dtype of stored states
     device: str = "cpu"                     # hf backend
     compute_dtype: str | None = None        # hf backend; None = the checkpoint's dtype
-    shard_tokens: int = 1 << 18
+    shard_tokens: int | None = None         # default: about 512 MiB of states per shard
     shard_samples: int | None = None
     writer_threads: int = 1
     fsync: bool = True
@@ -86,6 +86,17 @@ def store_spec(model: str | Path, layer_ids: Sequence[int] | None, dtype: str) -
               "architecture": (cfg.get("architectures") or ["?"])[0], "num_hidden_layers": num_layers,
               "vocab_size": int(text["vocab_size"])}
     return StoreSpec(target=target, layer_ids=ids, hidden_size=int(text["hidden_size"]), dtype=dtype)
+
+
+SHARD_BYTES = 512 << 20
+
+
+def shard_tokens(cfg: ExtractConfig, spec: StoreSpec) -> int:
+    """Tokens per shard: cfg.shard_tokens, else ~512 MiB of states (Kimi-K2.5: 9,362 tokens)."""
+    if cfg.shard_tokens:
+        return cfg.shard_tokens
+    per_token = len(spec.layer_ids) * spec.hidden_size * spec.torch_dtype.itemsize
+    return max(256, SHARD_BYTES // per_token)
 
 
 def make_backend(cfg: ExtractConfig, spec: StoreSpec):
@@ -173,7 +184,7 @@ class _LocalSession:
         from eagle3.store import ShardWriter
 
         self.backend, self.fault = backend, fault
-        self.writer = ShardWriter(store.root, store.spec, store.next_shard_index, cfg.shard_tokens,
+        self.writer = ShardWriter(store.root, store.spec, store.next_shard_index, shard_tokens(cfg, store.spec),
                                   cfg.shard_samples, cfg.fsync, threads=cfg.writer_threads, fault=fault)
 
     def submit(self, batch: Sequence[Sample]):

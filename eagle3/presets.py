@@ -55,10 +55,10 @@ class TargetProfile:
         return replace(self, **kw)
 
 
-def _deepseek(name, hidden, layers, vocab, experts, topk, moe_inter, inter, mla, **kw) -> TargetProfile:
+def _deepseek(name, hidden, layers, vocab, experts, topk, moe_inter, inter, mla, max_pos=4096, **kw) -> TargetProfile:
     cfg = dict(_DEEPSEEK_COMMON, hidden_size=hidden, num_hidden_layers=layers, vocab_size=vocab,
                n_routed_experts=experts, num_experts_per_tok=topk, n_shared_experts=1,
-               moe_intermediate_size=moe_inter, intermediate_size=inter, max_position_embeddings=4096,
+               moe_intermediate_size=moe_inter, intermediate_size=inter, max_position_embeddings=max_pos,
                routed_scaling_factor=2.827, **mla)
     return TargetProfile(name, "DeepseekV3ForCausalLM", hidden, layers, vocab, hf_config=cfg, **kw)
 
@@ -68,7 +68,7 @@ PRESETS: dict[str, TargetProfile] = {
     "kimi-k2.5": TargetProfile("kimi-k2.5", "DeepseekV3ForCausalLM", 7168, 61, 163840),
     # Same layer shapes as Kimi-K2.5 (hidden 7168, Kimi's MLA dims), 8 layers and 8 experts: one GPU.
     "mini-kimi": _deepseek("mini-kimi", 7168, 8, 32768, experts=8, topk=2, moe_inter=512, inter=2048,
-                           mla=dict(KIMI_MLA, num_attention_heads=16, num_key_value_heads=16)),
+                           mla=dict(KIMI_MLA, num_attention_heads=16, num_key_value_heads=16), max_pos=16384),
     # CPU default: the Kimi family at toy size (vocab set by the bundled tokenizer).
     "tiny-kimi": _deepseek("tiny-kimi", 128, 8, 1024, experts=8, topk=2, moe_inter=64, inter=256,
                            mla=dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,

@@ -45,6 +45,8 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int | None = None
     batch_samples: int = 8               # global batch (samples per optimizer step)
+    pack_tokens: int = 0                 # >0: pack a rank's samples into sequences of up to this many
+                                         # tokens (one forward each; loss is then a token mean per pack)
     max_grad_norm: float = 1.0
     seed: int = 0
     checkpoint_every: int = 0            # steps; 0 = only at the end
@@ -123,17 +125,39 @@ class StoreSamples:
                     "aux": hs[:, :-1].reshape(hs.shape[0], -1), "last": hs[:, -1]}
 
 
-def model_inputs(x: dict, device: str, dtype: torch.dtype) -> dict:
-    """One sample, shifted as speculators expects, batch dim 1."""
-    t = x["input_ids"].shape[0] - 1
-    return {
-        "input_ids": x["input_ids"][1:][None].to(device),
-        "hidden_states": x["aux"][:-1][None].to(device, dtype),
-        "verifier_last_hidden_states": x["last"][1:][None].to(device, dtype),
-        "loss_mask": x["loss_mask"][1:][None].to(device),
-        "position_ids": torch.arange(1, t + 1, device=device)[None],
-        "document_ids": torch.zeros(1, t, dtype=torch.long, device=device),
-    }
+def model_inputs(xs: list[dict], device: str, dtype: torch.dtype) -> dict:
+    """Samples shifted as speculators expects (input_ids[1:], aux[:-1], last[1:], loss_mask[1:],
+    positions 1..T-1), packed into one sequence of batch dim 1 with a document id per sample."""
+    parts = {k: [] for k in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask",
+                             "position_ids", "document_ids")}
+    for d, x in enumerate(xs):
+        t = x["input_ids"].shape[0] - 1
+        parts["input_ids"].append(x["input_ids"][1:])
+        parts["hidden_states"].append(x["aux"][:-1])
+        parts["verifier_last_hidden_states"].append(x["last"][1:])
+        parts["loss_mask"].append(x["loss_mask"][1:])
+        parts["position_ids"].append(torch.arange(1, t + 1))
+        parts["document_ids"].append(torch.full((t,), d, dtype=torch.long))
+    out = {k: torch.cat(v)[None].to(device) for k, v in parts.items()}
+    for k in ("hidden_states", "verifier_last_hidden_states"):
+        out[k] = out[k].to(dtype)
+    return out
+
+
+def micro_batches(samples: "StoreSamples", indices: list[int], pack_tokens: int) -> list[list[dict]]:
+    """One sample per forward, or packs of up to pack_tokens tokens."""
+    xs = [samples.get(i) for i in indices]
+    if pack_tokens <= 0:
+        return [[x] for x in xs]
+    packs, cur, n = [], [], 0
+    for x in xs:
+        t = x["input_ids"].shape[0]
+        if cur and n + t > pack_tokens:
+            packs.append(cur)
+            cur, n = [], 0
+        cur.append(x)
+        n += t
+    return packs + ([cur] if cur else [])
 
 
 def _dist():
@@ -243,16 +267,17 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             batch = order[k * cfg.batch_samples : (k + 1) * cfg.batch_samples].tolist()
             mine = batch[rank::world]
             loss_sum = torch.zeros((), dtype=torch.float64)
-            for j, i in enumerate(mine):
-                x = samples.get(i)
-                inputs = model_inputs(x, cfg.device, dtype)
-                sync = j == len(mine) - 1 or world == 1
+            packs = micro_batches(samples, mine, cfg.pack_tokens)
+            for j, pack in enumerate(packs):
+                inputs = model_inputs(pack, cfg.device, dtype)
+                sync = j == len(packs) - 1 or world == 1
                 ctx = ddp.no_sync() if world > 1 and not sync else _null()
+                weight = len(pack)  # a pack's loss is a mean over its samples' tokens; weigh it by samples
                 with ctx:
                     _, loss, metrics = ddp(**inputs, ttt_steps=cfg.ttt_steps,
                                            ttt_step_loss_decay=cfg.ttt_step_loss_decay, loss_config=loss_config)
-                    (loss * world / cfg.batch_samples).backward()
-                loss_sum += float(loss.detach())
+                    (loss * weight * world / cfg.batch_samples).backward()
+                loss_sum += float(loss.detach()) * weight
                 tokens_run += inputs["input_ids"].shape[1]
                 for name, v in metrics.items():
                     if name.startswith("full_acc_"):

@@ -11,6 +11,7 @@ from typing import Sequence
 
 from eagle3 import vllm_compat as compat
 from eagle3.data import Sample
+from eagle3.extract import shard_tokens
 from eagle3.rpc import Expect, Record, check_consistent, normalize_reply
 from eagle3.store import ShardInfo, Store, StoreError, StoreSpec
 
@@ -83,10 +84,10 @@ class VLLMSession:
     def __init__(self, backend: VLLMBackend, store: Store | None, cfg, mode: str = "store"):
         self.backend, self.mode = backend, mode
         open_cfg = {"mode": mode, "hidden_size": backend.spec.hidden_size, "dtype": backend.spec.dtype,
-                    "writer_threads": getattr(cfg, "writer_threads", 2) or 2, "slots": 4}
+                    "writer_threads": max(4, getattr(cfg, "writer_threads", 0) or 0), "slots": 4}
         if mode == "store":
             open_cfg.update(root=str(store.root), spec=store.spec.to_json(), start_index=store.next_shard_index,
-                            shard_tokens=cfg.shard_tokens, shard_samples=cfg.shard_samples, fsync=cfg.fsync)
+                            shard_tokens=shard_tokens(cfg, store.spec), fsync=cfg.fsync)
         backend.call("eagle3_open", open_cfg, keys=frozenset({"rank", "mode"}))
         self.steps = self.tokens = 0
 

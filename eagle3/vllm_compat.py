@@ -204,3 +204,8 @@ def patch_drafter(runner, on_aux) -> None:
         return bound.arguments["sampled_token_ids"][:, :1]
 
     drafter.propose = propose
+
+
+def set_aux_layers(model, layer_ids) -> None:
+    """Which target layers feed the EAGLE-3 drafter (read at every forward in eager mode)."""
+    model.set_aux_hidden_state_layers(tuple(int(i) for i in layer_ids))

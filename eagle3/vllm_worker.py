@@ -141,6 +141,13 @@ class CaptureExtension:
             self._e3["writer"] = None
         return reply
 
+    def eagle3_set_aux_layers(self, layer_ids: list) -> dict:
+        """Serving-side: change the target layers the EAGLE-3 drafter receives (eval's off-by-one check)."""
+        configure_worker_logging()
+        compat.set_aux_layers(compat.get_model(self), layer_ids)
+        log.info("drafter now fed target layers %s", list(layer_ids))
+        return {"layer_ids": list(layer_ids)}
+
     def eagle3_debug_layers(self, n_tokens: int) -> list:
         """The last step's first n_tokens rows of each captured layer, as tensors.
 

@@ -1,0 +1,157 @@
+"""`eagle3 eval`: serve target + EAGLE-3 draft in vLLM and measure what the draft is worth.
+
+Reports acceptance length (1 + accepted draft tokens per verification step), per-position
+acceptance, tokens/s with and without the draft, and whether greedy outputs are unchanged. With
+``shifted`` it also feeds the same draft the target layers one above the ones it was trained on (the
+classic off-by-one between layer-id conventions), switched at run time in eager mode.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalConfig:
+    target: str
+    draft: str
+    prompts: str | None = None     # JSONL conversations; None = the learnable target's held-out prompts
+    out: str = "eval"
+    k: int = 3
+    max_tokens: int = 128
+    num_prompts: int = 64
+    shifted: bool = True
+    baseline: bool = True
+    gpu_memory_utilization: float = 0.3
+
+
+@dataclass
+class SpecRun:
+    acceptance_length: float
+    per_position: list[float]
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass
+class EvalReport:
+    config: dict
+    layer_ids: list[int]
+    draft: SpecRun
+    shifted: SpecRun | None = None
+    shifted_layer_ids: list[int] = field(default_factory=list)
+    baseline_tokens_per_s: float | None = None
+    outputs_identical: float | None = None
+
+    def lines(self) -> list[str]:
+        d = self.draft
+        out = [f"draft          acceptance length {d.acceptance_length:.3f} (k={self.config['k']}), per position "
+               + ", ".join(f"{p:.3f}" for p in d.per_position) + f"; {d.tokens_per_s:,.0f} tok/s"]
+        if self.shifted:
+            s = self.shifted
+            out.append(f"layers +1     acceptance length {s.acceptance_length:.3f} with ids {self.shifted_layer_ids} "
+                       f"instead of {self.layer_ids}")
+        if self.baseline_tokens_per_s:
+            out.append(f"no draft       {self.baseline_tokens_per_s:,.0f} tok/s; speedup "
+                       f"{d.tokens_per_s / self.baseline_tokens_per_s:.2f}x; greedy outputs identical "
+                       f"{self.outputs_identical:.0%}")
+        return out
+
+
+def spec_counters(llm) -> dict:
+    """Sum vLLM's spec-decode counters over engines: drafts, draft tokens, accepted, accepted per position."""
+    totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    for m in llm.get_metrics():
+        if m.name in names:
+            totals[names[m.name]] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = list(m.values)
+            totals["per_pos"] = [a + b for a, b in zip(totals["per_pos"] or [0] * len(vals), vals)]
+    return totals
+
+
+def _run(llm, prompts, max_tokens: int, before: dict | None = None):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    if before is None:
+        return tokens, seconds, None
+    after = spec_counters(llm)
+    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))]
+    drafts = max(d["drafts"], 1)
+    run = SpecRun(1 + d["accepted"] / drafts, [p / drafts for p in per_pos], d["drafts"], d["draft_tokens"],
+                  d["accepted"], sum(map(len, tokens)), seconds)
+    return tokens, seconds, (run, after)
+
+
+def load_prompts(cfg: EvalConfig, tokenizer) -> list[list[int]]:
+    from eagle3 import learnable
+
+    if cfg.prompts is None:
+        return learnable.eval_prompts(tokenizer, cfg.num_prompts)
+    prompts = []
+    with open(cfg.prompts) as f:
+        for line in f:
+            msgs = json.loads(line)["messages"]
+            last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+            text = tokenizer.apply_chat_template(msgs[:last], tokenize=False, add_generation_prompt=True)
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if len(prompts) >= cfg.num_prompts:
+                break
+    return prompts
+
+
+def run(cfg: EvalConfig) -> EvalReport:
+    import vllm
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    prompts = load_prompts(cfg, tokenizer)
+    draft_cfg = json.loads((Path(cfg.draft) / "config.json").read_text())
+    ids = list(draft_cfg["eagle_aux_hidden_state_layer_ids"])
+    common = dict(model=cfg.target, dtype="bfloat16", enforce_eager=True, max_model_len=2048,
+                  gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
+                  kernel_config={"enable_flashinfer_autotune": False})
+    llm = vllm.LLM(**common, disable_log_stats=False, worker_extension_cls="eagle3.vllm_worker.CaptureExtension",
+                   speculative_config={"method": "eagle3", "model": cfg.draft, "num_speculative_tokens": cfg.k})
+    spec_tokens, _, (draft_run, counters) = _run(llm, prompts, cfg.max_tokens, spec_counters(llm))
+    report = EvalReport(asdict(cfg), ids, draft_run)
+    if cfg.shifted:
+        shifted = [i + 1 for i in ids]
+        llm.collective_rpc("eagle3_set_aux_layers", args=(shifted,))
+        _, _, (report.shifted, _) = _run(llm, prompts, cfg.max_tokens, counters)
+        report.shifted_layer_ids = shifted
+        llm.collective_rpc("eagle3_set_aux_layers", args=(ids,))
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    if cfg.baseline:
+        base = vllm.LLM(**common)
+        base_tokens, seconds, _ = _run(base, prompts, cfg.max_tokens)
+        report.baseline_tokens_per_s = sum(map(len, base_tokens)) / seconds
+        report.outputs_identical = sum(a == b for a, b in zip(spec_tokens, base_tokens)) / len(prompts)
+        base.llm_engine.engine_core.shutdown()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(asdict(report), indent=1))
+    (out / "eval.md").write_text("# eagle3 eval\n\n" + "\n".join(f"- {x}" for x in report.lines()) + "\n")
+    return report
