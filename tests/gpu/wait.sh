@@ -6,6 +6,7 @@ echo "waited ${t}s; finished: $([ -f "$C/DONE" ] && echo yes || echo no)"
 cat "$C/steps.txt" 2>/dev/null
 for f in "$C"/*.log; do echo "== $f"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error" "$f" | tail -40 | cut -c1-400; done
 tail -n 30 /tmp/campaign.out 2>/dev/null | cut -c1-300
+latest=$(ls -t "$C"/*.log 2>/dev/null | head -1); echo "== tail of $latest"; tail -n 25 "$latest" 2>/dev/null | cut -c1-300
 if [ -n "${OUT:-}" ]; then
   tar czf "$OUT/campaign.tgz" -C /tmp --exclude='*.safetensors' campaign 2>/dev/null
   for f in suite/report.json bench/report.json bench/bench_summary.json bench/throughput.md; do
