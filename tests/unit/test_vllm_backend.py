@@ -152,3 +152,33 @@ def test_worker_logs_reach_the_user_at_the_chosen_level(level, shown):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert ("capture installed: hello" in out.stderr) == shown
+
+
+@pytest.mark.parametrize("mode", ["host", "count"])
+def test_benchmark_sinks_run_repeatedly_without_leaking_buffers(fake, tiny_kimi, tmp_path, mode):
+    """The null sink (copy to pinned host memory, drop) and counting, session after session, as the
+    throughput benchmarks use them; steps run under inference mode as in vLLM."""
+    from eagle3.vllm_backend import VLLMSession
+
+    cfg = _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="aux")
+    backend = extract.make_backend(cfg, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
+    for _ in range(3):
+        session = VLLMSession(backend, None, cfg, mode=mode)
+        assert session.submit(_samples()) == [] and session.finish() == []
+        assert session.tokens == sum(len(s) for s in _samples())
+    cap = fake.last.workers[0]._e3["capturer"]
+    assert cap.pool.sem._value == 4  # every pinned slot came back
+    if mode == "host":
+        assert cap.stats.bytes_to_host == session.tokens * len(IDS) * 128 * 4  # float32 rows in the fake
+
+
+def test_a_capture_error_is_reported_not_raised_inside_the_forward(fake, tiny_kimi, tmp_path, monkeypatch):
+    from eagle3 import capture
+
+    def broken(self, layers, layout):
+        raise RuntimeError("boom in the forward")
+
+    monkeypatch.setattr(capture.Capturer, "on_step", broken)
+    with pytest.raises(StoreError, match="capture step: RuntimeError: boom in the forward"):
+        extract.run(_cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="aux"), samples=_samples()[:2],
+                    progress=False)
