@@ -10,6 +10,7 @@ Checkpoints every ``checkpoint_every`` steps; a rerun resumes from the newest on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -271,7 +272,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             for j, pack in enumerate(packs):
                 inputs = model_inputs(pack, cfg.device, dtype)
                 sync = j == len(packs) - 1 or world == 1
-                ctx = ddp.no_sync() if world > 1 and not sync else _null()
+                ctx = ddp.no_sync() if world > 1 and not sync else contextlib.nullcontext()
                 weight = len(pack)  # a pack's loss is a mean over its samples' tokens; weigh it by samples
                 with ctx:
                     _, loss, metrics = ddp(**inputs, ttt_steps=cfg.ttt_steps,
@@ -314,11 +315,3 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 accept[name[: -len("_sum")]] = accept_sums[name] / accept_sums[total_name]
     return TrainResult(str(out), str(out / "draft"), state["step"], state["samples_seen"], state["tokens_seen"],
                        time.perf_counter() - t0, state["losses"], accept)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
