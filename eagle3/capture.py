@@ -27,6 +27,8 @@ from typing import Sequence
 
 import torch
 
+from eagle3.store import shard_offsets
+
 log = logging.getLogger(__name__)
 
 
@@ -41,7 +43,6 @@ class StepLayout:
     req_ids: list[str]
     starts: list[int]       # [n_req + 1] row offsets (query_start_loc)
     computed: list[int]     # [n_req] tokens of each request computed before this step
-    prompt_lens: list[int]  # [n_req]
     prompts: list[Sequence[int] | None]  # prompt token ids
 
     @property
@@ -169,8 +170,7 @@ class ShardFiller:
         self.completed += len(b.samples)
 
         def build(b=b):
-            offsets = torch.zeros(len(b.samples) + 1, dtype=torch.int64)
-            offsets[1:] = torch.tensor([n for _, n in b.samples], dtype=torch.int64).cumsum(0)
+            offsets = shard_offsets([n for _, n in b.samples])
             return ({"input_ids": b.input_ids[: b.used], "loss_mask": b.loss_mask[: b.used], "offsets": offsets,
                      "hidden_states": b.states[: b.used]}, [sid for sid, _ in b.samples])
 

@@ -53,7 +53,8 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-error", choices=["skip", "stop"], default="skip",
                    help="bad input lines: skip and write them to STORE/rejects.jsonl (default), or stop")
     p.add_argument("--max-samples", type=int, default=None)
-    p.add_argument("--shard-samples", type=int, default=None, help="samples per shard (default: by tokens)")
+    p.add_argument("--shard-samples", type=int, default=None,
+                   help="hf backend: also cut a shard after this many samples (the vllm backend cuts by tokens)")
     p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: ~512 MiB of states)")
     p.add_argument("--device", default="cpu", help="hf backend device")
     p.add_argument("--tp", type=int, default=1, help="vllm backend tensor parallel size")

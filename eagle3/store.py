@@ -191,16 +191,20 @@ def shard_meta(spec: StoreSpec, sample_ids: Sequence[str]) -> dict[str, str]:
     }
 
 
+def shard_offsets(lengths: Sequence[int]) -> torch.Tensor:
+    """Sample lengths -> offsets int64 [S + 1]; sample s is rows offsets[s]:offsets[s+1]."""
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(list(lengths), dtype=torch.int64).cumsum(0)
+    return offsets
+
+
 def shard_tensors(samples: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
                   spec: StoreSpec) -> dict[str, torch.Tensor]:
     """samples of (sample_id, input_ids [T], loss_mask [T], states [n_layers, T, H]) -> shard tensors."""
-    lengths = [int(ids.shape[0]) for _, ids, _, _ in samples]
-    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
-    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
     return {
         "input_ids": torch.cat([ids.to(torch.int32) for _, ids, _, _ in samples]),
         "loss_mask": torch.cat([m.to(torch.uint8) for _, _, m, _ in samples]),
-        "offsets": offsets,
+        "offsets": shard_offsets([int(ids.shape[0]) for _, ids, _, _ in samples]),
         "hidden_states": torch.cat([torch.stack(list(st), dim=1).to(spec.torch_dtype) for _, _, _, st in samples]),
     }
 
@@ -246,7 +250,6 @@ class ShardWriter:
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
         self._threads: list[threading.Thread] = []
-        self.bytes_written, self.write_seconds = 0, 0.0
         if threads > 0:
             self._queue = queue.Queue(maxsize=max_pending)
             for i in range(threads):
@@ -301,9 +304,8 @@ class ShardWriter:
         batch, self._pending, self._pending_tokens = self._pending, [], 0
         self.submit(lambda: (shard_tensors(batch, self.spec), [b[0] for b in batch]))
 
-    def submit(self, build: Callable[[], tuple[dict, list[str]]], on_done: Callable[[], None] | None = None) -> int:
-        """Queue one shard: build() -> (tensors, sample_ids) runs in the writer; on_done() after the write.
-        Returns the shard's index."""
+    def submit(self, build: Callable[[], tuple[dict, list[str]]], on_done: Callable[[], None] | None = None) -> None:
+        """Queue one shard: build() -> (tensors, sample_ids) runs in the writer; on_done() after the write."""
         index = self.next_index
         self.next_index += 1
         if self._queue is None:
@@ -311,7 +313,6 @@ class ShardWriter:
         else:
             self._raise_if_failed()
             self._queue.put((shard_name(index), build, on_done))
-        return index
 
     def _worker(self) -> None:
         while True:
@@ -326,7 +327,6 @@ class ShardWriter:
                 self._queue.task_done()
 
     def _write(self, name: str, build, on_done=None) -> None:
-        t0 = time.perf_counter()
         try:
             tensors, sample_ids = build()
             info = write_shard(self.root, name, tensors, self.spec, sample_ids, self.fsync, self.fault)
@@ -335,8 +335,6 @@ class ShardWriter:
                 on_done()
         with self._lock:
             self._finished[shard_index(name)] = info
-            self.bytes_written += info.bytes
-            self.write_seconds += time.perf_counter() - t0
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -189,7 +189,7 @@ def step_layout(runner):
     starts = runner.query_start_loc.np[: n + 1].tolist()
     computed = batch.num_computed_tokens_cpu[:n].tolist()
     prompts = [runner.requests[r].prompt_token_ids for r in req_ids]
-    return StepLayout(req_ids, starts, computed, [len(p or ()) for p in prompts], prompts)
+    return StepLayout(req_ids, starts, computed, prompts)
 
 
 def patch_drafter(runner, on_aux) -> None:

@@ -39,8 +39,7 @@ def _run(capturer, prompts, budget, rng, skip_first=0):
             rows.append(_states(p)[:, done[i] : done[i] + n])
             starts.append(starts[-1] + n)
             left -= n
-        layout = StepLayout([f"r{i}" for i in reqs], starts, computed, [len(prompts[i]) for i in reqs],
-                            [prompts[i] for i in reqs])
+        layout = StepLayout([f"r{i}" for i in reqs], starts, computed, [prompts[i] for i in reqs])
         step = torch.cat(rows, dim=1)  # [n_layers, n_tok, H]
         with torch.inference_mode():
             capturer.on_step([torch.cat([step[k], torch.zeros(3, H)]) for k in range(N_LAYERS)], layout)
