@@ -6,6 +6,7 @@ through eagle3.rpc.normalize_reply and is cross-checked across ranks.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Sequence
 
@@ -31,7 +32,7 @@ class VLLMBackend:
                  extra_engine_args: dict | None = None, log_level: str | None = None):
         import vllm
 
-        self.spec, self.tp = spec, tp
+        self.spec = spec
         self.strategy = compat.pick_strategy(capture)
         compat.prepare_environment(log_level or logging.getLevelName(logging.getLogger("eagle3").getEffectiveLevel()))
         kwargs = compat.engine_kwargs(
@@ -43,7 +44,7 @@ class VLLMBackend:
         self.llm = vllm.LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
         records = self.call("eagle3_setup", {"layer_ids": list(spec.layer_ids), "strategy": self.strategy,
-                                             "log_level": compat.os.environ.get("EAGLE3_LOG_LEVEL")},
+                                             "log_level": os.environ.get("EAGLE3_LOG_LEVEL")},
                             keys=SETUP_KEYS)
         check_consistent(records, ["num_layers", "layer_ids", "strategy", "tp_size"])
         owners = [r["rank"] for r in records if r["owner"]]
@@ -89,7 +90,7 @@ class VLLMSession:
             open_cfg.update(root=str(store.root), spec=store.spec.to_json(), start_index=store.next_shard_index,
                             shard_tokens=shard_tokens(cfg, store.spec), fsync=cfg.fsync)
         backend.call("eagle3_open", open_cfg, keys=frozenset({"rank", "mode"}))
-        self.steps = self.tokens = 0
+        self.tokens = 0  # prompt tokens the engine computed so far in this session
 
     def submit(self, batch: Sequence[Sample]) -> list[ShardInfo]:
         self.backend.call("eagle3_expect", [(s.sample_id, list(s.input_ids), list(s.loss_mask)) for s in batch],
@@ -110,7 +111,7 @@ class VLLMSession:
         if expected_tokens is not None and tokens - self.tokens < expected_tokens:
             raise StoreError(f"the engine computed {tokens - self.tokens} prompt tokens for a batch of "
                              f"{expected_tokens}: some were skipped (prefix caching?)")
-        self.tokens, self.steps = tokens, records[0]["steps"]
+        self.tokens = tokens
         owner = next(r for r in records if r["owner"])
         log.debug("%s: %d shards from the owner, %d samples completed", method, len(owner["shards"]), owner["completed"])
         return [ShardInfo(**s) for s in owner["shards"]]
