@@ -1,11 +1,14 @@
 """Training checkpoints: the draft in speculators format + optimizer and trainer state. No pickles.
 
-    OUT/checkpoints/step-0000010/config.json, model.safetensors   the draft as vLLM serves it
+    OUT/checkpoints/step-0000010/config.json, model.safetensors   the draft's weights in the training dtype
                                 optimizer.safetensors, optimizer.json  AdamW state tensors, param groups
                                 trainer_state.json                 step, loss history, config
-    OUT/draft/                  the latest draft, published atomically
+    OUT/draft/                  the servable draft: bf16, no embedding, published atomically
 
-A checkpoint is written into .tmp-step-N, fsynced, then renamed: a folder named step-N is complete.
+A checkpoint is written into .tmp-step-N, fsynced, then renamed: a folder named step-N is complete. Neither
+checkpoints nor the draft hold the token embedding: it is the target's, frozen; training reloads it from the
+target, and vLLM 0.26 shares the target's when the draft has none (llm_base_proposer._maybe_share_embeddings).
+For Kimi-K2.5 that is 163840 x 7168 (2.3 GB in bf16) not written per checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +26,31 @@ from safetensors.torch import load_file, save_file
 log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
+CKPT_FILES = ("config.json", "model.safetensors", "optimizer.safetensors", "optimizer.json", "trainer_state.json")
+# Parameters that come from the target and are never saved: verifier_* (training targets only) and the embedding.
+NOT_SAVED = ("verifier_lm_head.weight", "verifier_norm.weight", "embed_tokens.weight")
+
+
+class NonFiniteWeights(RuntimeError):
+    """A draft with NaN/Inf parameters: never published."""
+
+
+def draft_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The draft's own tensors (floating ones cast to ``dtype``), without what NOT_SAVED names."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name in NOT_SAVED:
+            continue
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        out[name] = t.cpu().contiguous()
+    return out
+
+
+def nonfinite_parameters(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {k: int((~torch.isfinite(t)).sum()) for k, t in tensors.items()
+            if t.is_floating_point() and not torch.isfinite(t).all()}
 
 
 def _fsync_tree(path: Path) -> None:
@@ -61,7 +89,9 @@ def save(out: Path, step: int, model, optimizer, trainer_state: dict,
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"step-{step:07d}", root / f".tmp-step-{step:07d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    tmp.mkdir(parents=True)
+    model.config.save_pretrained(tmp)
+    save_file(draft_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if fault:
         fault("mid_checkpoint")
     tensors, meta = optimizer_to_files(optimizer)
@@ -76,35 +106,78 @@ def save(out: Path, step: int, model, optimizer, trainer_state: dict,
     return final
 
 
+def complete(path: Path) -> bool:
+    """Every file present and readable (a torn or truncated checkpoint is skipped, not resumed from)."""
+    from safetensors import safe_open
+
+    if not all((path / f).is_file() for f in CKPT_FILES):
+        return False
+    try:
+        for f in ("model.safetensors", "optimizer.safetensors"):
+            with safe_open(str(path / f), framework="pt"):  # refuses a file shorter than its header says
+                pass
+        for f in ("optimizer.json", "trainer_state.json", "config.json"):
+            json.loads((path / f).read_text())
+    except Exception:  # noqa: BLE001 - any read failure means torn
+        return False
+    return True
+
+
 def latest(out: Path) -> Path | None:
+    """The newest complete checkpoint; torn ones are logged and skipped."""
     root = Path(out) / CKPT_DIR
     if not root.exists():
         return None
     for p in root.glob(".tmp-step-*"):
         shutil.rmtree(p, ignore_errors=True)  # an interrupted save
-    done = sorted(p for p in root.glob("step-*") if (p / "trainer_state.json").exists())
-    return done[-1] if done else None
+    for p in sorted(root.glob("step-*"), reverse=True):
+        if complete(p):
+            return p
+        log.warning("skipping incomplete checkpoint %s", p)
+    return None
+
+
+def prune(out: Path, keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints (keep <= 0: keep all)."""
+    if keep <= 0:
+        return
+    done = sorted(p for p in (Path(out) / CKPT_DIR).glob("step-*") if complete(p))
+    for p in done[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def load(path: Path, model, optimizer) -> dict:
     """Restore model weights and optimizer state from a checkpoint folder; returns trainer_state."""
     weights = load_file(str(path / "model.safetensors"))
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    allowed_missing = {"verifier_lm_head.weight", "verifier_norm.weight"}
-    if unexpected or set(missing) - allowed_missing:
+    if unexpected or set(missing) - set(NOT_SAVED):
         raise RuntimeError(f"{path}: checkpoint does not match the draft (missing {missing}, unexpected {unexpected})")
     meta = json.loads((path / "optimizer.json").read_text())
     optimizer.load_state_dict(optimizer_from_files(load_file(str(path / "optimizer.safetensors")), meta))
     return json.loads((path / "trainer_state.json").read_text())
 
 
-def publish(ckpt: Path, out: Path) -> Path:
-    """Copy the servable files (config.json, model.safetensors) to OUT/draft atomically."""
+def publish(ckpt: Path, out: Path, dtype: str = "bfloat16", serve_tps=()) -> Path:
+    """Write the servable draft to OUT/draft atomically: floating tensors in ``dtype`` (vLLM serves in the
+    target's dtype; bf16 halves the bytes of a float32 checkpoint), config.json saying so. Refuses a draft with
+    non-finite weights or one vLLM would refuse at any of ``serve_tps``."""
+    from eagle3.draft import DraftShape, check_servable
+
+    config = json.loads((ckpt / "config.json").read_text())
+    check_servable(DraftShape.from_layer_config(config["transformer_layer_config"]), serve_tps)
+    tensors = {k: (t.to(getattr(torch, dtype)) if t.is_floating_point() else t)
+               for k, t in load_file(str(ckpt / "model.safetensors")).items()}
+    bad = nonfinite_parameters(tensors)
+    if bad:
+        raise NonFiniteWeights(f"{ckpt}: the draft has non-finite weights ({sum(bad.values())} values in "
+                               f"{sorted(bad)[:4]}); not publishing it")
+    config["torch_dtype"] = dtype
+    config["transformer_layer_config"]["torch_dtype"] = dtype
     dest, tmp = Path(out) / "draft", Path(out) / ".tmp-draft"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy2(ckpt / name, tmp / name)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _fsync_tree(tmp)
     old = Path(out) / ".old-draft"
     shutil.rmtree(old, ignore_errors=True)

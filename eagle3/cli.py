@@ -76,30 +76,60 @@ def _extract_config(a):
     )
 
 
+def _tp_list(text: str) -> tuple[int, ...]:
+    try:
+        tps = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--serve-tp wants comma-separated integers, got {text!r}") from None
+    if any(t < 1 for t in tps):
+        raise argparse.ArgumentTypeError(f"--serve-tp sizes must be >= 1, got {text!r}")
+    return tps
+
+
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", required=True)
+    p.add_argument("--store", required=True, help="shard store made by `eagle3 extract`")
     p.add_argument("--out", required=True, help="checkpoints and the final draft (OUT/draft)")
     p.add_argument("--target", default=None, help="target folder (default: the one the store came from)")
-    p.add_argument("--steps", type=int, default=None, help="stop after this many optimizer steps")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch", type=int, default=8, help="global batch in samples")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--ttt-steps", type=int, default=3)
-    p.add_argument("--draft-vocab", type=int, default=32000)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many optimizer steps (default: epochs)")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the store (default 1)")
+    p.add_argument("--batch", type=int, default=8, help="global batch in samples (default 8)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, cosine to 10%% (default 1e-3)")
+    p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps (default 3)")
+    p.add_argument("--pack-tokens", type=int, default=0,
+                   help="pack samples into rows of up to this many tokens (default 0: one sample per forward)")
+    p.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary size (default 32000)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", default="float32", help="training dtype (default float32)")
+    p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the published draft OUT/draft (default bfloat16, what vLLM serves in)")
+    p.add_argument("--serve-tp", type=_tp_list, default=None,
+                   help="tensor-parallel sizes the draft must load at in vLLM, e.g. 8 (default 1,2,4,8,16); "
+                        "checked before training and again at export")
+    p.add_argument("--draft-heads", type=int, default=None, help="draft attention heads (default: from the target)")
+    p.add_argument("--draft-kv-heads", type=int, default=None, help="draft KV heads (default 8)")
+    p.add_argument("--draft-head-dim", type=int, default=None, help="draft head dim (default 128/64/32 by hidden size)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (default 0: off)")
+    p.add_argument("--checkpoint-minutes", type=float, default=10.0,
+                   help="checkpoint every this many minutes of work (default 10; 0: off)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept (default 3; 0: all)")
+    p.add_argument("--on-bad-sample", choices=["stop", "skip"], default="stop",
+                   help="a stored sample with a checksum mismatch or NaN/Inf: stop (default) or skip and count it")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--no-resume", action="store_true", help="start over instead of resuming from OUT/checkpoints")
 
 
 def _train_config(a):
+    from eagle3.draft import SERVE_TPS
     from eagle3.train import TrainConfig
 
+    shape = {k: v for k, v in (("num_attention_heads", a.draft_heads), ("num_key_value_heads", a.draft_kv_heads),
+                               ("head_dim", a.draft_head_dim)) if v is not None}
     return TrainConfig(store=a.store, out=a.out, target=a.target, max_steps=a.steps, epochs=a.epochs,
-                       batch_samples=a.batch, lr=a.lr, ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab,
-                       device=a.device, dtype=a.dtype, checkpoint_every=a.checkpoint_every, seed=a.seed,
-                       resume=not a.no_resume)
+                       batch_samples=a.batch, lr=a.lr, ttt_steps=a.ttt_steps, pack_tokens=a.pack_tokens,
+                       draft_vocab_size=a.draft_vocab, device=a.device, dtype=a.dtype, export_dtype=a.export_dtype,
+                       serve_tps=a.serve_tp or SERVE_TPS, shape=shape, checkpoint_every=a.checkpoint_every,
+                       checkpoint_minutes=a.checkpoint_minutes, keep_checkpoints=a.keep_checkpoints,
+                       on_bad_sample=a.on_bad_sample, seed=a.seed, resume=not a.no_resume)
 
 
 def cmd_demo(a) -> int:
@@ -229,9 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         from eagle3 import doctor
 
         return doctor.main([])
+    from eagle3.checkpoint import NonFiniteWeights
     from eagle3.data import DataError
+    from eagle3.draft import DraftShapeError
     from eagle3.layers import LayerIdError
     from eagle3.store import StoreError
+    from eagle3.train import TrainingDiverged
 
     try:
         if args.cmd == "extract":
@@ -256,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench_report(args)
         if args.cmd == "make-target":
             return cmd_make_target(args)
-    except (DataError, StoreError, LayerIdError) as e:
+    except (DataError, StoreError, LayerIdError, DraftShapeError, TrainingDiverged, NonFiniteWeights) as e:
         if args.verbose >= 2:
             raise
         print(f"eagle3 {args.cmd}: error: {e}", file=sys.stderr)

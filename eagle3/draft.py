@@ -18,6 +18,20 @@ import torch
 VLLM_REQUIRED = ("speculators_model_type", "speculators_config", "transformer_layer_config")
 
 
+# Tensor-parallel sizes a draft must load at unless told otherwise: vLLM runs the EAGLE-3 draft at the
+# target's TP, and Kimi-K2.5 is served at 8 (16 on smaller GPUs).
+SERVE_TPS = (1, 2, 4, 8, 16)
+KV_HEADS = 8  # divides or is divided by every power-of-two TP up to 64 (SpecForge's DeepSeek-V3 draft uses 8)
+
+
+class DraftShapeError(ValueError):
+    """A draft shape vLLM would refuse at a tensor-parallel size."""
+
+
+def _round_up(x: int, k: int) -> int:
+    return -(-x // k) * k
+
+
 @dataclass(frozen=True)
 class DraftShape:
     """Size of the one-layer Llama-style draft, derived from the target unless given."""
@@ -35,16 +49,34 @@ class DraftShape:
 
     @classmethod
     def for_target(cls, target_config: dict) -> "DraftShape":
+        """head_dim 128/64/32 by hidden size; heads = hidden / head_dim rounded up to a multiple of 16 and 8 KV
+        heads, so every TP in SERVE_TPS divides them; intermediate rounded up to a multiple of 16.
+        Kimi-K2.5 (hidden 7168): 64 heads x 128 (attention width 8192), 8 KV heads, intermediate 18432.
+
+        RoPE: plain (rope_type default) with the target's theta, whatever rope_scaling the target has. The
+        target's YaRN belongs to its own attention (for Kimi, DeepSeek-YaRN on MLA's 64 rope dims); the draft is
+        trained from scratch, and a plain RoPE is computed identically by speculators (training) and vLLM's
+        get_rope (serving). max_position_embeddings is the target's: vLLM caps the draft's context at it."""
         text = target_config.get("text_config") or target_config
         hidden = int(text["hidden_size"])
-        head_dim = 128 if hidden >= 1024 else max(16, hidden // 4)
-        heads = max(1, hidden // head_dim)
-        kv = max(1, heads // 4) if heads % 4 == 0 else heads
-        inter = int(text.get("intermediate_size") or 4 * hidden)
+        head_dim = 128 if hidden >= 2048 else 64 if hidden >= 512 else 32
+        heads = _round_up(-(-hidden // head_dim), max(SERVE_TPS))
+        inter = _round_up(int(text.get("intermediate_size") or 4 * hidden), max(SERVE_TPS))
         rope = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta") or 10000.0
-        return cls(hidden, int(text["vocab_size"]), heads, kv, head_dim, inter,
+        return cls(hidden, int(text["vocab_size"]), heads, KV_HEADS, head_dim, inter,
                    float(text.get("rms_norm_eps", 1e-6)), int(text.get("max_position_embeddings", 4096)),
                    float(rope))
+
+    @classmethod
+    def from_layer_config(cls, layer: dict) -> "DraftShape":
+        """The shape a draft's exported transformer_layer_config describes."""
+        rope = (layer.get("rope_parameters") or {}).get("rope_theta") or layer.get("rope_theta") or 10000.0
+        return cls(int(layer["hidden_size"]), int(layer["vocab_size"]), int(layer["num_attention_heads"]),
+                   int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
+                   int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
+                   int(layer["intermediate_size"]), float(layer.get("rms_norm_eps", 1e-6)),
+                   int(layer.get("max_position_embeddings", 4096)), float(rope),
+                   int(layer.get("num_hidden_layers", 1)))
 
     def llama_config(self, attn_implementation: str = "sdpa"):
         from transformers import LlamaConfig
@@ -53,11 +85,54 @@ class DraftShape:
             hidden_size=self.hidden_size, vocab_size=self.vocab_size, num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim, intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings, rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
             hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
         )
         cfg._attn_implementation = attn_implementation
         return cfg
+
+
+def tp_problems(shape: DraftShape, tp: int) -> list[str]:
+    """Why vLLM 0.26 would refuse this draft at tensor-parallel size ``tp`` (empty = it loads).
+
+    Its rules: model_executor/models/llama.py LlamaAttention (attention heads % tp == 0; KV heads % tp == 0
+    when tp <= KV heads, else tp % KV heads == 0) and layers/linear.py (MLP intermediate size % tp == 0)."""
+    out = []
+    heads, kv = shape.num_attention_heads, shape.num_key_value_heads
+    if heads % tp:
+        out.append(f"{heads} attention heads at TP {tp}: vLLM needs heads % tp == 0")
+    if kv >= tp and kv % tp:
+        out.append(f"{kv} KV heads at TP {tp}: vLLM needs kv_heads % tp == 0 when tp <= kv_heads "
+                   f"(else tp % kv_heads == 0)")
+    elif kv < tp and tp % kv:
+        out.append(f"{kv} KV heads at TP {tp}: vLLM needs tp % kv_heads == 0 when tp > kv_heads "
+                   f"(else kv_heads % tp == 0)")
+    if shape.intermediate_size % tp:
+        out.append(f"intermediate size {shape.intermediate_size} at TP {tp}: vLLM splits the MLP evenly "
+                   "(intermediate_size % tp == 0)")
+    return out
+
+
+def check_servable(shape: DraftShape, tps) -> None:
+    """Raise DraftShapeError naming every rule vLLM would break at any of ``tps``."""
+    problems = [p for tp in tps for p in tp_problems(shape, int(tp))]
+    if problems:
+        raise DraftShapeError(
+            "vLLM runs the EAGLE-3 draft at the target's tensor-parallel size and would refuse this draft: "
+            + "; ".join(problems) + ". Leave the draft shape to eagle3 (8 KV heads, heads a multiple of 16) or "
+            "choose --draft-heads/--draft-kv-heads that fit, or a --serve-tp the draft need not run at."
+        )
+
+
+def export_bytes(shape: DraftShape, n_aux: int, draft_vocab_size: int, dtype_bytes: int = 2) -> int:
+    """Bytes of the exported model.safetensors tensors: fc, one Llama layer (its q/k/v take the 2H concat of
+    embedding and fc output), final norm, lm_head [draft_vocab, H], d2t int64, t2d bool. No embedding."""
+    h, q, kv = shape.hidden_size, shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    params = (n_aux * h * h + 2 * h * (q + 2 * kv) + q * h + 3 * h * shape.intermediate_size
+              + 3 * h + h + draft_vocab_size * h)
+    mapping = 8 * draft_vocab_size + shape.vocab_size if draft_vocab_size < shape.vocab_size else 0
+    return dtype_bytes * params + mapping
 
 
 def draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

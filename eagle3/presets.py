@@ -36,7 +36,10 @@ class TargetProfile:
     seq_len: int = 512         # tokens per sample the GPU suite uses
     dtype: str = "bfloat16"    # dtype of captured states
     layer_ids: tuple[int, ...] = ()
-    hf_config: dict[str, Any] = field(default_factory=dict)  # full config for locally built models
+    hf_config: dict[str, Any] = field(default_factory=dict)  # the target's (text) config.json
+    build: str = "random"      # random: built here with random weights (tiny.build_model);
+                               # config: config.json only, served with vLLM's load_format="dummy";
+                               # none: a real target, described here, never built
 
     def __post_init__(self):
         ids = self.layer_ids or default_layer_ids(self.num_hidden_layers)
@@ -44,7 +47,7 @@ class TargetProfile:
 
     @property
     def buildable(self) -> bool:
-        return bool(self.hf_config)
+        return bool(self.hf_config) and self.build != "none"
 
     @property
     def bytes_per_token(self) -> int:
@@ -55,17 +58,37 @@ class TargetProfile:
         return replace(self, **kw)
 
 
-def _deepseek(name, hidden, layers, vocab, experts, topk, moe_inter, inter, mla, max_pos=4096, **kw) -> TargetProfile:
+def _deepseek(name, hidden, layers, vocab, experts, topk, moe_inter, inter, mla, max_pos=4096, extra=None,
+              **kw) -> TargetProfile:
     cfg = dict(_DEEPSEEK_COMMON, hidden_size=hidden, num_hidden_layers=layers, vocab_size=vocab,
                n_routed_experts=experts, num_experts_per_tok=topk, n_shared_experts=1,
                moe_intermediate_size=moe_inter, intermediate_size=inter, max_position_embeddings=max_pos,
-               routed_scaling_factor=2.827, **mla)
+               routed_scaling_factor=2.827, **mla, **(extra or {}))
     return TargetProfile(name, "DeepseekV3ForCausalLM", hidden, layers, vocab, hf_config=cfg, **kw)
+
+
+# Kimi-K2.5's text model (its config.json text_config, DeepseekV3): 61 layers (first dense), 384 routed experts
+# of 2048, top-8 + 1 shared, 256k context by DeepSeek-YaRN (x64 from 4k) with rope_theta 50000.
+KIMI_K25_TEXT = dict(
+    _DEEPSEEK_COMMON, hidden_size=7168, num_hidden_layers=61, vocab_size=163840, intermediate_size=18432,
+    moe_intermediate_size=2048, n_routed_experts=384, num_experts_per_tok=8, n_shared_experts=1,
+    routed_scaling_factor=2.827, rms_norm_eps=1e-5, max_position_embeddings=262144, bos_token_id=163584,
+    eos_token_id=163585,
+    rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                      mscale=1.0, mscale_all_dim=1.0),
+    **KIMI_MLA,
+)
 
 
 PRESETS: dict[str, TargetProfile] = {
     # The production target: states are asserted, never built here. 4 x [512, 7168] bf16 per sample.
-    "kimi-k2.5": TargetProfile("kimi-k2.5", "DeepseekV3ForCausalLM", 7168, 61, 163840),
+    "kimi-k2.5": TargetProfile("kimi-k2.5", "DeepseekV3ForCausalLM", 7168, 61, 163840, hf_config=KIMI_K25_TEXT,
+                               build="none"),
+    # Kimi-K2.5's compute per token on one GPU: its exact layer shapes at full depth (61 layers, hidden 7168, Kimi's
+    # MLA, first layer dense 18432), MoE cut to 8 routed experts of 2048 all active (top-8, as Kimi routes 8) + 1
+    # shared, vocab 163840. About 35B parameters: config.json only, served with load_format="dummy" (61 GB).
+    "kimi-depth": _deepseek("kimi-depth", 7168, 61, 163840, experts=8, topk=8, moe_inter=2048, inter=18432,
+                            mla=KIMI_MLA, max_pos=16384, build="config"),
     # Same layer shapes as Kimi-K2.5 (hidden 7168, Kimi's MLA dims), 8 layers and 8 experts: one GPU.
     "mini-kimi": _deepseek("mini-kimi", 7168, 8, 32768, experts=8, topk=2, moe_inter=512, inter=2048,
                            mla=dict(KIMI_MLA, num_attention_heads=16, num_key_value_heads=16), max_pos=16384),

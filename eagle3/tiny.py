@@ -69,6 +69,17 @@ def fix_routing(model, topk: int) -> None:
                 bias[:topk] = 1.0
 
 
+def randomize_final_norm(model, seed: int) -> None:
+    """Final-norm weights drawn from [0.5, 1.5] instead of HF's ones. With ones, norm(norm(h)) == norm(h), so a
+    post-norm state could not be told from the pre-norm one by norm + lm_head (the final-state self-check)."""
+    import torch
+
+    norm = model.model.norm.weight
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        norm.copy_((0.5 + torch.rand(norm.shape, generator=g)).to(norm.dtype))
+
+
 def build_model(profile: TargetProfile, out_dir: str | Path, seed: int = 0, dtype: str = "float32",
                 with_tokenizer: bool = True, overrides: dict | None = None, device: str = "cpu",
                 fixed_routing: bool = False) -> Path:
@@ -84,8 +95,12 @@ def build_model(profile: TargetProfile, out_dir: str | Path, seed: int = 0, dtyp
         raise ValueError(f"profile {profile.name!r} describes a real target; it cannot be built locally")
     out_dir = Path(out_dir)
     cfg = dict(profile.hf_config, **(overrides or {}))
-    stamp = json.dumps({"cfg": cfg, "seed": seed, "dtype": dtype, "tok": with_tokenizer, "routing": fixed_routing},
-                       sort_keys=True)
+    if profile.build == "config":  # no weights: vLLM serves it with load_format="dummy"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(dict(cfg, torch_dtype=dtype), indent=1))
+        return out_dir
+    stamp = json.dumps({"cfg": cfg, "seed": seed, "dtype": dtype, "tok": with_tokenizer, "routing": fixed_routing,
+                        "norm": "random"}, sort_keys=True)
     if (out_dir / ".eagle3-build").exists() and (out_dir / ".eagle3-build").read_text() == stamp:
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -102,6 +117,7 @@ def build_model(profile: TargetProfile, out_dir: str | Path, seed: int = 0, dtyp
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     if fixed_routing:
         fix_routing(model, int(cfg.get("num_experts_per_tok", 0)))
+    randomize_final_norm(model, seed)
     model.save_pretrained(out_dir)
     del model
     (out_dir / ".eagle3-build").write_text(stamp)

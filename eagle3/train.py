@@ -1,16 +1,27 @@
 """Train an EAGLE-3 draft (speculators' Eagle3DraftModel) on a shard store.
 
-Per sample (speculators' shift): input_ids[1:], aux states[:-1] (concatenated, [T-1, n_aux*H]),
-last-layer states[1:] -> the target's distribution through its final norm and lm_head (KL loss),
-loss mask[1:], positions 1..T-1. ``ttt_steps`` training-time-test steps feed the draft its own
-states. One optimizer step = ``batch_samples`` samples (the global batch, split over ranks under
-torchrun/DDP); the loss is the mean over those samples, so 1 and N processes follow the same curve.
-Checkpoints every ``checkpoint_every`` steps; a rerun resumes from the newest one.
+Per sample (speculators' shift, speculators/models/eagle3/data.py shift_batch): input_ids[1:], aux
+states[:-1] (concatenated in ascending layer order, [T-1, n_aux*H]), last-layer states[1:] -> the target's
+distribution through its final norm and lm_head (KL loss), loss mask[1:], positions 1..T-1. So row i pairs
+token x[i+1] with the aux states of token i, as vLLM's drafter does (llm_base_proposer: input_ids[:n-1] =
+target_token_ids[1:], hidden_states = target_hidden_states; its positions are one lower, which RoPE, being
+relative, does not see). At training-time-test step j the loss compares row i's logits with the target of
+row i+j (metrics.align_for_step). Packed rows keep ``ttt_steps - 1`` padding positions between samples
+(document id -1, loss mask 0), so no step compares a sample's logits with the next sample's targets.
+
+One optimizer step = ``batch_samples`` samples (the global batch, split over ranks under torchrun/DDP);
+the loss is the mean over those samples, so 1 and N processes follow the same curve.
+
+Nothing silent: each shard's sha256 is checked the first time it is read, every sample's states are
+checked finite, a non-finite loss or gradient norm stops the run (no optimizer step, nothing written).
+Checkpoints every ``checkpoint_minutes`` of work (and/or ``checkpoint_every`` steps), the newest
+``keep_checkpoints`` kept; a rerun of the same command resumes from the newest complete one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -22,11 +33,11 @@ from pathlib import Path
 import torch
 
 from eagle3 import checkpoint, faults
-from eagle3.draft import DraftShape, draft_vocab, speculators_config
+from eagle3.draft import SERVE_TPS, DraftShape, check_servable, draft_vocab, speculators_config
 from eagle3.extract import read_model_config
 from eagle3.layers import aux_ids
 from eagle3.presets import config_hash
-from eagle3.store import Store, StoreMismatch
+from eagle3.store import Store, StoreError, StoreMismatch
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +61,12 @@ class TrainConfig:
                                          # tokens (one forward each; loss is then a token mean per pack)
     max_grad_norm: float = 1.0
     seed: int = 0
-    checkpoint_every: int = 0            # steps; 0 = only at the end
+    checkpoint_every: int = 0            # steps; 0 = by time only
+    checkpoint_minutes: float = 10.0     # minutes of work between checkpoints; 0 = by steps only
+    keep_checkpoints: int = 3            # newest complete checkpoints kept (0 = all)
+    on_bad_sample: str = "stop"          # stop | skip (skipped samples are counted and reported)
+    serve_tps: tuple[int, ...] = SERVE_TPS  # TP sizes the exported draft must load at in vLLM
+    export_dtype: str = "bfloat16"       # dtype of the published draft
     device: str = "cpu"
     dtype: str = "float32"               # training dtype of the draft and its inputs
     loss: str = "kl_div"
@@ -60,6 +76,14 @@ class TrainConfig:
     resume: bool = True
     speculative_tokens: int | None = None  # written to the config; default ttt_steps
     shape: dict = field(default_factory=dict)  # DraftShape overrides
+
+
+class BadData(StoreError):
+    """A stored sample the trainer must not learn from (checksum mismatch, NaN/Inf states)."""
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient: the run stops before the optimizer step, nothing is written."""
 
 
 @dataclass
@@ -72,29 +96,50 @@ class TrainResult:
     seconds: float
     losses: list[float]
     accept: dict[str, float]
+    resumed_from: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)   # sample id -> why (on_bad_sample="skip")
+    tokens_this_run: int = 0
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens_seen / self.seconds if self.seconds > 0 else 0.0
+        """Tokens trained in this process's run per second (0 when a rerun found the work done)."""
+        return self.tokens_this_run / self.seconds if self.seconds > 0 else 0.0
 
     def lines(self) -> list[str]:
         a, b = (self.losses[0], self.losses[-1]) if self.losses else (float("nan"),) * 2
         acc = ", ".join(f"{k} {v:.3f}" for k, v in self.accept.items())
-        return [f"draft      {self.draft}",
-                f"steps      {self.steps} ({self.samples_seen} samples, {self.tokens_seen} tokens) in "
-                f"{self.seconds:.1f} s = {self.tokens_per_s:,.0f} tok/s",
-                f"loss       {a:.4f} -> {b:.4f}",
-                f"accuracy   {acc}"]
+        run = (f"already trained: nothing to do (checkpoint at step {self.resumed_from})"
+               if self.resumed_from == self.steps else
+               f"{self.tokens_this_run} tokens in {self.seconds:.1f} s = {self.tokens_per_s:,.0f} tok/s"
+               + (f" (resumed from step {self.resumed_from})" if self.resumed_from else ""))
+        lines = [f"draft      {self.draft}",
+                 f"steps      {self.steps} ({self.samples_seen} samples, {self.tokens_seen} tokens); this run: {run}",
+                 f"loss       {a:.4f} -> {b:.4f}",
+                 f"accuracy   {acc}"]
+        if self.skipped:
+            lines.append(f"skipped    {len(self.skipped)} bad samples, e.g. "
+                         + "; ".join(f"{k}: {v}" for k, v in list(self.skipped.items())[:3]))
+        return lines
+
+
+FIX = ("run `eagle3 verify --fix {store}` (it quarantines bad shards), then rerun the same `eagle3 extract` "
+       "command to redo them; or train with --on-bad-sample skip to leave them out")
 
 
 class StoreSamples:
-    """Random access to a store's samples: (input_ids [T], loss_mask [T], aux [T, n_aux*H], last [T, H])."""
+    """Random access to a store's samples: (input_ids [T], loss_mask [T], aux [T, n_aux*H], last [T, H]).
+
+    Trust nothing read back: a shard's sha256 is checked against the manifest the first time any of its
+    samples is read (about 1.5 GB/s of hashing on one core, once per shard per run), and every sample's
+    states are checked finite. A bad one raises BadData naming store, shard, sample and the fix."""
 
     def __init__(self, store: Store):
         from safetensors import safe_open
 
         self.store, self.ids = store, list(store.spec.layer_ids)
         self.index: list[tuple[str, int, int, str]] = []
+        self.sha = {s["file"]: s["sha256"] for s in store.shards}
+        self.verified: set[str] = set()
         for shard in store.shards:
             with safe_open(str(store.root / shard["file"]), framework="pt") as f:
                 off = f.get_tensor("offsets").tolist()
@@ -103,6 +148,22 @@ class StoreSamples:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def _bad(self, file: str, sid: str | None, what: str) -> BadData:
+        where = f"store {self.store.root}, shard {file}" + (f", sample {sid}" if sid else "")
+        return BadData(f"{where}: {what}. Training stopped before learning from it: "
+                       + FIX.format(store=self.store.root))
+
+    def verify_shard(self, file: str) -> None:
+        if file in self.verified:
+            return
+        h = hashlib.sha256()
+        with open(self.store.root / file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        if h.hexdigest() != self.sha[file]:
+            raise self._bad(file, None, "its sha256 differs from the manifest's (the file changed after commit)")
+        self.verified.add(file)
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often each token is a training target (loss-masked positions)."""
@@ -119,35 +180,53 @@ class StoreSamples:
         from safetensors import safe_open
 
         file, a, b, sid = self.index[i]
+        self.verify_shard(file)
         with safe_open(str(self.store.root / file), framework="pt") as f:
             hs = f.get_slice("hidden_states")[a:b]  # [T, n_layers, H]; aux layers first, the last id last
-            return {"sample_id": sid, "input_ids": f.get_slice("input_ids")[a:b].long(),
-                    "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
-                    "aux": hs[:, :-1].reshape(hs.shape[0], -1), "last": hs[:, -1]}
+            x = {"sample_id": sid, "shard": file, "input_ids": f.get_slice("input_ids")[a:b].long(),
+                 "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
+                 "aux": hs[:, :-1].reshape(hs.shape[0], -1), "last": hs[:, -1]}
+        bad = [lid for k, lid in enumerate(self.ids) if not torch.isfinite(hs[:, k]).all()]
+        if bad:
+            n = int((~torch.isfinite(hs)).sum())
+            raise self._bad(file, sid, f"{n} NaN/Inf values in the states of layer ids {bad}")
+        return x
 
 
-def model_inputs(xs: list[dict], device: str, dtype: torch.dtype) -> dict:
+def model_inputs(xs: list[dict], device: str, dtype: torch.dtype, gap: int = 0) -> dict:
     """Samples shifted as speculators expects (input_ids[1:], aux[:-1], last[1:], loss_mask[1:],
-    positions 1..T-1), packed into one sequence of batch dim 1 with a document id per sample."""
+    positions 1..T-1), packed into one sequence of batch dim 1 with a document id per sample.
+    ``gap`` padding positions (document id -1, loss mask 0, zeros) follow every sample but the last:
+    with ttt_steps - 1 of them, no training-time-test step pairs one sample's logits with the next one's targets."""
     parts = {k: [] for k in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask",
                              "position_ids", "document_ids")}
     for d, x in enumerate(xs):
         t = x["input_ids"].shape[0] - 1
-        parts["input_ids"].append(x["input_ids"][1:])
-        parts["hidden_states"].append(x["aux"][:-1])
-        parts["verifier_last_hidden_states"].append(x["last"][1:])
-        parts["loss_mask"].append(x["loss_mask"][1:])
-        parts["position_ids"].append(torch.arange(1, t + 1))
-        parts["document_ids"].append(torch.full((t,), d, dtype=torch.long))
+        pad = gap if d < len(xs) - 1 else 0
+        parts["input_ids"] += [x["input_ids"][1:], torch.zeros(pad, dtype=torch.long)]
+        parts["hidden_states"] += [x["aux"][:-1], x["aux"].new_zeros(pad, x["aux"].shape[1])]
+        parts["verifier_last_hidden_states"] += [x["last"][1:], x["last"].new_zeros(pad, x["last"].shape[1])]
+        parts["loss_mask"] += [x["loss_mask"][1:], torch.zeros(pad, dtype=torch.bool)]
+        parts["position_ids"].append(torch.arange(1, t + pad + 1))
+        parts["document_ids"] += [torch.full((t,), d, dtype=torch.long), torch.full((pad,), -1, dtype=torch.long)]
     out = {k: torch.cat(v)[None].to(device) for k, v in parts.items()}
     for k in ("hidden_states", "verifier_last_hidden_states"):
         out[k] = out[k].to(dtype)
     return out
 
 
-def micro_batches(samples: "StoreSamples", indices: list[int], pack_tokens: int) -> list[list[dict]]:
-    """One sample per forward, or packs of up to pack_tokens tokens."""
-    xs = [samples.get(i) for i in indices]
+def micro_batches(samples: "StoreSamples", indices: list[int], pack_tokens: int,
+                  skipped: dict[str, str] | None = None) -> list[list[dict]]:
+    """One sample per forward, or packs of up to pack_tokens tokens. With ``skipped`` (on_bad_sample="skip"),
+    bad samples are left out and recorded there instead of stopping the run."""
+    xs = []
+    for i in indices:
+        try:
+            xs.append(samples.get(i))
+        except BadData as e:
+            if skipped is None:
+                raise
+            skipped[samples.index[i][3]] = str(e).split(". Training stopped")[0]
     if pack_tokens <= 0:
         return [[x] for x in xs]
     packs, cur, n = [], [], 0
@@ -179,9 +258,9 @@ def init_distributed(device: str) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples):
-    from speculators.models.eagle3 import Eagle3DraftModel
-
+def draft_shape(cfg: TrainConfig, store: Store) -> tuple[DraftShape, dict, str]:
+    """The draft's shape for the store's target (+ cfg.shape overrides), checked servable at cfg.serve_tps
+    before anything is read or written. Returns (shape, target config, target path)."""
     target = cfg.target or store.spec.target["name_or_path"]
     tcfg = read_model_config(target)
     if config_hash(tcfg) != store.spec.target.get("config_hash"):
@@ -195,10 +274,17 @@ def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples):
         shape = DraftShape(**dict(asdict(shape), **cfg.shape))
     if shape.hidden_size != store.spec.hidden_size:
         raise StoreMismatch(f"store hidden size {store.spec.hidden_size} != target hidden size {shape.hidden_size}")
+    check_servable(shape, cfg.serve_tps)
+    return shape, tcfg, str(target)
+
+
+def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples, shape: DraftShape, tcfg: dict, target: str):
+    from speculators.models.eagle3 import Eagle3DraftModel
+
     n_draft = min(cfg.draft_vocab_size, shape.vocab_size)
     t2d, d2t = draft_vocab(samples.token_counts(shape.vocab_size), n_draft)
     config = speculators_config(
-        shape, aux_ids(store.spec.layer_ids), n_draft, cfg.speculative_tokens or cfg.ttt_steps, str(target),
+        shape, aux_ids(store.spec.layer_ids), n_draft, cfg.speculative_tokens or cfg.ttt_steps, target,
         list(tcfg.get("architectures") or []), attn_implementation=cfg.attn_impl,
     )
     torch.manual_seed(cfg.seed)
@@ -219,22 +305,31 @@ def _lr_lambda(cfg: TrainConfig, total: int):
     return f
 
 
+_clock = time.monotonic  # tests replace it to simulate long runs
+
+
 def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     from speculators.losses import resolve_loss_config
     from tqdm import tqdm
 
+    if cfg.on_bad_sample not in ("stop", "skip"):
+        raise ValueError(f"on_bad_sample must be stop or skip, got {cfg.on_bad_sample!r}")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise StoreError(f"--device {cfg.device}: torch {torch.__version__} sees no CUDA device here; "
+                         "train with --device cpu or on a GPU host")
     fault = faults.from_env()
+    store = Store.open(cfg.store)
+    shape, tcfg, target = draft_shape(cfg, store)
     init_distributed(cfg.device)
     dist, rank, world = _dist()
     if cfg.batch_samples % world:
         raise ValueError(f"batch_samples {cfg.batch_samples} must be divisible by the {world} processes")
-    store = Store.open(cfg.store)
     if store.spec.dtype not in ("bfloat16", "float16", "float32"):
         raise StoreMismatch(f"store dtype {store.spec.dtype} is not a float type the trainer reads")
     samples = StoreSamples(store)
     if len(samples) == 0:
         raise StoreMismatch(f"store {cfg.store} has no samples")
-    model = build_draft(cfg, store, samples)
+    model = build_draft(cfg, store, samples, shape, tcfg, target)
     dtype = getattr(torch, cfg.dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
@@ -244,12 +339,16 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     total = min(cfg.max_steps or 10**12, steps_per_epoch * cfg.epochs)
     lr_at = _lr_lambda(cfg, total)
     loss_config = resolve_loss_config(cfg.loss, cfg.loss_impl)
-    state = {"step": 0, "losses": [], "samples_seen": 0, "tokens_seen": 0, "config": asdict(cfg)}
+    state = {"step": 0, "losses": [], "samples_seen": 0, "tokens_seen": 0, "config": asdict(cfg), "skipped": {}}
     out = Path(cfg.out)
     ckpt = checkpoint.latest(out) if cfg.resume else None
+    resumed_from = 0
     if ckpt is not None:
         state = checkpoint.load(ckpt, model, optimizer)
-        log.info("resuming from %s (step %d)", ckpt, state["step"])
+        state.setdefault("skipped", {})
+        resumed_from = state["step"]
+        if rank == 0:
+            log.warning("resuming from step %d of %d (%s); --no-resume starts over", resumed_from, total, ckpt)
     ddp = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -257,8 +356,11 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()]
                                       if cfg.device.startswith("cuda") else None)
     model.train()
+    skipped = state["skipped"] if cfg.on_bad_sample == "skip" else None
+    gap = max(0, cfg.ttt_steps - 1)
     accept_sums: dict[str, float] = {}
-    t0, tokens_run = time.perf_counter(), 0
+    t0, tokens_run, tokens_this_run = time.perf_counter(), 0, 0
+    last_save = _clock()
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, desc="train", unit="step")
     with torch.compiler.set_stance("default" if cfg.compile else "force_eager"):
         while state["step"] < total:
@@ -268,22 +370,32 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             batch = order[k * cfg.batch_samples : (k + 1) * cfg.batch_samples].tolist()
             mine = batch[rank::world]
             loss_sum = torch.zeros((), dtype=torch.float64)
-            packs = micro_batches(samples, mine, cfg.pack_tokens)
+            packs = micro_batches(samples, mine, cfg.pack_tokens, skipped)
+            ids = [x["sample_id"] for pack in packs for x in pack]
             for j, pack in enumerate(packs):
-                inputs = model_inputs(pack, cfg.device, dtype)
+                inputs = model_inputs(pack, cfg.device, dtype, gap)
                 sync = j == len(packs) - 1 or world == 1
                 ctx = ddp.no_sync() if world > 1 and not sync else contextlib.nullcontext()
                 weight = len(pack)  # a pack's loss is a mean over its samples' tokens; weigh it by samples
                 with ctx:
                     _, loss, metrics = ddp(**inputs, ttt_steps=cfg.ttt_steps,
                                            ttt_step_loss_decay=cfg.ttt_step_loss_decay, loss_config=loss_config)
+                    if not torch.isfinite(loss):
+                        raise TrainingDiverged(
+                            f"step {step + 1}: the loss is {float(loss)} on samples "
+                            f"{[x['sample_id'] for x in pack]}; stopped before the optimizer step, nothing written. "
+                            "Lower --lr, or check those samples with `eagle3 verify`.")
                     (loss * weight * world / cfg.batch_samples).backward()
                 loss_sum += float(loss.detach()) * weight
                 tokens_run += inputs["input_ids"].shape[1]
                 for name, v in metrics.items():
                     if name.startswith("full_acc_"):
                         accept_sums[name] = accept_sums.get(name, 0.0) + float(v)
-            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                raise TrainingDiverged(
+                    f"step {step + 1}: the gradient norm is {float(grad_norm)} (samples {ids}); stopped before the "
+                    "optimizer step, nothing written. Lower --lr, or check those samples with `eagle3 verify`.")
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr * lr_at(step)
             optimizer.step()
@@ -294,24 +406,35 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             state["step"] = step + 1
             state["samples_seen"] += cfg.batch_samples
             state["tokens_seen"] = state.get("tokens_seen", 0) + tokens_run * world
+            tokens_this_run += tokens_run * world
             tokens_run = 0
             bar.update(1)
             bar.set_postfix(loss=f"{state['losses'][-1]:.4f}")
             if fault:
                 fault("after_step")
             last = state["step"] == total
-            if rank == 0 and (last or (cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0)):
+            if last:
+                state["accept"] = _acceptance(accept_sums)
+            due = (cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0) or (
+                cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes)
+            if rank == 0 and (last or due):
                 path = checkpoint.save(out, state["step"], model, optimizer, state, fault=fault)
+                last_save = _clock()
                 if last:
-                    checkpoint.publish(path, out)
+                    checkpoint.publish(path, out, cfg.export_dtype, cfg.serve_tps)
+                checkpoint.prune(out, cfg.keep_checkpoints)
             if dist is not None:
                 dist.barrier()
     bar.close()
-    accept = {}
-    for name in sorted(accept_sums):
-        if name.endswith("_sum"):
-            total_name = name[: -len("_sum")] + "_total"
-            if accept_sums.get(total_name):
-                accept[name[: -len("_sum")]] = accept_sums[name] / accept_sums[total_name]
     return TrainResult(str(out), str(out / "draft"), state["step"], state["samples_seen"], state["tokens_seen"],
-                       time.perf_counter() - t0, state["losses"], accept)
+                       time.perf_counter() - t0, state["losses"], state.get("accept", {}), resumed_from,
+                       dict(state["skipped"]), tokens_this_run)
+
+
+def _acceptance(sums: dict[str, float]) -> dict[str, float]:
+    """speculators' full_acc_<step>_sum / _total -> accuracy per TTT step, over this run's steps."""
+    out = {}
+    for name in sorted(sums):
+        if name.endswith("_sum") and sums.get(name[: -len("_sum")] + "_total"):
+            out[name[: -len("_sum")]] = sums[name] / sums[name[: -len("_sum")] + "_total"]
+    return out

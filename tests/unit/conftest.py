@@ -51,6 +51,24 @@ def small_store(tiny_kimi, small_data, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def trained_run(small_store, tmp_path_factory):
+    """A short training run on small_store (12 steps, checkpoints every 4): (TrainResult, out folder)."""
+    from eagle3.train import TrainConfig, train
+
+    out = tmp_path_factory.mktemp("train")
+    cfg = TrainConfig(store=str(small_store), out=str(out), draft_vocab_size=256, batch_samples=4, lr=3e-3, seed=0,
+                      max_steps=12, checkpoint_every=4)
+    return train(cfg, progress=False), out
+
+
+@pytest.fixture(scope="session")
+def trained_draft(trained_run):
+    from pathlib import Path
+
+    return Path(trained_run[0].draft)
+
+
 @pytest.fixture
 def one_thread():
     """Bitwise comparisons across processes need the same float reduction order: one torch thread,

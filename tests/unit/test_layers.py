@@ -47,8 +47,15 @@ def test_presets_are_data_with_consistent_shapes():
     assert mini.hf_config["qk_rope_head_dim"] == 64 and mini.layer_ids == (2, 4, 5, 8)
     assert from_name("kimi-k2.5").bytes_per_token == 4 * 7168 * 2  # 57 KiB per token
     for p in PRESETS.values():
-        if p.buildable:
+        if p.hf_config:
             assert p.hf_config["hidden_size"] == p.hidden_size
             assert p.hf_config["num_hidden_layers"] == p.num_hidden_layers
+    depth = from_name("kimi-depth")
+    assert depth.layer_ids == (2, 30, 58, 61) and depth.build == "config" and not from_name("kimi-k2.5").buildable
+    kimi = from_name("kimi-k2.5").hf_config
+    for k in ("hidden_size", "num_hidden_layers", "vocab_size", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+              "qk_nope_head_dim", "v_head_dim", "num_attention_heads", "intermediate_size", "moe_intermediate_size"):
+        assert depth.hf_config[k] == kimi[k], k
+    assert (depth.hf_config["n_routed_experts"], depth.hf_config["num_experts_per_tok"]) == (8, 8)
     with pytest.raises(KeyError, match="known"):
         from_name("nope")
