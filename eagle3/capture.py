@@ -14,6 +14,11 @@ chunk of a longer prompt (chunked prefill). For each step the worker passes the 
 No host memcpy, no per-request allocation. Modes: "store" (the above), "host" (copy to a pinned buffer
 and drop: the null sink of the benchmarks), "count" (nothing copied). A request whose first rows never
 arrive (prefix caching skipped them) or that matches no announced sample is reported as an error.
+
+Preemption: vLLM may preempt a request mid-prefill (KV cache full), reset its computed tokens to 0 and
+recompute it later under the same request id. Each placement keeps a watermark of the rows already copied:
+recomputed rows below it are not copied or counted again, so a shard is handed to the writer only when
+every one of its rows has arrived once; rows that would skip past the watermark are an error.
 """
 
 from __future__ import annotations
@@ -75,6 +80,16 @@ class ShardBuffer:
         return self.states.shape[0]
 
 
+@dataclass
+class Placement:
+    """Where a request's prompt rows go, and how many (from row 0) have been copied so far."""
+
+    buf: ShardBuffer
+    row: int          # first row in buf
+    length: int       # prompt tokens
+    filled: int = 0   # watermark: rows [0, filled) are copied (or in flight)
+
+
 class ShardFiller:
     """Reserves rows for requests in pinned shard buffers and hands complete shards to a ShardWriter."""
 
@@ -84,7 +99,8 @@ class ShardFiller:
         self.capacity, self.pin = capacity, pin
         self.free: list[ShardBuffer] = free if free is not None else []  # pinned buffers, reused
         self.open: ShardBuffer | None = None
-        self.where: dict[str, tuple[ShardBuffer, int, int]] = {}  # req -> (buffer, first row, length)
+        self.where: dict[str, Placement] = {}  # request id -> its rows
+        self.recomputed = 0  # rows seen again after a preemption (not copied twice)
         self.done: set[str] = set()  # requests whose prompt rows are all placed (cleared per batch)
         self.expected: dict[tuple[int, ...], deque[Announced]] = defaultdict(deque)
         self.lock = threading.Lock()
@@ -118,7 +134,7 @@ class ShardFiller:
         return ShardBuffer(torch.empty(cap, dtype=torch.int32), torch.empty(cap, dtype=torch.uint8),
                            torch.empty(cap, self.n_layers, self.hidden, dtype=self.dtype, pin_memory=self.pin))
 
-    def reserve(self, req: str, prompt: Sequence[int], computed: int) -> tuple[ShardBuffer, int, int] | None:
+    def reserve(self, req: str, prompt: Sequence[int], computed: int) -> Placement | None:
         """First sight of a request: its sample and rows. None (and an error) if it cannot be placed."""
         if computed != 0:
             self.errors.append(f"request {req}: first captured rows start at token {computed}, not 0 - the engine "
@@ -144,7 +160,7 @@ class ShardFiller:
         with self.lock:
             b.used += t
             b.missing += t
-        self.where[req] = (b, row, t)
+        self.where[req] = Placement(b, row, t)
         return self.where[req]
 
     def seal(self) -> None:
@@ -285,13 +301,21 @@ class Capturer:
                 if place is None:
                     f.done.add(req)
                     continue
-                buf, row, length = place
-                rows = min(b - a, length - c)  # tokens beyond the prompt (decode) are not captured
-                if rows <= 0:
+                if c > place.filled:
+                    f.errors.append(f"request {req}: rows {place.filled}..{c} were never computed (the engine "
+                                    "skipped them: prefix caching must be off for extraction)")
+                    del f.where[req]
+                    f.done.add(req)
                     continue
-                copies.append((buf.states[row + c : row + c + rows], staged[a : a + rows]))
-                arrivals.append((buf, rows))
-                if c + rows >= length:
+                end = min(c + (b - a), place.length)  # tokens beyond the prompt (decode) are not captured
+                start = max(c, place.filled)          # rows below the watermark: recomputed after preemption
+                f.recomputed += max(0, min(end, place.filled) - c)
+                if end > start:
+                    copies.append((place.buf.states[place.row + start : place.row + end],
+                                   staged[a + start - c : a + end - c]))
+                    arrivals.append((place.buf, end - start))
+                    place.filled = end
+                if place.filled >= place.length:
                     del f.where[req]
                     f.done.add(req)
         event = None

@@ -9,7 +9,8 @@
         offsets    int64 [S + 1]    sample s = rows offsets[s]:offsets[s+1]
         hidden_states dtype [N, n_layers, H]   layers in the manifest's layer_ids order (as vLLM's
                                     extract_hidden_states lays them out: a token's layers are adjacent)
-        header metadata: sample_ids (JSON), layer_ids, convention, dtype, hidden_size, target_config_hash
+        header metadata: sample_ids (JSON), layer_ids, convention, dtype, hidden_size, target_config_hash,
+                         writer (who wrote it, e.g. "tp0 pid 1234" for the vLLM owner rank)
 
 Writes go to a temp name, are fsynced, then renamed; the manifest is rewritten the same way after the
 shard files it names are durable. A shard file that the manifest does not name is not part of the store:
@@ -183,12 +184,15 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     return [memoryview(len(raw).to_bytes(8, "little")), memoryview(raw), *views]
 
 
-def shard_meta(spec: StoreSpec, sample_ids: Sequence[str]) -> dict[str, str]:
-    return {
+def shard_meta(spec: StoreSpec, sample_ids: Sequence[str], writer: str | None = None) -> dict[str, str]:
+    meta = {
         "schema": str(SCHEMA_VERSION), "sample_ids": json.dumps(list(sample_ids)),
         "layer_ids": json.dumps(list(spec.layer_ids)), "convention": spec.convention, "dtype": spec.dtype,
         "hidden_size": str(spec.hidden_size), "target_config_hash": str(spec.target.get("config_hash")),
     }
+    if writer:
+        meta["writer"] = writer
+    return meta
 
 
 def shard_offsets(lengths: Sequence[int]) -> torch.Tensor:
@@ -210,10 +214,10 @@ def shard_tensors(samples: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch
 
 
 def write_shard(root: Path, name: str, tensors: dict[str, torch.Tensor], spec: StoreSpec,
-                sample_ids: Sequence[str], fsync: bool = True, fault=None) -> ShardInfo:
+                sample_ids: Sequence[str], fsync: bool = True, fault=None, writer: str | None = None) -> ShardInfo:
     """One shard file from ready tensors (zero-copy views), atomically."""
-    sha, nbytes = atomic_write(Path(root) / name, safetensors_chunks(tensors, shard_meta(spec, sample_ids)), fsync,
-                               fault)
+    sha, nbytes = atomic_write(Path(root) / name, safetensors_chunks(tensors, shard_meta(spec, sample_ids, writer)),
+                               fsync, fault)
     return ShardInfo(name, sha, nbytes, len(sample_ids), int(tensors["input_ids"].shape[0]), list(sample_ids))
 
 
@@ -238,8 +242,9 @@ class ShardWriter:
 
     def __init__(self, root: str | Path, spec: StoreSpec, start_index: int, shard_tokens: int = 1 << 18,
                  shard_samples: int | None = None, fsync: bool = True, threads: int = 0, max_pending: int = 4,
-                 fault: Callable[[str], None] | None = None):
-        self.root, self.spec, self.next_index = Path(root), spec, start_index
+                 fault: Callable[[str], None] | None = None, writer_id: str | None = None):
+        self.root, self.spec, self.next_index, self.writer_id = Path(root), spec, start_index, writer_id
+        self.written: list[str] = []  # shard files this writer wrote, in completion order
         self.shard_tokens, self.shard_samples, self.fsync, self.fault = shard_tokens, shard_samples, fsync, fault
         (self.root / SHARDS).mkdir(parents=True, exist_ok=True)
         self._pending: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -329,12 +334,13 @@ class ShardWriter:
     def _write(self, name: str, build, on_done=None) -> None:
         try:
             tensors, sample_ids = build()
-            info = write_shard(self.root, name, tensors, self.spec, sample_ids, self.fsync, self.fault)
+            info = write_shard(self.root, name, tensors, self.spec, sample_ids, self.fsync, self.fault, self.writer_id)
         finally:
             if on_done is not None:
                 on_done()
         with self._lock:
             self._finished[shard_index(name)] = info
+            self.written.append(name)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

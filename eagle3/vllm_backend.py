@@ -19,7 +19,8 @@ from eagle3.store import ShardInfo, Store, StoreError, StoreSpec
 log = logging.getLogger(__name__)
 
 SETUP_KEYS = frozenset({"rank", "tp_rank", "tp_size", "owner", "num_layers", "layer_ids", "strategy"})
-COLLECT_KEYS = frozenset({"rank", "owner", "steps", "tokens", "completed", "shards", "errors"})
+COLLECT_KEYS = frozenset({"rank", "owner", "steps", "tokens", "completed", "shards", "errors", "recomputed",
+                          "writer", "files_written"})
 
 
 class VLLMBackend:
@@ -91,6 +92,7 @@ class VLLMSession:
                             shard_tokens=shard_tokens(cfg, store.spec), fsync=cfg.fsync)
         backend.call("eagle3_open", open_cfg, keys=frozenset({"rank", "mode"}))
         self.tokens = 0  # prompt tokens the engine computed so far in this session
+        self.recomputed = 0  # prompt rows the engine computed again after preempting their request
 
     def submit(self, batch: Sequence[Sample]) -> list[ShardInfo]:
         self.backend.call("eagle3_expect", [(s.sample_id, list(s.input_ids), list(s.loss_mask)) for s in batch],
@@ -107,11 +109,19 @@ class VLLMSession:
         if errors:
             raise StoreError("capture failed: " + "; ".join(errors[:5]))
         check_consistent(records, ["steps", "tokens"])  # every rank ran the same steps over the same tokens
+        writers = [r["rank"] for r in records if r["writer"] or r["files_written"]]
+        if writers != ([next(r["rank"] for r in records if r["owner"])] if self.mode == "store" else []):
+            raise StoreError(f"ranks {writers} opened a shard writer or wrote shard files; only the owner rank "
+                             "(TP rank 0) may write: racing writers would overwrite each other's files")
         tokens = records[0]["tokens"]
         if expected_tokens is not None and tokens - self.tokens < expected_tokens:
             raise StoreError(f"the engine computed {tokens - self.tokens} prompt tokens for a batch of "
                              f"{expected_tokens}: some were skipped (prefix caching?)")
         self.tokens = tokens
         owner = next(r for r in records if r["owner"])
+        if owner["recomputed"] > self.recomputed:
+            log.info("preemption: the engine recomputed %d prompt rows so far (captured once each)",
+                     owner["recomputed"])
+        self.recomputed = owner["recomputed"]
         log.debug("%s: %d shards from the owner, %d samples completed", method, len(owner["shards"]), owner["completed"])
         return [ShardInfo(**s) for s in owner["shards"]]

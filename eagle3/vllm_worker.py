@@ -98,7 +98,8 @@ class CaptureExtension:
         writer = None
         if mode == "store":
             writer = ShardWriter(cfg["root"], StoreSpec.from_json(cfg["spec"]), cfg["start_index"],
-                                 fsync=cfg["fsync"], threads=cfg.get("writer_threads", 2))
+                                 fsync=cfg["fsync"], threads=cfg.get("writer_threads", 2),
+                                 writer_id=f"tp{e3['par']['tp_rank']} pid {os.getpid()}")
         e3["writer"] = writer
         e3["capturer"].start(mode, writer, shard_tokens=cfg.get("shard_tokens") or 8192)
         return {"rank": e3["par"]["tp_rank"], "mode": mode}
@@ -133,9 +134,12 @@ class CaptureExtension:
                 shards = [vars(i) for i in (e3["writer"].flush() if final else e3["writer"].take_done())]
             except Exception as ex:  # noqa: BLE001 - a failed shard write is reported, not raised here
                 errors.append(f"shard writer: {type(ex).__name__}: {ex}")
+        writer = e3["writer"]
         return {"rank": e3["par"]["tp_rank"], "owner": e3["owner"], "steps": cap.stats.steps,
                 "tokens": cap.stats.tokens, "bytes_to_host": cap.stats.bytes_to_host,
-                "completed": cap.filler.completed if cap.filler else 0, "shards": shards, "errors": errors}
+                "completed": cap.filler.completed if cap.filler else 0, "shards": shards, "errors": errors,
+                "recomputed": cap.filler.recomputed if cap.filler else 0, "writer": writer is not None,
+                "files_written": list(writer.written) if writer is not None else []}
 
     def eagle3_close(self) -> dict:
         """Seal and write the open shard, wait for every write; returns the last shards."""

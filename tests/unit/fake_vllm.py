@@ -5,7 +5,10 @@ vLLM has the same): LLM(**engine args) with collective_rpc / generate, workers m
 worker extension, a V1-style model runner (input_batch.req_ids / num_reqs / num_computed_tokens_cpu,
 query_start_loc.np, requests[id].prompt_token_ids, drafter.propose), decoder layers returning
 (hidden, residual), and parallel_state. Steps are scheduled with chunked prefill under a token budget;
-the "forward" replays the states of a reference model, split as hidden + residual.
+the "forward" replays the states of a reference model, split as hidden + residual. With ``preempt`` > 0
+it preempts running requests mid-prefill as vLLM does when the KV cache is full: the request leaves the
+batch and the runner, its computed tokens are reset to 0, and it is recomputed later under the same id
+(again in chunks). ``preemptions`` counts them.
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ class FakeLLM:
     token_budget = 96          # tokens per step (chunked prefill)
     prefix_caching = False     # when True, repeated prompt prefixes are not recomputed (the trap)
     encode_replies = False     # return tensors in replies engine-encoded, as vLLM 0.26 does
+    preempt = 0.0              # chance per step that one partly computed request is preempted
     last = None
 
     def __init__(self, **kw):
@@ -129,6 +133,7 @@ class FakeLLM:
             w.model_runner = _Runner(_Model(n_layers, FakeLLM.hidden))
             self.workers.append(w)
         self.counter = 0
+        self.preemptions = 0
         self.seen_prefixes: set[tuple[int, ...]] = set()
         self.rng = random.Random(0)
         FakeLLM.last = self
@@ -168,6 +173,15 @@ class FakeLLM:
             reqs.append([rid, ids, skip, FakeLLM.reference(ids)])
         waiting = list(reqs)
         while waiting:
+            started = [r for r in waiting if 0 < r[2] < len(r[1])]
+            if started and self.rng.random() < self.preempt:
+                victim = self.rng.choice(started)  # KV cache full: drop its blocks, recompute from token 0
+                victim[2] = 0
+                waiting.remove(victim)
+                waiting.append(victim)
+                for w in self.workers:
+                    w.model_runner.requests.pop(victim[0], None)
+                self.preemptions += 1
             budget, step = self.token_budget, []
             for r in waiting:
                 if budget == 0:

@@ -1,5 +1,6 @@
-"""The capture pipeline (eagle3.capture) on CPU tensors: any chunked-prefill schedule reassembles every
-announced sample exactly, into shards of any size; skipped prefixes and strangers are reported."""
+"""The capture pipeline (eagle3.capture) on CPU tensors: any chunked-prefill schedule, with preemptions that
+reset a request to token 0 mid-prefill, reassembles every announced sample exactly, into shards of any size;
+skipped prefixes and strangers are reported."""
 
 import torch
 from hypothesis import given, settings
@@ -23,12 +24,19 @@ def schedules(draw):
     lengths = draw(st.lists(st.integers(1, 30), min_size=1, max_size=8))
     budget = draw(st.integers(1, 40))
     prompts = [[draw(st.integers(0, 50)) for _ in range(n)] for n in lengths]
-    return prompts, budget, draw(st.integers(4, 64)), draw(st.randoms(use_true_random=False))
+    preempt = draw(st.sampled_from([0.0, 0.3, 0.7]))
+    return prompts, budget, draw(st.integers(4, 64)), draw(st.randoms(use_true_random=False)), preempt
 
 
-def _run(capturer, prompts, budget, rng, skip_first=0):
+def _run(capturer, prompts, budget, rng, skip_first=0, preempt=0.0):
+    """Chunked prefill under a token budget; with ``preempt``, a partly computed request may be reset to 0."""
     done = [skip_first if i == 0 else 0 for i in range(len(prompts))]
+    preemptions = 0
     while any(d < len(p) for d, p in zip(done, prompts)):
+        started = [i for i, (d, p) in enumerate(zip(done, prompts)) if 0 < d < len(p)]
+        if started and rng.random() < preempt:
+            done[rng.choice(started)] = 0
+            preemptions += 1
         left, reqs, starts, computed, rows = budget, [], [0], [], []
         for i, p in enumerate(prompts):
             if done[i] >= len(p) or left == 0:
@@ -45,12 +53,13 @@ def _run(capturer, prompts, budget, rng, skip_first=0):
             capturer.on_step([torch.cat([step[k], torch.zeros(3, H)]) for k in range(N_LAYERS)], layout)
         for i, n in zip(reqs, [b - a for a, b in zip(starts, starts[1:])]):
             done[i] += n
+    return preemptions
 
 
 @settings(max_examples=40)
 @given(schedules())
 def test_any_schedule_reassembles_every_sample(tmp_path_factory, case):
-    prompts, budget, shard_tokens, rng = case
+    prompts, budget, shard_tokens, rng, preempt = case
     root = tmp_path_factory.mktemp("cap")
     store = Store.open(root, SPEC, create=True, fsync=False)
     writer = ShardWriter(root, SPEC, 0, fsync=False, threads=2)
@@ -58,7 +67,7 @@ def test_any_schedule_reassembles_every_sample(tmp_path_factory, case):
     cap.start("store", writer, shard_tokens=shard_tokens)
     cap.filler.announce([Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(len(p), dtype=torch.uint8))
                          for i, p in enumerate(prompts)])
-    _run(cap, prompts, budget, rng)
+    _run(cap, prompts, budget, rng, preempt=preempt)
     cap.drain()
     cap.filler.seal()
     store.commit(writer.flush(), fsync=False)
@@ -72,6 +81,38 @@ def test_any_schedule_reassembles_every_sample(tmp_path_factory, case):
         assert g["input_ids"].tolist() == p
         for k, layer in enumerate(SPEC.layer_ids):
             assert torch.equal(g["states"][layer], _states(p)[k])
+
+
+def test_a_preempted_request_never_lets_a_shard_go_out_with_rows_that_did_not_arrive(tmp_path):
+    """The bug this guards: rows recomputed after a preemption were counted as arrivals a second time, so a
+    shard's missing-row count reached 0 while later rows had not arrived, and the writer wrote stale rows."""
+    import random
+
+    root = tmp_path / "s"
+    store = Store.open(root, SPEC, create=True, fsync=False)
+    writer = ShardWriter(root, SPEC, 0, fsync=False)
+    cap = Capturer(N_LAYERS, H, torch.float32)
+    cap.start("store", writer, shard_tokens=10)
+    prompt = list(range(1, 11))
+    cap.filler.announce([Announced("s0", torch.tensor(prompt, dtype=torch.int32), torch.ones(10, dtype=torch.uint8))])
+    st = _states(prompt)
+
+    def step(c, n):
+        layout = StepLayout(["r0"], [0, n], [c], [prompt])
+        cap.on_step([torch.cat([st[k, c : c + n], torch.zeros(3, H)]) for k in range(N_LAYERS)], layout)
+        cap.drain()
+
+    step(0, 6)   # rows 0..5 arrive
+    step(0, 4)   # preempted, recomputed from 0: rows 0..3 again - not new rows
+    assert cap.filler.recomputed == 4
+    assert writer.take_done() == [] and not cap.filler.errors  # 4 rows still missing: nothing written
+    step(4, 6)   # rows 4..9
+    cap.filler.seal()
+    store.commit(writer.flush(), fsync=False)
+    got = next(Store.open(root).iter_samples())
+    for k, layer in enumerate(SPEC.layer_ids):
+        assert torch.equal(got["states"][layer], st[k])
+    cap.close()
 
 
 def test_a_skipped_prefix_and_an_unannounced_request_are_reported(tmp_path):

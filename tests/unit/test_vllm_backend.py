@@ -39,6 +39,7 @@ def fake(monkeypatch, reference_states):
     llm = fake_vllm.install(monkeypatch, n_layers=8, hidden=128, reference=reference_states)
     monkeypatch.setattr(llm, "token_budget", 96)
     monkeypatch.setattr(llm, "prefix_caching", False)
+    monkeypatch.setattr(llm, "preempt", 0.0)
     return llm
 
 
@@ -82,6 +83,57 @@ def test_vllm_backend_store_equals_the_hf_reference(fake, tiny_kimi, tmp_path, h
             "eagle_aux_hidden_state_layer_ids"] == list(IDS)
     # only the owner (TP rank 0) held a writer; every rank counted the same tokens
     assert [w._e3["owner"] for w in llm.workers] == [True] + [False] * (tp - 1)
+
+
+@pytest.mark.parametrize("capture,tp", [("hooks", 1), ("aux", 2)])
+def test_preempted_and_recomputed_requests_store_exactly_the_reference(fake, tiny_kimi, tmp_path, hf_store,
+                                                                         capture, tp):
+    """vLLM preempts requests mid-prefill when the KV cache is full and recomputes them from token 0 in chunks."""
+    fake.preempt = 0.5
+    fake.token_budget = 40
+    out = tmp_path / "s"
+    extract.run(_cfg(tiny_kimi, out, backend="vllm", capture=capture, tp=tp), samples=_samples(), progress=False)
+    assert fake.last.preemptions >= 5
+    got = _read(out)
+    assert got.keys() == hf_store.keys()
+    for sid, ref in hf_store.items():
+        for i in IDS:
+            assert torch.equal(got[sid]["states"][i], ref["states"][i]), (sid, i)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_exactly_one_rank_writes_as_its_reply_and_the_files_say(fake, tiny_kimi, tmp_path, monkeypatch, tp):
+    """With identical bytes, racing writers on several ranks would leave a correct-looking store: check who
+    wrote from each rank's own collect reply and from the writer recorded in every shard file."""
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    from eagle3.vllm_backend import VLLMBackend
+
+    replies = []
+    real = VLLMBackend.call
+
+    def spy(self, method, *args, keys=frozenset()):
+        records = real(self, method, *args, keys=keys)
+        if method in ("eagle3_collect", "eagle3_close"):
+            replies.append(records)
+        return records
+
+    monkeypatch.setattr(VLLMBackend, "call", spy)
+    out = tmp_path / "s"
+    extract.run(_cfg(tiny_kimi, out, backend="vllm", capture="hooks", tp=tp), samples=_samples(), progress=False)
+    final = replies[-1]
+    assert len(final) == tp
+    assert [r["rank"] for r in final if r["writer"]] == [0]
+    assert all(r["files_written"] == [] for r in final if r["rank"] != 0)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(final[0]["files_written"]) == sorted(s["file"] for s in manifest["shards"])
+    assert sorted(p.name for p in (out / "shards").iterdir()) == sorted(s["file"].split("/")[1] for s in manifest["shards"])
+    for shard in manifest["shards"]:
+        with safe_open(str(out / shard["file"]), framework="pt") as f:
+            assert f.metadata()["writer"] == f"tp0 pid {os.getpid()}"
 
 
 def test_prefix_caching_loses_states_and_is_caught(fake, tiny_kimi, tmp_path):
