@@ -382,7 +382,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                                            ttt_step_loss_decay=cfg.ttt_step_loss_decay, loss_config=loss_config)
                     if not torch.isfinite(loss):
                         raise TrainingDiverged(
-                            f"step {step + 1}: the loss is {float(loss)} on samples "
+                            f"step {step + 1}: the loss is {float(loss.detach())} on samples "
                             f"{[x['sample_id'] for x in pack]}; stopped before the optimizer step, nothing written. "
                             "Lower --lr, or check those samples with `eagle3 verify`.")
                     (loss * weight * world / cfg.batch_samples).backward()

@@ -1,0 +1,184 @@
+"""Nothing silent in training (issue 13): bad stored data stops the run (or is skipped and counted when asked),
+a non-finite loss stops it before the optimizer step, checkpoints are on by default and a kill -9 resumes to
+the same loss curve, the newest complete checkpoint wins and a torn one is skipped."""
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from eagle3 import checkpoint, cli, train as train_mod
+from eagle3.store import safetensors_chunks
+from eagle3.train import BadData, TrainConfig, TrainingDiverged, train
+
+from .conftest import run_forked
+
+
+def _cfg(store, out, **kw):
+    base = dict(store=str(store), out=str(out), draft_vocab_size=256, batch_samples=4, lr=3e-3, seed=0)
+    return TrainConfig(**{**base, **kw})
+
+
+def _rewrite_sample(store, shard_no: int, sample_no: int, value: float, rehash: bool) -> str:
+    """Put ``value`` into one sample's states (layer 0, first row); re-hash the shard in the manifest or not.
+    Returns the sample id."""
+    manifest = json.loads((store / "manifest.json").read_text())
+    entry = manifest["shards"][shard_no]
+    path = store / entry["file"]
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    off = tensors["offsets"].tolist()
+    tensors["hidden_states"][off[sample_no], 0, :] = value
+    data = b"".join(bytes(c) for c in safetensors_chunks(tensors, meta))
+    path.write_bytes(data)
+    if rehash:
+        entry["sha256"], entry["bytes"] = hashlib.sha256(data).hexdigest(), len(data)
+        (store / "manifest.json").write_text(json.dumps(manifest))
+    return json.loads(meta["sample_ids"])[sample_no]
+
+
+@pytest.fixture
+def store_copy(small_store, tmp_path):
+    out = tmp_path / "store"
+    shutil.copytree(small_store, out)
+    return out
+
+
+def _cli_train(store, out, *extra):
+    return cli.main(["train", "--store", str(store), "--out", str(out), "--draft-vocab", "256", "--batch", "4",
+                     "--epochs", "1", *extra])
+
+
+def test_a_nan_in_one_sample_stops_training_naming_it_and_writes_no_draft(store_copy, tmp_path, capsys):
+    sid = _rewrite_sample(store_copy, 2, 1, float("nan"), rehash=True)  # verify --quick would pass
+    code = _cli_train(store_copy, tmp_path / "t")
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "NaN/Inf" in err and sid in err and "shards/shard-000002" in err and str(store_copy) in err
+    assert "eagle3 verify --fix" in err
+    assert not (tmp_path / "t" / "draft").exists()
+
+
+def test_flipped_bytes_stop_training_with_the_checksum(store_copy, tmp_path, capsys):
+    path = store_copy / json.loads((store_copy / "manifest.json").read_text())["shards"][1]["file"]
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x40  # a bit in the last sample's states: the file still parses
+    path.write_bytes(bytes(data))
+    code = _cli_train(store_copy, tmp_path / "t")
+    err = capsys.readouterr().err
+    assert code == 2 and "sha256 differs" in err and "shards/shard-000001" in err, err
+    assert not (tmp_path / "t" / "draft").exists()
+
+
+def test_bad_samples_can_be_skipped_and_are_counted(store_copy, tmp_path):
+    sid = _rewrite_sample(store_copy, 0, 0, float("inf"), rehash=True)
+    result = train(_cfg(store_copy, tmp_path / "t", epochs=1, on_bad_sample="skip"), progress=False)
+    assert list(result.skipped) == [sid] and "NaN/Inf" in result.skipped[sid]
+    assert any(line.startswith("skipped    1 bad samples") for line in result.lines())
+    w = load_file(f"{result.draft}/model.safetensors")
+    assert all(torch.isfinite(t).all() for t in w.values() if t.is_floating_point())
+
+
+def test_a_diverging_run_stops_at_the_non_finite_loss_before_the_step(small_store, tmp_path):
+    """lr 1e30: step 1 blows the weights up, step 2's loss is NaN. The run names the step and its samples and
+    stops before the optimizer step; what was checkpointed before is finite and nothing is published."""
+    with pytest.raises(TrainingDiverged, match=r"step 2: the loss is nan on samples \['small.jsonl:\d+'\]"):
+        train(_cfg(small_store, tmp_path / "t", lr=1e30, max_steps=4, checkpoint_every=1), progress=False)
+    assert not (tmp_path / "t" / "draft").exists()
+    ckpts = list((tmp_path / "t" / "checkpoints").glob("step-*"))
+    assert [p.name for p in ckpts] == ["step-0000001"]
+
+
+def test_publish_refuses_nonfinite_weights(trained_run, tmp_path):
+    result, out = trained_run
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(out / "checkpoints" / "step-0000012", ckpt)
+    w = load_file(str(ckpt / "model.safetensors"))
+    w["fc.weight"][0, 0] = float("nan")
+    from safetensors.torch import save_file
+
+    save_file(w, str(ckpt / "model.safetensors"))
+    with pytest.raises(checkpoint.NonFiniteWeights, match="fc.weight"):
+        checkpoint.publish(ckpt, tmp_path / "o")
+    assert not (tmp_path / "o" / "draft").exists()
+
+
+class FakeClock:
+    """Four minutes of work per optimizer step: the default (every 10 minutes) checkpoints every 3rd step."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 120.0  # read twice per step (check + after a save)
+        return self.t
+
+
+def _default_train_killed(cfg, k):
+    train_mod._clock = FakeClock()
+    os.environ["EAGLE3_FAULT"] = f"after_step:{k}"
+    train(cfg, progress=False)
+
+
+def test_default_options_checkpoint_by_time_and_a_kill_resumes_to_the_same_curve(small_store, tmp_path, one_thread,
+                                                                                  monkeypatch, caplog):
+    cfg = _cfg(small_store, tmp_path / "killed", max_steps=8)  # no checkpoint option given
+    assert (cfg.checkpoint_every, cfg.checkpoint_minutes, cfg.resume) == (0, 10.0, True)
+    monkeypatch.setattr(train_mod, "_clock", FakeClock())
+    ref = train(_cfg(small_store, tmp_path / "ref", max_steps=8), progress=False).losses
+    killed, _ = run_forked(lambda: _default_train_killed(cfg, 7))
+    assert killed
+    saved = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").glob("step-*"))
+    assert saved and saved[-1] < "step-0000007", saved
+    monkeypatch.setattr(train_mod, "_clock", FakeClock())
+    with caplog.at_level(logging.WARNING, logger="eagle3.train"):
+        resumed = train(cfg, progress=False)
+    n = int(saved[-1].split("-")[1])
+    assert f"resuming from step {n} of 8" in caplog.text
+    assert resumed.resumed_from == n and resumed.losses == ref
+    # the rate is this run's: tokens of steps n+1..8 over this run's time, not every token since step 1
+    assert 0 < resumed.tokens_this_run < resumed.tokens_seen
+    assert resumed.tokens_per_s == pytest.approx(resumed.tokens_this_run / resumed.seconds)
+
+
+def test_resume_takes_the_newest_complete_checkpoint_and_skips_a_torn_one(small_store, tmp_path, one_thread):
+    ref = train(_cfg(small_store, tmp_path / "ref", max_steps=7), progress=False).losses
+    out = tmp_path / "t"
+    killed, _ = run_forked(lambda: (os.environ.__setitem__("EAGLE3_FAULT", "after_step:7"),
+                                    train(_cfg(small_store, out, max_steps=7, checkpoint_every=2, keep_checkpoints=0),
+                                          progress=False)))
+    assert killed
+    ckpts = sorted((out / "checkpoints").glob("step-*"))
+    assert [p.name for p in ckpts] == ["step-0000002", "step-0000004", "step-0000006"]
+    m = ckpts[-1] / "model.safetensors"
+    m.write_bytes(m.read_bytes()[:-64])  # torn: shorter than its header says
+    assert checkpoint.latest(out) == ckpts[1]
+    resumed = train(_cfg(small_store, out, max_steps=7, checkpoint_every=2, keep_checkpoints=0), progress=False)
+    assert resumed.resumed_from == 4 and resumed.losses == ref
+
+
+def test_only_the_newest_checkpoints_are_kept(small_store, tmp_path):
+    out = tmp_path / "t"
+    train(_cfg(small_store, out, max_steps=6, checkpoint_every=1, keep_checkpoints=2), progress=False)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-0000005", "step-0000006"]
+
+
+def test_a_rerun_of_a_finished_run_says_so(trained_run, small_store):
+    result, out = trained_run
+    again = train(_cfg(small_store, out, max_steps=12, checkpoint_every=4), progress=False)
+    text = "\n".join(again.lines())
+    assert "already trained: nothing to do" in text and "tok/s" not in text
+    assert again.accept == result.accept and again.accept
+
+
+def test_bad_data_error_is_a_store_error_for_the_cli():
+    from eagle3.store import StoreError
+
+    assert issubclass(BadData, StoreError)
