@@ -72,9 +72,12 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from eagle3.preflight import UsageError
+
     records = load_history(history)
     if not records:
-        raise ValueError(f"no benchmark records with tokens_per_s in {list(map(str, history))}")
+        raise UsageError(f"no benchmark records with tokens_per_s in {', '.join(map(str, history))}: give the JSON "
+                         "that `pytest -m benchmark --benchmark-json=FILE` wrote on the GPU host")
     baselines = load_baselines(baselines_dir)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

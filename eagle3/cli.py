@@ -252,17 +252,66 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def preflight(a) -> None:
+    """Argument and environment checks that need no model, torch or vLLM: under a second, nothing created."""
+    from eagle3 import preflight as pf
+
+    if a.cmd == "extract":
+        folder = pf.model_folder(a.model, tokenizer=True, weights=a.backend == "hf")
+        if a.layer_ids:
+            from eagle3.layers import validate_layer_ids
+
+            cfg = json.loads((folder / "config.json").read_text())
+            validate_layer_ids(a.layer_ids, int((cfg.get("text_config") or cfg)["num_hidden_layers"]))
+        if a.backend == "vllm":
+            pf.vllm_installed("extract --backend vllm")
+            pf.cuda_available("extract --backend vllm")
+        elif a.device.startswith("cuda"):
+            pf.cuda_available(f"extract --device {a.device}")
+    elif a.cmd == "train":
+        pf.store_folder(a.store)
+        if a.target:
+            pf.model_folder(a.target, weights=True, what="--target")
+        if a.device.startswith("cuda"):
+            pf.cuda_available(f"train --device {a.device}")
+    elif a.cmd == "verify":
+        pf.store_folder(a.store)
+    elif a.cmd == "eval":
+        pf.vllm_installed("eval")
+        pf.model_folder(a.target, weights=True, tokenizer=True, what="--target")
+        pf.model_folder(a.draft, weights=True, what="--draft")
+        pf.cuda_available("eval")
+    elif a.cmd == "bench":
+        missing = [h for h in a.history if not Path(h).exists()]
+        if missing:
+            raise pf.UsageError(f"--history {' '.join(missing)}: no such file or folder; give the benchmark JSON "
+                                "written by pytest --benchmark-json, or a folder of them")
+
+
+def _fail(a, e: Exception) -> int:
+    if a.verbose >= 2:
+        raise e
+    print(f"eagle3 {a.cmd}: error: {e}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from eagle3.data import DataError
+    from eagle3.layers import LayerIdError
+    from eagle3.preflight import UsageError
+
+    try:
+        preflight(args)
+    except (UsageError, LayerIdError, DataError) as e:
+        return _fail(args, e)
     _setup_logging(args.verbose)
     if args.cmd == "doctor":
         from eagle3 import doctor
 
         return doctor.main([])
     from eagle3.checkpoint import NonFiniteWeights
-    from eagle3.data import DataError
     from eagle3.draft import DraftShapeError
-    from eagle3.layers import LayerIdError
     from eagle3.store import StoreError
     from eagle3.train import TrainingDiverged
 
@@ -289,11 +338,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench_report(args)
         if args.cmd == "make-target":
             return cmd_make_target(args)
-    except (DataError, StoreError, LayerIdError, DraftShapeError, TrainingDiverged, NonFiniteWeights) as e:
-        if args.verbose >= 2:
-            raise
-        print(f"eagle3 {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
+    except (DataError, StoreError, LayerIdError, DraftShapeError, TrainingDiverged, NonFiniteWeights,
+            UsageError) as e:
+        return _fail(args, e)
     return 2
 
 

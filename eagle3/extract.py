@@ -133,6 +133,10 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
         report = rep.summary()
         log.info("data: %s", report)
     spec = store_spec(cfg.model, cfg.layer_ids, cfg.dtype)
+    if cfg.backend == "vllm" and backend is None:
+        from eagle3.preflight import vllm_installed
+
+        vllm_installed("extract --backend vllm")  # before the store folder is made
     store = Store.open(cfg.out, spec, create=True, fsync=cfg.fsync)
     ids = [s.sample_id for s in samples]
     if len(set(ids)) != len(ids):

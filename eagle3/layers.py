@@ -28,6 +28,11 @@ def default_layer_ids(num_layers: int) -> tuple[int, ...]:
 
 def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
     ids = tuple(int(i) for i in ids)
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad:
+        raise LayerIdError(f"layer id{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} out of range: a target "
+                           f"with {num_layers} layers has ids 0..{num_layers} (id {num_layers} = its last layer's "
+                           f"output); the default is {list(default_layer_ids(num_layers)) if num_layers >= 7 else 'n/a'}")
     if len(ids) < 2:
         raise LayerIdError(f"need at least one aux layer id plus the last ({num_layers}); got {list(ids)}")
     if len(set(ids)) != len(ids):
@@ -35,9 +40,6 @@ def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
             f"layer ids {list(ids)} repeat an id; for a {num_layers}-layer target choose distinct ids, "
             f"e.g. the default (2, L//2, L-3, L) needs L >= 7"
         )
-    bad = [i for i in ids if not 0 <= i <= num_layers]
-    if bad:
-        raise LayerIdError(f"layer ids {bad} outside [0, {num_layers}] for a target with {num_layers} layers")
     if list(ids) != sorted(ids):
         raise LayerIdError(
             f"layer ids {list(ids)} must ascend: vLLM feeds aux states to the drafter in layer order"

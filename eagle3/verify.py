@@ -136,7 +136,9 @@ def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> No
 
 
 def verify(root: str | Path, deep: bool = True) -> VerifyReport:
-    root = Path(root)
+    from eagle3.preflight import store_folder
+
+    root = store_folder(root)
     store = Store(root, read_manifest(root))  # not Store.open: verify must not delete anything
     rep, seen = VerifyReport(str(root)), Counter()
     for shard in store.shards:

@@ -44,7 +44,7 @@ def test_tokenizer_without_chat_template(tmp_path, tokenizer, small_data):
         load_samples(DataConfig([str(small_data)]), bare, tokenizer_where=str(tmp_path / "tok"))
 
 
-@pytest.mark.parametrize("ids,msg", [("2,4,4,8", "repeat"), ("2,4,9", "outside"), ("2,4,5", "last layer id must be 8")])
+@pytest.mark.parametrize("ids,msg", [("2,4,4,8", "repeat"), ("2,4,9", "out of range"), ("2,4,5", "last layer id must be 8")])
 def test_cli_refuses_bad_layer_ids_before_writing(tiny_kimi, small_data, tmp_path, capsys, ids, msg):
     out = tmp_path / "s"
     code = cli.main(["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(out),

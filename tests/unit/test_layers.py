@@ -28,7 +28,7 @@ def test_defaults_are_valid_for_any_deep_enough_target(n):
 
 
 @pytest.mark.parametrize("ids,msg", [
-    ((2, 2, 8), "repeat"), ((2, 9), "outside"), ((-1, 8), "outside"), ((5, 2, 8), "ascend"), ((2, 4), "last layer id"),
+    ((2, 2, 8), "repeat"), ((2, 9), "out of range"), ((-1, 8), "out of range"), ((5, 2, 8), "ascend"), ((2, 4), "last layer id"),
     ((8,), "at least one aux"),
 ])
 def test_bad_layer_ids_are_refused_with_the_reason(ids, msg):

@@ -1,0 +1,63 @@
+"""Checks that run before any work: everyday mistakes become one message naming the fix, in well under a
+second, with nothing created. Importing this module imports neither torch, transformers nor vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+
+class UsageError(ValueError):
+    """The command cannot run as given; the message says what to change."""
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "tiktoken.model")
+
+
+def model_folder(path: str | Path, *, weights: bool = False, tokenizer: bool = False, what: str = "--model") -> Path:
+    """A target folder: config.json always; weights and tokenizer files when the caller needs them."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{what} {p}: no such folder. Give the target's folder (config.json, weights, tokenizer)")
+    if not p.is_dir():
+        raise UsageError(f"{what} {p}: is a file; give the folder that holds config.json")
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        raise UsageError(f"{what} {p}: no config.json in it; is this the model folder (not a parent or a shard)?")
+    try:
+        json.loads(cfg.read_text())
+    except ValueError as e:
+        raise UsageError(f"{cfg}: not valid JSON ({e}); restore the file from the model's release") from None
+    if weights and not any((p / f).exists() for f in WEIGHT_FILES) and not list(p.glob("*.safetensors")):
+        raise UsageError(f"{what} {p}: no weights (*.safetensors) in it. The hf backend needs the weights; "
+                         "download them, or use --backend vllm with the engine's own loader")
+    if tokenizer and not any((p / f).exists() for f in TOKENIZER_FILES):
+        raise UsageError(f"{what} {p}: no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}) in it; conversations "
+                         "are turned into tokens with the target's tokenizer and chat template")
+    return p
+
+
+def vllm_installed(command: str) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError(f"{command} needs vLLM, which is not installed here (pip install 'eagle3[gpu]' on a GPU "
+                         "host; `eagle3 doctor` shows what is installed)")
+
+
+def cuda_available(command: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(f"{command} needs a CUDA GPU and torch {torch.__version__} sees none here; "
+                         "run it on a GPU host (`eagle3 doctor` lists the GPUs)")
+
+
+def store_folder(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{p}: no such store folder; `eagle3 extract --out {p} ...` makes one")
+    if not (p / "manifest.json").is_file():
+        raise UsageError(f"{p} is not a store (no manifest.json): give the folder `eagle3 extract --out` wrote")
+    return p
