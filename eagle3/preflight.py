@@ -41,7 +41,9 @@ def model_folder(path: str | Path, *, weights: bool = False, tokenizer: bool = F
 
 
 def vllm_installed(command: str) -> None:
-    if importlib.util.find_spec("vllm") is None:
+    import sys
+
+    if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
         raise UsageError(f"{command} needs vLLM, which is not installed here (pip install 'eagle3[gpu]' on a GPU "
                          "host; `eagle3 doctor` shows what is installed)")
 
