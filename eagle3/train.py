@@ -6,8 +6,8 @@ distribution through its final norm and lm_head (KL loss), loss mask[1:], positi
 token x[i+1] with the aux states of token i, as vLLM's drafter does (llm_base_proposer: input_ids[:n-1] =
 target_token_ids[1:], hidden_states = target_hidden_states; its positions are one lower, which RoPE, being
 relative, does not see). At training-time-test step j the loss compares row i's logits with the target of
-row i+j (metrics.align_for_step). Packed rows keep ``ttt_steps - 1`` padding positions between samples
-(document id -1, loss mask 0), so no step compares a sample's logits with the next sample's targets.
+row i+j (metrics.align_for_step). In packed rows the first ``ttt_steps - 1`` targets of every sample after the
+first are masked, so no step compares a sample's logits with the next sample's targets.
 
 One optimizer step = ``batch_samples`` samples (the global batch, split over ranks under torchrun/DDP);
 the loss is the mean over those samples, so 1 and N processes follow the same curve.
@@ -193,22 +193,27 @@ class StoreSamples:
         return x
 
 
-def model_inputs(xs: list[dict], device: str, dtype: torch.dtype, gap: int = 0) -> dict:
+def model_inputs(xs: list[dict], device: str, dtype: torch.dtype, guard: int = 0) -> dict:
     """Samples shifted as speculators expects (input_ids[1:], aux[:-1], last[1:], loss_mask[1:],
     positions 1..T-1), packed into one sequence of batch dim 1 with a document id per sample.
-    ``gap`` padding positions (document id -1, loss mask 0, zeros) follow every sample but the last:
-    with ttt_steps - 1 of them, no training-time-test step pairs one sample's logits with the next one's targets."""
+
+    Packed rows: at TTT step j speculators compares row r's logits with the target of row r + j, masked by the
+    target's loss mask. So the first ``guard`` = ttt_steps - 1 targets of every sample after the first get loss
+    mask 0: no step compares one sample's logits with the next one's targets (at the price of those few targets;
+    chat samples start with non-assistant tokens, so usually nothing is lost)."""
     parts = {k: [] for k in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask",
                              "position_ids", "document_ids")}
     for d, x in enumerate(xs):
         t = x["input_ids"].shape[0] - 1
-        pad = gap if d < len(xs) - 1 else 0
-        parts["input_ids"] += [x["input_ids"][1:], torch.zeros(pad, dtype=torch.long)]
-        parts["hidden_states"] += [x["aux"][:-1], x["aux"].new_zeros(pad, x["aux"].shape[1])]
-        parts["verifier_last_hidden_states"] += [x["last"][1:], x["last"].new_zeros(pad, x["last"].shape[1])]
-        parts["loss_mask"] += [x["loss_mask"][1:], torch.zeros(pad, dtype=torch.bool)]
-        parts["position_ids"].append(torch.arange(1, t + pad + 1))
-        parts["document_ids"] += [torch.full((t,), d, dtype=torch.long), torch.full((pad,), -1, dtype=torch.long)]
+        mask = x["loss_mask"][1:].clone()
+        if d > 0:
+            mask[:guard] = False
+        parts["input_ids"].append(x["input_ids"][1:])
+        parts["hidden_states"].append(x["aux"][:-1])
+        parts["verifier_last_hidden_states"].append(x["last"][1:])
+        parts["loss_mask"].append(mask)
+        parts["position_ids"].append(torch.arange(1, t + 1))
+        parts["document_ids"].append(torch.full((t,), d, dtype=torch.long))
     out = {k: torch.cat(v)[None].to(device) for k, v in parts.items()}
     for k in ("hidden_states", "verifier_last_hidden_states"):
         out[k] = out[k].to(dtype)
@@ -357,7 +362,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                                       if cfg.device.startswith("cuda") else None)
     model.train()
     skipped = state["skipped"] if cfg.on_bad_sample == "skip" else None
-    gap = max(0, cfg.ttt_steps - 1)
+    guard = max(0, cfg.ttt_steps - 1)
     accept_sums: dict[str, float] = {}
     t0, tokens_run, tokens_this_run = time.perf_counter(), 0, 0
     last_save = _clock()
@@ -373,7 +378,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             packs = micro_batches(samples, mine, cfg.pack_tokens, skipped)
             ids = [x["sample_id"] for pack in packs for x in pack]
             for j, pack in enumerate(packs):
-                inputs = model_inputs(pack, cfg.device, dtype, gap)
+                inputs = model_inputs(pack, cfg.device, dtype, guard)
                 sync = j == len(packs) - 1 or world == 1
                 ctx = ddp.no_sync() if world > 1 and not sync else contextlib.nullcontext()
                 weight = len(pack)  # a pack's loss is a mean over its samples' tokens; weigh it by samples

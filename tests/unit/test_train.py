@@ -115,3 +115,15 @@ def test_trainer_refuses_a_store_from_another_target(small_store, tmp_path):
 def test_fault_points_are_off_unless_asked(monkeypatch):
     monkeypatch.delenv("EAGLE3_FAULT", raising=False)
     assert faults.from_env() is None
+
+
+def test_ttt_step_loss_decay_and_warmup_reach_the_run(small_store, tmp_path):
+    """Options at non-default values change what is trained: the step-loss decay weighs later TTT steps, warm-up
+    ramps the learning rate linearly before the cosine."""
+    from eagle3.train import _lr_lambda
+
+    base = train(_cfg(small_store, tmp_path / "a", max_steps=1), progress=False).losses
+    decayed = train(_cfg(small_store, tmp_path / "b", max_steps=1, ttt_step_loss_decay=0.5), progress=False).losses
+    assert decayed[0] < base[0]  # steps 1 and 2 weighed 0.5 and 0.25 instead of 1
+    lr = _lr_lambda(TrainConfig(store="", out="", warmup_steps=4), total=20)
+    assert [lr(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0] and lr(19) < 0.2

@@ -1,0 +1,154 @@
+"""Golden data for the trainer's inputs (issue 16): every stored state encodes its own (sample, token, layer), so
+any shift, swap, interleave, cast or offset error is a wrong number in what the model receives and in what the
+loss compares, at every training-time-test step, packed or not.
+
+The alignment asserted is EAGLE-3's as speculators 0.9.0 trains it and vLLM 0.26 serves it:
+- speculators/models/eagle3/data.py shift_batch: input_ids[1:], hidden_states[:-1],
+  verifier_last_hidden_states[1:], loss_mask[1:], position_ids[1:] -> row i pairs token x[i+1] with the aux
+  states of token i, and its target is the distribution after token i+1.
+- vllm/v1/spec_decode/llm_base_proposer.py (set_inputs_first_pass): input_ids[:n-1] = target_token_ids[1:],
+  hidden_states = target_hidden_states: the same pairing at serving time.
+- speculators/models/eagle3/metrics.py align_for_step: at TTT step j, logits[:, :-j] against targets[:, j:]
+  with loss_mask[:, j:] -> row i is compared with the target of row i + j (the state of token i + j + 1).
+- the aux states are concatenated in ascending layer-id order, the order vLLM hands them to the drafter.
+"""
+
+import pytest
+import torch
+
+from eagle3 import extract
+from eagle3.store import ShardWriter, Store
+from eagle3.train import StoreSamples, TrainConfig, micro_batches, model_inputs, train
+
+IDS = (2, 4, 5, 8)  # tiny-kimi: aux 2, 4, 5; last 8
+H = 128
+LENGTHS = [9, 5, 12, 7, 6, 11, 8, 10]
+
+
+def golden(s: int, t: int, layer: int) -> torch.Tensor:
+    """[H] state of (sample s, token t, layer id): coordinates in the first three values, then a pattern that
+    makes every state's direction differ (so a norm + lm_head of it is distinct too). Exact in bf16."""
+    v = torch.zeros(H)
+    v[0], v[1], v[2] = s, t, layer
+    k = torch.arange(3, H)
+    v[3:] = ((k * (7 * s + 3 * t + layer + 1)) % 17 - 8) / 8
+    return v
+
+
+def token(s: int, t: int) -> int:
+    return 5 + (37 * s + 11 * t) % 1000
+
+
+def mask(s: int, t: int) -> int:
+    """Loss mask of token t of sample s: mostly 1, and 1 on the first token of most samples (as windows of
+    --long split can start inside an assistant turn), 0 where (s + t) % 4 == 0."""
+    return int((s + t) % 4 != 0)
+
+
+@pytest.fixture(scope="module")
+def golden_store(tiny_kimi, tmp_path_factory):
+    """8 samples of 5-12 tokens in shards of 3."""
+    def make(dtype):
+        root = tmp_path_factory.mktemp(f"golden-{dtype}")
+        spec = extract.store_spec(tiny_kimi, IDS, dtype)
+        store = Store.open(root, spec, create=True, fsync=False)
+        writer = ShardWriter(root, spec, 0, shard_samples=3, fsync=False)
+        for s, n in enumerate(LENGTHS):
+            states = torch.stack([torch.stack([golden(s, t, lid) for t in range(n)]) for lid in IDS])
+            writer.add(f"s{s}", torch.tensor([token(s, t) for t in range(n)]),
+                       torch.tensor([mask(s, t) for t in range(n)], dtype=torch.uint8), states)
+        store.commit(writer.flush(), fsync=False)
+        return root
+    return make
+
+
+def _coords(row: torch.Tensor) -> tuple[int, int, int]:
+    return int(row[0]), int(row[1]), int(row[2])
+
+
+@pytest.mark.parametrize("store_dtype,train_dtype", [("float32", "float32"), ("bfloat16", "float32"),
+                                                     ("bfloat16", "bfloat16")])
+@pytest.mark.parametrize("pack_tokens,guard", [(0, 0), (40, 2), (40, 3)])
+def test_what_the_model_receives(golden_store, store_dtype, train_dtype, pack_tokens, guard):
+    samples = StoreSamples(Store.open(golden_store(store_dtype)))
+    order = [5, 0, 3, 7, 1]
+    packs = micro_batches(samples, order, pack_tokens)
+    assert [len(p) for p in packs] == ([1] * 5 if pack_tokens == 0 else [4, 1])
+    seen = []
+    for pack in packs:
+        x = model_inputs(pack, "cpu", getattr(torch, train_dtype), guard)
+        assert x["hidden_states"].dtype == getattr(torch, train_dtype)
+        assert x["verifier_last_hidden_states"].dtype == getattr(torch, train_dtype)
+        n = x["input_ids"].shape[1]
+        assert n == sum(LENGTHS[int(p["sample_id"][1:])] - 1 for p in pack)
+        aux = x["hidden_states"][0].float().reshape(n, 3, H)
+        last = x["verifier_last_hidden_states"][0].float()
+        doc, pos, ids, lm = (x[k][0].tolist() for k in ("document_ids", "position_ids", "input_ids", "loss_mask"))
+        d_prev = None
+        for r in range(n):
+            s, i, _ = _coords(aux[r, 0])
+            assert s == int(pack[doc[r]]["sample_id"][1:])
+            assert [_coords(aux[r, k]) for k in range(3)] == [(s, i, lid) for lid in IDS[:3]]  # order, same token
+            assert _coords(last[r]) == (s, i + 1, IDS[-1])  # the target comes from the next token's last layer
+            assert ids[r] == token(s, i + 1) and pos[r] == i + 1
+            assert lm[r] == (0 if doc[r] > 0 and i < guard else mask(s, i + 1))
+            torch.testing.assert_close(aux[r, 1], golden(s, i, IDS[1]), atol=0, rtol=0)
+            if doc[r] != d_prev:
+                assert i == 0
+                d_prev = doc[r]
+            seen.append((s, i))
+    assert sorted(seen) == sorted((s, i) for s in order for i in range(LENGTHS[s] - 1))
+
+
+class Spy:
+    """Records what speculators' loss compares at each TTT step (through align_for_step, as it does)."""
+
+    def __init__(self, monkeypatch):
+        from speculators.models.eagle3 import core, metrics
+
+        self.calls, self.models, real_metrics = [], [], metrics.compute_metrics
+        real_forward = core.Eagle3DraftModel.forward
+
+        def compute_metrics(logits, targets, loss_mask, prev_correct, ttt_step, *a, **kw):
+            _, s_targets, s_mask, _ = metrics.align_for_step(logits, targets, loss_mask, prev_correct, ttt_step)
+            self.calls[-1]["steps"].append((ttt_step, s_targets.detach().clone(), s_mask.clone()))
+            return real_metrics(logits, targets, loss_mask, prev_correct, ttt_step, *a, **kw)
+
+        def forward(model, **kw):
+            self.models.append(model)
+            self.calls.append({"hidden": kw["hidden_states"].detach().clone(), "steps": []})
+            return real_forward(model, **kw)
+
+        monkeypatch.setattr(core, "compute_metrics", compute_metrics)
+        monkeypatch.setattr(core.Eagle3DraftModel, "forward", forward)
+
+
+@pytest.mark.parametrize("ttt_steps", [1, 3, 4])
+@pytest.mark.parametrize("pack_tokens", [0, 40])
+def test_what_the_loss_compares_at_every_ttt_step(golden_store, tmp_path, monkeypatch, ttt_steps, pack_tokens):
+    spy = Spy(monkeypatch)
+    train(TrainConfig(store=str(golden_store("float32")), out=str(tmp_path / "t"), draft_vocab_size=256,
+                      batch_samples=8, max_steps=1, ttt_steps=ttt_steps, pack_tokens=pack_tokens, lr=1e-3),
+          progress=False)
+    model = spy.models[0]
+    head = lambda v: model.verifier_lm_head(model.verifier_norm(v))  # noqa: E731 - the targets' function
+    compared = expected = 0
+    assert len(spy.calls) == 8 if pack_tokens == 0 else 2 <= len(spy.calls) < 8
+    for call in spy.calls:
+        hidden = call["hidden"][0]
+        docs = list(dict.fromkeys(int(v) for v in hidden[:, 0]))  # samples in row order
+        for d, s in enumerate(docs):  # targets inside the sample, minus the guarded first ones of later samples
+            g = ttt_steps - 1 if d > 0 else 0
+            expected += sum(mask(s, i + j + 1) for j in range(ttt_steps) for i in range(LENGTHS[s] - 1 - j) if i + j >= g)
+        assert [j for j, _, _ in call["steps"]] == list(range(ttt_steps))
+        for j, s_targets, s_mask in call["steps"]:
+            for r in torch.nonzero(s_mask[0]).flatten().tolist():
+                s, i, _ = _coords(hidden[r])
+                assert i + j + 1 < LENGTHS[s], f"step {j}: row ({s}, {i}) compared with a target past its sample"
+                assert mask(s, i + j + 1) == 1, f"step {j}: row ({s}, {i}) compared with a masked target"
+                with torch.no_grad():
+                    want = head(golden(s, i + j + 1, IDS[-1]))
+                torch.testing.assert_close(s_targets[0, r], want, atol=1e-5, rtol=1e-5)
+                compared += 1
+    # every row whose target exists inside its own sample is compared, at every step (guarded ones excepted)
+    assert compared == expected > 0
