@@ -61,6 +61,11 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capture", choices=["auto", "hooks", "aux"], default="auto", help="vllm capture strategy")
     p.add_argument("--gpu-mem", type=float, default=0.85, help="vllm gpu_memory_utilization")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (faster; a crash may lose recent shards)")
+    p.add_argument("--selfcheck-prompts", type=int, default=4,
+                   help="prompts of the final-state self-check run before anything is stored (default 4)")
+    p.add_argument("--no-selfcheck", action="store_true",
+                   help="skip the final-state self-check (final norm + lm_head on the captured last state must "
+                        "reproduce the engine's own next token)")
 
 
 def _extract_config(a):
@@ -73,6 +78,7 @@ def _extract_config(a):
                         max_samples=a.max_samples),
         shard_samples=a.shard_samples, shard_tokens=a.shard_tokens, device=a.device, tp=a.tp,
         capture=a.capture, fsync=not a.no_fsync, vllm_kwargs={"gpu_memory_utilization": a.gpu_mem},
+        selfcheck=0 if a.no_selfcheck else a.selfcheck_prompts,
     )
 
 
@@ -174,7 +180,13 @@ def cmd_verify(a) -> int:
     if a.fix and not rep.ok:
         moved = verify.fix(a.store, rep)
         print(f"quarantined {len(moved)} shard(s) to {Path(a.store) / 'quarantine'}; rerun the extraction to redo them")
-    return 0 if rep.ok else 1
+    ok = rep.ok
+    if a.semantic:
+        model = a.model or json.loads((Path(a.store) / "manifest.json").read_text())["spec"]["target"]["name_or_path"]
+        result = verify.semantic(a.store, model, a.backend, a.semantic_samples, a.device)
+        print(result.line())
+        ok = ok and result.ok
+    return 0 if ok else 1
 
 
 def cmd_eval(a) -> int:
@@ -226,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("store")
     v.add_argument("--fix", action="store_true", help="quarantine bad shards so a resumed extract redoes them")
     v.add_argument("--quick", action="store_true", help="skip checksums and per-sample value checks")
+    v.add_argument("--semantic", action="store_true",
+                   help="also run the final-state self-check on stored samples (needs --model): the target's final "
+                        "norm + lm_head on each stored last state must reproduce the target's own next-token logprobs")
+    v.add_argument("--model", default=None, help="target folder for --semantic (default: the one the store names)")
+    v.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="what runs the target for --semantic")
+    v.add_argument("--device", default="cpu", help="hf backend device for --semantic (default cpu)")
+    v.add_argument("--semantic-samples", type=int, default=8, help="stored samples checked by --semantic (default 8)")
     e = sub.add_parser("eval", help="serve target + draft in vLLM; acceptance length and speedup")
     e.add_argument("--target", required=True)
     e.add_argument("--draft", required=True)
@@ -312,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         return doctor.main([])
     from eagle3.checkpoint import NonFiniteWeights
     from eagle3.draft import DraftShapeError
+    from eagle3.selfcheck import SelfCheckFailed
     from eagle3.store import StoreError
     from eagle3.train import TrainingDiverged
 
@@ -339,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "make-target":
             return cmd_make_target(args)
     except (DataError, StoreError, LayerIdError, DraftShapeError, TrainingDiverged, NonFiniteWeights,
-            UsageError) as e:
+            UsageError, SelfCheckFailed) as e:
         return _fail(args, e)
     return 2
 

@@ -42,6 +42,7 @@ class ExtractConfig:
     tp: int = 1                             # vllm backend
     capture: str = "auto"                   # vllm backend: auto | hooks | aux
     vllm_kwargs: dict = field(default_factory=dict)
+    selfcheck: int = 4                      # prompts for the final-state self-check before storing (0 = skip)
     fault: Callable[[str], None] | None = None  # tests: kill points
 
 
@@ -55,6 +56,7 @@ class ExtractSummary:
     seconds: float
     bytes_written: int
     data_report: str = ""
+    selfcheck: str = ""
 
     @property
     def tokens_per_s(self) -> float:
@@ -67,7 +69,8 @@ class ExtractSummary:
             f"{self.samples_total} planned",
             f"tokens     {self.tokens_written} in {self.seconds:.1f} s = {self.tokens_per_s:,.0f} tok/s",
             f"bytes      {self.bytes_written / 2**20:,.1f} MiB",
-        ] + ([f"data       {self.data_report}"] if self.data_report else [])
+        ] + ([f"data       {self.data_report}"] if self.data_report else []) + (
+            [f"check      {self.selfcheck}"] if self.selfcheck else [])
 
 
 def read_model_config(model: str | Path) -> dict:
@@ -151,6 +154,26 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
     todo = [s for s in samples if s.sample_id not in store.done_ids]
     own_backend = backend is None
     backend = backend or make_backend(cfg, spec)
+    check_line = ""
+    if cfg.selfcheck and todo:
+        try:
+            result = final_state_check(backend, store, cfg, todo[: cfg.selfcheck])
+        except BaseException:
+            if own_backend:
+                backend.close()
+            raise
+        check_line = result.line()
+        log.info("%s", check_line)
+        if not result.ok:
+            if own_backend:
+                backend.close()
+            from eagle3.selfcheck import SelfCheckFailed
+
+            raise SelfCheckFailed(
+                f"{check_line}. The captured id-{spec.layer_ids[-1]} states do not reproduce the engine's own next "
+                "token through its final norm and lm_head: they are not the last layer's output before the norm "
+                "(a post-norm state, another layer, or misaligned rows). Nothing was stored. Check the layer ids and "
+                "the vLLM version (`eagle3 doctor`); --no-selfcheck skips this check.")
     t0 = time.perf_counter()
     written_tokens = written_bytes = 0
     bar = _progress(progress, total=sum(len(s) for s in todo), unit="tok", desc=f"extract ({cfg.backend})")
@@ -178,7 +201,41 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
     if missing:
         raise StoreError(f"{len(missing)} samples were not written (e.g. {sorted(missing)[:3]})")
     return ExtractSummary(str(cfg.out), len(samples), done_before, len(todo), written_tokens,
-                          time.perf_counter() - t0, written_bytes, report)
+                          time.perf_counter() - t0, written_bytes, report, check_line)
+
+
+def final_state_check(backend, store: Store, cfg: ExtractConfig, samples: Sequence[Sample]):
+    """Extract ``samples`` through the production path into a scratch store (STORE/.selfcheck), read their
+    last-token id-L states back and compare them, through the target's final norm and lm_head, with the
+    engine's own next-token logprobs for the same prompts. The scratch store is removed afterwards."""
+    import shutil
+    from dataclasses import replace
+
+    from eagle3 import selfcheck
+
+    scratch = Path(cfg.out) / ".selfcheck"
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        tmp = Store.open(scratch, store.spec, create=True, fsync=False)
+        tcfg = replace(cfg, fsync=False, fault=None, out=str(scratch))
+        session = backend.open_session(tmp, tcfg, None) if hasattr(backend, "open_session") else \
+            _LocalSession(backend, tmp, tcfg, None)
+        tmp.commit(session.submit(samples), fsync=False)
+        tmp.commit(session.finish(), fsync=False)
+        stored = {s["sample_id"]: s for s in tmp.iter_samples()}
+        states = selfcheck.last_states([stored[s.sample_id] for s in samples], store.spec.layer_ids[-1])
+        engine = backend.top_logprobs(samples, selfcheck.K)
+        try:
+            head = selfcheck.load_head(cfg.model)
+        except selfcheck.SelfCheckFailed:
+            if not hasattr(backend, "dump_head"):
+                raise
+            text = read_model_config(cfg.model)
+            head = selfcheck.load_head_files(backend.dump_head(scratch),
+                                             float((text.get("text_config") or text).get("rms_norm_eps", 1e-6)))
+        return selfcheck.compare(head, states, engine)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 class _LocalSession:

@@ -77,5 +77,18 @@ class HFBackend:
                 out.append(states[b, :, : len(s)].to(self.out_dtype).cpu())
         return out
 
+    @torch.inference_mode()
+    def top_logprobs(self, samples: Sequence[Sample], k: int):
+        """The model's own next-token distribution after each sample: greedy token + top-k logprobs."""
+        from eagle3.selfcheck import EngineTop
+
+        out = []
+        for s in samples:
+            logits = self.model(input_ids=torch.tensor([s.input_ids], device=self.device), use_cache=False).logits
+            lp = torch.log_softmax(logits[0, -1].float(), -1)
+            top = torch.topk(lp, k)
+            out.append(EngineTop(int(lp.argmax()), dict(zip(top.indices.tolist(), top.values.tolist()))))
+        return out
+
     def close(self) -> None:
         self.model = None

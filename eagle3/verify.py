@@ -183,3 +183,37 @@ def fix(root: str | Path, rep: VerifyReport) -> list[str]:
             moved.append(name)
     store.drop_shards(bad)
     return moved
+
+
+def semantic(root: str | Path, model: str | Path, backend: str = "hf", samples: int = 8, device: str = "cpu"):
+    """`verify --semantic`: the final-state self-check on stored samples. The target (hf on CPU/GPU, or a vLLM
+    engine) produces its next-token logprobs after each stored prompt; the stored last-token id-L state, through
+    the target's final norm and lm_head, must reproduce them. Returns a selfcheck.SelfCheckResult."""
+    import itertools
+
+    from eagle3 import extract, selfcheck
+    from eagle3.data import Sample
+
+    store = Store(Path(root), read_manifest(root))
+    got = list(itertools.islice(store.iter_samples(), samples))
+    if not got:
+        raise selfcheck.SelfCheckFailed(f"{root} holds no samples to check")
+    prompts = [Sample(s["sample_id"], tuple(s["input_ids"].tolist()), tuple(s["loss_mask"].tolist())) for s in got]
+    cfg = extract.ExtractConfig(model=str(model), out=str(root), backend=backend, device=device)
+    engine = extract.make_backend(cfg, store.spec)
+    try:
+        tops = engine.top_logprobs(prompts, selfcheck.K)
+        try:
+            head = selfcheck.load_head(model)
+        except selfcheck.SelfCheckFailed:
+            if not hasattr(engine, "dump_head"):
+                raise
+            import tempfile
+
+            text = extract.read_model_config(model)
+            with tempfile.TemporaryDirectory() as tmp:
+                head = selfcheck.load_head_files(engine.dump_head(tmp), float(
+                    (text.get("text_config") or text).get("rms_norm_eps", 1e-6)))
+    finally:
+        engine.close()
+    return selfcheck.compare(head, selfcheck.last_states(got, store.spec.layer_ids[-1]), tops)

@@ -67,6 +67,23 @@ class VLLMBackend:
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self.llm.generate([{"prompt_token_ids": list(t)} for t in token_lists], params, use_tqdm=False)
 
+    def top_logprobs(self, samples: Sequence[Sample], k: int):
+        """The engine's own next-token distribution after each sample (max_tokens=1, logprobs=k)."""
+        from vllm import SamplingParams
+
+        from eagle3.selfcheck import EngineTop
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(s.input_ids)} for s in samples], params, use_tqdm=False)
+        return [EngineTop(int(o.outputs[0].token_ids[0]),
+                          {int(t): float(getattr(lp, "logprob", lp)) for t, lp in o.outputs[0].logprobs[0].items()})
+                for o in outs]
+
+    def dump_head(self, folder) -> list[str]:
+        """Each rank writes its slice of the final norm + lm_head (dummy-weight targets have no checkpoint)."""
+        replies = self.call("eagle3_dump_head", str(folder), keys=frozenset({"rank", "file"}))
+        return [r["file"] for r in replies if r["file"]]
+
     def open_session(self, store: Store, cfg, fault=None, mode: str = "store") -> "VLLMSession":
         return VLLMSession(self, store, cfg, mode)
 

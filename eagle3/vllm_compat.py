@@ -164,6 +164,20 @@ def decoder_layers(model) -> Any:
     raise TypeError(f"cannot find decoder layers in {type(model).__name__}")
 
 
+def final_head(model) -> tuple[Any, Any, int, int]:
+    """(final norm weight [H], this rank's lm_head rows, first vocab id, end vocab id) of a vLLM model.
+    ParallelLMHead pads the vocabulary and splits it by TP rank: shard_indices names the real rows."""
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    norm = lm.model.norm.weight
+    head = lm.lm_head
+    idx = getattr(head, "shard_indices", None)
+    if idx is not None:
+        start, end = int(idx.org_vocab_start_index), int(idx.org_vocab_end_index)
+    else:
+        start, end = 0, int(getattr(head, "org_vocab_size", head.weight.shape[0]))
+    return norm, head.weight, start, end
+
+
 def layer_state(output) -> Any:
     """A decoder layer's output as the residual stream: (hidden, residual) -> their sum."""
     if isinstance(output, tuple):

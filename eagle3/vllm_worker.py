@@ -150,6 +150,18 @@ class CaptureExtension:
             self._e3["writer"] = None
         return reply
 
+    def eagle3_dump_head(self, folder: str) -> dict:
+        """Write this rank's slice of the target's final norm and lm_head to FOLDER/head-tp<rank>.safetensors
+        (the self-check's head when the target has no checkpoint, e.g. load_format="dummy")."""
+        from safetensors.torch import save_file
+
+        norm, head, start, end = compat.final_head(compat.get_model(self))
+        rank = self._e3["par"]["tp_rank"] if hasattr(self, "_e3") else compat.parallel_info()["tp_rank"]
+        path = os.path.join(folder, f"head-tp{rank}.safetensors")
+        save_file({"norm": norm.detach().float().cpu().contiguous(), "lm_head": head[: end - start].detach().cpu().contiguous()},
+                  path, metadata={"vocab_start": str(start), "vocab_end": str(end)})
+        return {"rank": rank, "file": path}
+
     def eagle3_set_aux_layers(self, layer_ids: list) -> dict:
         """Serving-side: change the target layers the EAGLE-3 drafter receives (eval's off-by-one check)."""
         configure_worker_logging()

@@ -55,6 +55,7 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
     detokenize: bool = True
+    logprobs: int | None = None
 
 
 class _Layer(torch.nn.Module):
@@ -158,7 +159,21 @@ class FakeLLM:
         return out
 
     def generate(self, prompts, params, use_tqdm=False):
+        """Prefill (max_tokens=1). Returns vLLM-shaped outputs; with logprobs=k, the top-k of the reference
+        model's next-token distribution ({token: object with .logprob}, as vLLM's Logprob)."""
         assert params.max_tokens == 1
+        outputs = []
+        for p in prompts:
+            ids = list(p["prompt_token_ids"])
+            lp = torch.log_softmax(FakeLLM.reference_logits(ids).float(), -1)
+            top = torch.topk(lp, params.logprobs or 1)
+            logprobs = [{int(t): types.SimpleNamespace(logprob=float(v)) for t, v in zip(top.indices, top.values)}]
+            outputs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(
+                token_ids=[int(lp.argmax())], logprobs=logprobs if params.logprobs else None)]))
+        self._prefill(prompts)
+        return outputs
+
+    def _prefill(self, prompts):
         reqs = []
         for p in prompts:
             ids = list(p["prompt_token_ids"])
@@ -224,9 +239,11 @@ class FakeLLM:
                         layer(None, None, None)
 
 
-def install(monkeypatch, n_layers: int, hidden: int, reference) -> type[FakeLLM]:
-    """Put fake `vllm` modules in sys.modules for the duration of a test."""
+def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits) -> type[FakeLLM]:
+    """Put fake `vllm` modules in sys.modules for the duration of a test. ``reference(prompt)`` gives the states
+    of every layer id [L + 1, T, H]; ``reference_logits(prompt)`` the next-token logits [V] after the prompt."""
     FakeLLM.n_layers, FakeLLM.hidden, FakeLLM.reference = n_layers, hidden, staticmethod(reference)
+    FakeLLM.reference_logits = staticmethod(reference_logits)
     vllm = types.ModuleType("vllm")
     vllm.LLM, vllm.SamplingParams, vllm.__version__ = FakeLLM, SamplingParams, "0.26.0"
     engine = types.ModuleType("vllm.engine")

@@ -31,12 +31,25 @@ def reference_states(tiny_kimi):
             cache[key] = backend.forward_states(torch.tensor([ids]))[0]
         return cache[key]
 
+    ref.backend = backend
     return ref
 
 
+@pytest.fixture(scope="module")
+def reference_logits(reference_states):
+    model = reference_states.backend.model
+
+    @torch.inference_mode()
+    def logits(ids):
+        return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+
+    return logits
+
+
 @pytest.fixture
-def fake(monkeypatch, reference_states):
-    llm = fake_vllm.install(monkeypatch, n_layers=8, hidden=128, reference=reference_states)
+def fake(monkeypatch, reference_states, reference_logits):
+    llm = fake_vllm.install(monkeypatch, n_layers=8, hidden=128, reference=reference_states,
+                            reference_logits=reference_logits)
     monkeypatch.setattr(llm, "token_budget", 96)
     monkeypatch.setattr(llm, "prefix_caching", False)
     monkeypatch.setattr(llm, "preempt", 0.0)
