@@ -15,20 +15,22 @@ from eagle3.rpc import Expect, LayerStack, ReplyError, normalize_reply
 from eagle3.store import Store, StoreError
 
 from . import fake_vllm
+from .oracle import layerwise_states
 
 IDS = (2, 4, 5, 8)
 
 
 @pytest.fixture(scope="module")
 def reference_states(tiny_kimi):
-    """prompt -> states of every id 0..8, [9, T, H] float32, from the hf reference."""
+    """prompt -> states of every id 0..8, [9, T, H] float32, from the layer-by-layer oracle (tests/unit/oracle.py),
+    not from the hf backend: the fake vLLM's store is then compared with the hf backend's, not with itself."""
     backend = HFBackend(tiny_kimi, tuple(range(9)), compute_dtype="float32", out_dtype="float32")
     cache = {}
 
     def ref(ids):
         key = tuple(ids)
         if key not in cache:
-            cache[key] = backend.forward_states(torch.tensor([ids]))[0]
+            cache[key] = layerwise_states(backend.model, ids)
         return cache[key]
 
     ref.backend = backend
