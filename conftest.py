@@ -2,7 +2,8 @@
 
 - Tests marked ``gpu`` are skipped (with the reason) on ordinary runs. Selecting them with ``-m gpu`` on
   a machine without CUDA is a usage error, not a green run of skips.
-- Tests marked ``benchmark`` or ``e2e`` (long GPU runs) run only when the ``-m`` expression names them.
+- Tests marked ``benchmark``, ``e2e`` or ``kimi_depth`` (long GPU runs; kimi_depth alone needs 61 GB and a
+  2-4 minute engine start) run only when the ``-m`` expression names them.
 - Hypothesis: profile ``ci`` (derandomized, used when CI=true) and ``dev`` (fewer examples).
 """
 
@@ -43,7 +44,7 @@ def _selects_positively(markexpr: str, name: str) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     markexpr = config.getoption("-m") or ""
-    for opt_in in ("benchmark", "e2e"):
+    for opt_in in ("benchmark", "e2e", "kimi_depth"):
         if not _mentions(markexpr, opt_in):
             dropped = [i for i in items if opt_in in i.keywords]
             if dropped:

@@ -14,7 +14,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eagle3.rpc import Expect, Record, normalize_reply
+
 log = logging.getLogger(__name__)
+
+ROPE_PROBE = (0, 1, 7, 100, 1000)  # positions whose draft cos/sin vLLM reports (eagle3_drafter_info)
+DRAFTER_KEYS = frozenset({"shares_embedding", "shares_lm_head", "dtype", "rope_base", "rope_cos", "rope_sin"})
 
 
 @dataclass
@@ -22,6 +27,7 @@ class EvalConfig:
     target: str
     draft: str
     prompts: str | None = None     # JSONL conversations; None = the learnable target's held-out prompts
+    prompt_ids: list | None = None  # token-id prompts instead (targets without a tokenizer, random-token tests)
     out: str = "eval"
     k: int = 3
     max_tokens: int = 128
@@ -29,6 +35,7 @@ class EvalConfig:
     shifted: bool = True
     baseline: bool = True
     gpu_memory_utilization: float = 0.3
+    tp: int = 1
 
 
 @dataclass
@@ -55,6 +62,9 @@ class EvalReport:
     shifted_layer_ids: list[int] = field(default_factory=list)
     baseline_tokens_per_s: float | None = None
     outputs_identical: float | None = None
+    engine_start_s: float = 0.0            # target + draft, eager
+    baseline_start_s: float = 0.0          # target alone, eager, same options
+    drafter: dict = field(default_factory=dict)  # what vLLM loaded (eagle3_drafter_info)
 
     def lines(self) -> list[str]:
         d = self.draft
@@ -88,7 +98,7 @@ def spec_counters(llm) -> dict:
 def _run(llm, prompts, max_tokens: int, before: dict | None = None):
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -125,18 +135,26 @@ def run(cfg: EvalConfig) -> EvalReport:
     import vllm
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
-    prompts = load_prompts(cfg, tokenizer)
+    if cfg.prompt_ids is not None:
+        prompts = [list(p) for p in cfg.prompt_ids[: cfg.num_prompts]]
+    else:
+        prompts = load_prompts(cfg, AutoTokenizer.from_pretrained(cfg.target))
     draft_cfg = json.loads((Path(cfg.draft) / "config.json").read_text())
     ids = list(draft_cfg["eagle_aux_hidden_state_layer_ids"])
-    common = dict(model=cfg.target, dtype="bfloat16", enforce_eager=True, max_model_len=2048,
+    common = dict(model=cfg.target, dtype="bfloat16", enforce_eager=True, max_model_len=2048, tensor_parallel_size=cfg.tp,
                   gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
                   kernel_config={"enable_flashinfer_autotune": False})
+    t0 = time.perf_counter()
     llm = vllm.LLM(**common, disable_log_stats=False, worker_extension_cls="eagle3.vllm_worker.CaptureExtension",
+                   skip_tokenizer_init=cfg.prompt_ids is not None,
                    speculative_config={"method": "eagle3", "model": cfg.draft, "num_speculative_tokens": cfg.k})
+    start = time.perf_counter() - t0
+    drafter = normalize_reply(llm.collective_rpc("eagle3_drafter_info", args=(list(ROPE_PROBE),)),
+                              Expect(cfg.tp, Record(DRAFTER_KEYS), reply_rank=0))
     _run(llm, prompts[:8], 16)  # warm-up: the first generate of an engine pays one-time costs
     spec_tokens, _, (draft_run, counters) = _run(llm, prompts, cfg.max_tokens, spec_counters(llm))
-    report = EvalReport(asdict(cfg), ids, draft_run)
+    report = EvalReport({k: v for k, v in asdict(cfg).items() if k != "prompt_ids"}, ids, draft_run,
+                        engine_start_s=round(start, 1), drafter=drafter)
     if cfg.shifted:
         shifted = [i + 1 for i in ids]
         llm.collective_rpc("eagle3_set_aux_layers", args=(shifted,))
@@ -146,7 +164,9 @@ def run(cfg: EvalConfig) -> EvalReport:
     llm.llm_engine.engine_core.shutdown()
     del llm
     if cfg.baseline:
-        base = vllm.LLM(**common)
+        t0 = time.perf_counter()
+        base = vllm.LLM(**common, skip_tokenizer_init=cfg.prompt_ids is not None)
+        report.baseline_start_s = round(time.perf_counter() - t0, 1)
         _run(base, prompts[:8], 16)
         base_tokens, seconds, _ = _run(base, prompts, cfg.max_tokens)
         report.baseline_tokens_per_s = sum(map(len, base_tokens)) / seconds

@@ -57,6 +57,7 @@ class ExtractSummary:
     bytes_written: int
     data_report: str = ""
     selfcheck: str = ""
+    recomputed_rows: int = 0   # vLLM: prompt rows computed again after a preemption (captured once each)
 
     @property
     def tokens_per_s(self) -> float:
@@ -191,6 +192,7 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
             bar.update(sum(len(s) for s in batch))
         infos = session.finish()
         store.commit(infos, fsync=cfg.fsync, fault=fault)
+        recomputed = getattr(session, "recomputed", 0)
         written_tokens += sum(i.num_tokens for i in infos)
         written_bytes += sum(i.bytes for i in infos)
     finally:
@@ -201,7 +203,7 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
     if missing:
         raise StoreError(f"{len(missing)} samples were not written (e.g. {sorted(missing)[:3]})")
     return ExtractSummary(str(cfg.out), len(samples), done_before, len(todo), written_tokens,
-                          time.perf_counter() - t0, written_bytes, report, check_line)
+                          time.perf_counter() - t0, written_bytes, report, check_line, recomputed)
 
 
 def final_state_check(backend, store: Store, cfg: ExtractConfig, samples: Sequence[Sample]):

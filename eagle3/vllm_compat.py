@@ -220,6 +220,18 @@ def patch_drafter(runner, on_aux) -> None:
     drafter.propose = propose
 
 
+def drafter_facts(runner, target) -> dict:
+    """The EAGLE-3 drafter a speculative engine loaded (vLLM 0.26: runner.drafter.model, an
+    Eagle3LlamaForCausalLM): shared embedding / lm_head with the target, weight dtype, rotary module."""
+    draft = runner.drafter.model
+    lm = target.get_language_model() if hasattr(target, "get_language_model") else target
+    return {"shares_embedding": draft.model.embed_tokens is lm.model.embed_tokens,
+            "shares_lm_head": draft.lm_head is getattr(lm, "lm_head", None),
+            "dtype": str(draft.model.fc.weight.dtype).removeprefix("torch."),
+            "draft_class": type(draft).__name__,
+            "rotary": draft.model.layers[0].self_attn.rotary_emb}
+
+
 def set_aux_layers(model, layer_ids) -> None:
     """Which target layers feed the EAGLE-3 drafter (read at every forward in eager mode)."""
     model.set_aux_hidden_state_layers(tuple(int(i) for i in layer_ids))

@@ -162,6 +162,19 @@ class CaptureExtension:
                   path, metadata={"vocab_start": str(start), "vocab_end": str(end)})
         return {"rank": rank, "file": path}
 
+    def eagle3_drafter_info(self, positions: list) -> dict:
+        """Serving-side facts about the loaded EAGLE-3 draft: does it share the target's embedding and lm_head,
+        its weights' dtype, and its rotary embedding (class, base, cos/sin at ``positions``) - what vLLM applies."""
+        configure_worker_logging()
+        info = compat.drafter_facts(self.model_runner, compat.get_model(self))
+        rope = info.pop("rotary")
+        cache = rope.cos_sin_cache
+        half = cache.shape[-1] // 2
+        info.update(rope_class=type(rope).__name__, rope_base=float(getattr(rope, "base", 0.0)),
+                    rope_cos=[cache[p, :half].float().tolist() for p in positions],
+                    rope_sin=[cache[p, half:].float().tolist() for p in positions])
+        return info
+
     def eagle3_set_aux_layers(self, layer_ids: list) -> dict:
         """Serving-side: change the target layers the EAGLE-3 drafter receives (eval's off-by-one check)."""
         configure_worker_logging()

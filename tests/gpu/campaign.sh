@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# The GPU campaign (run on the GPU host, in the background): contract tests, the GPU suite, then
-# benchmarks + the end-to-end draft test in one session. Results under $1 (default /tmp/campaign).
+# The GPU campaign (run on the GPU host, in the background). Results under /tmp/campaign.
+#   tests/gpu/campaign.sh                 contract, GPU suite, benchmarks + e2e (everything)
+#   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite new depth e2e aux bench report
 set -u
-OUT=${1:-/tmp/campaign}
+OUT=/tmp/campaign
 SRC=/tmp/eagle3-src          # a private copy: the working tree may be re-synced while this runs
-rm -rf "$SRC" && mkdir -p "$OUT/bench" && cp -r . "$SRC" && cd "$SRC"
+rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/suite" && cp -r . "$SRC" && cd "$SRC"
 export PYTHONPATH="$SRC:/tmp/site:/tmp/gpu:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-df -h /tmp > "$OUT/df.txt" 2>&1
 python3 -m eagle3.cli doctor > "$OUT/doctor.txt" 2>&1
-step() { local name=$1; shift; local t0=$(date +%s); "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+step() { local name=$1; shift; local t0=$(date +%s); echo "$name started $(date +%T)" >> "$OUT/steps.txt"
+         "$@" > "$OUT/$name.log" 2>&1; local rc=$?
          echo "$name rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$OUT/steps.txt"; }
-step contract python3 -m pytest -p no:cacheprovider tests/unit/test_vllm_contract.py -v -rA
-step suite python3 -m pytest -p no:cacheprovider -m gpu tests/gpu -v -rA --durations=25 --gpu-out "$OUT/suite"
-step bench python3 -m pytest -p no:cacheprovider -m "benchmark or e2e" tests/gpu -v -rA --durations=25 \
-     --gpu-out "$OUT/bench" --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds
-step report python3 -m eagle3.cli bench report --history "$OUT/bench/benchmark.json" --out "$OUT/bench"
+PT="python3 -m pytest -p no:cacheprovider -v -rA --durations=25"
+NEW="deepseek_draft or preemption or selfcheck_passes or (hf_reference and hooks) or indexing"
+for s in ${@:-contract suite bench report}; do case $s in
+  contract) step contract $PT tests/unit/test_vllm_contract.py ;;
+  suite)    step suite $PT -m gpu tests/gpu --gpu-out "$OUT/suite" ;;
+  new)      step new $PT -m gpu tests/gpu -k "$NEW" --gpu-out "$OUT/suite" ;;
+  aux)      step aux $PT -m gpu tests/gpu -k "not ($NEW)" --gpu-out "$OUT/aux" ;;
+  depth)    step depth $PT -m kimi_depth tests/gpu --gpu-out "$OUT/depth" ;;
+  e2e)      step e2e $PT -m e2e tests/gpu --gpu-out "$OUT/e2e" ;;
+  bench)    step bench $PT -m "benchmark or e2e" tests/gpu --gpu-out "$OUT/bench" \
+                 --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds ;;
+  report)   step report python3 -m eagle3.cli bench report --history "$OUT/bench/benchmark.json" --out "$OUT/bench" ;;
+esac; done
 echo DONE > "$OUT/DONE"

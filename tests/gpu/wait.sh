@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
-# On the GPU host: wait up to $1 seconds for the background campaign, show progress, pack results into $OUT.
+# On the GPU host: wait up to $1 seconds for the background campaign, show progress, copy results into $OUT.
 limit=${1:-540}; C=/tmp/campaign; t=0
 while [ ! -f "$C/DONE" ] && [ "$t" -lt "$limit" ]; do sleep 10; t=$((t + 10)); done
 echo "waited ${t}s; finished: $([ -f "$C/DONE" ] && echo yes || echo no)"
 cat "$C/steps.txt" 2>/dev/null
-for f in "$C"/*.log; do echo "== $f"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error" "$f" | tail -40 | cut -c1-400; done
-tail -n 30 /tmp/campaign.out 2>/dev/null | cut -c1-300
+for f in "$C"/*.log; do echo "== $f"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error" "$f" | tail -30 | cut -c1-400; done
 latest=$(ls -t "$C"/*.log 2>/dev/null | head -1); echo "== tail of $latest"; tail -n 25 "$latest" 2>/dev/null | cut -c1-300
 if [ -n "${OUT:-}" ]; then
   tar czf "$OUT/campaign.tgz" -C /tmp --exclude='*.safetensors' campaign 2>/dev/null
-  for f in suite/report.json bench/report.json bench/bench_summary.json bench/throughput.md; do
-    [ -f "$C/$f" ] && cp "$C/$f" "$OUT/$(echo "$f" | tr / -)"; done
+  for d in suite aux depth e2e bench; do [ -f "$C/$d/report.json" ] && cp "$C/$d/report.json" "$OUT/$d-report.json"; done
 fi

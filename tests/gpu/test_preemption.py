@@ -1,0 +1,57 @@
+"""Capture under real preemption on the H200 (issue 13). A tiny KV cache (num_gpu_blocks_override) and many
+long prompts prefilled in 256-token pieces side by side (long_prefill_token_threshold) make vLLM preempt
+requests mid-prefill, free their blocks and recompute them from token 0. The stored states must equal an
+unpressured run of the same samples; the run must show that preemption happened."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3 import extract, verify
+from eagle3.data import random_samples
+from eagle3.store import Store
+
+from .test_extract_vllm import REL_TOL, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+def test_states_under_forced_preemption_equal_an_unpressured_run(target, engines, tmp_path, report):
+    if not target.local:
+        pytest.skip("starts a second engine of the target beside the suite's")
+    from eagle3.vllm_backend import VLLMBackend
+
+    samples = random_samples(48, 1024, target.profile.vocab_size, seed=61)
+
+    def run(backend, out):
+        cfg = extract.ExtractConfig(model=str(target.path), out=str(out), backend="vllm", batch_size=48)
+        summary = extract.run(cfg, samples=samples, backend=backend, progress=False)
+        assert verify.verify(out).ok
+        return summary, {s["sample_id"]: s for s in Store.open(out).iter_samples()}
+
+    _, calm = run(engines.get("hooks"), tmp_path / "calm")
+    pressured = VLLMBackend(str(target.path), engines.spec, capture="hooks", gpu_memory_utilization=0.2,
+                            max_model_len=1152, max_num_batched_tokens=4096, max_num_seqs=64, log_level="INFO",
+                            extra_engine_args={"num_gpu_blocks_override": 96, "long_prefill_token_threshold": 256,
+                                               "disable_log_stats": False})
+    try:
+        summary, got = run(pressured, tmp_path / "pressured")
+        preemptions = sum(int(m.value) for m in pressured.llm.get_metrics() if m.name == "vllm:num_preemptions")
+    finally:
+        pressured.close()
+    worst, bitwise, closest_wrong = 0.0, 0, float("inf")
+    ids = list(calm)
+    for n, sid in enumerate(ids):
+        for layer in target.profile.layer_ids:
+            a, b = got[sid]["states"][layer], calm[sid]["states"][layer]
+            worst = max(worst, rel_err(a, b))
+            bitwise += torch.equal(a, b)
+        other = calm[ids[(n + 1) % len(ids)]]["states"][target.profile.layer_ids[-1]]
+        closest_wrong = min(closest_wrong, rel_err(got[sid]["states"][target.profile.layer_ids[-1]], other))
+    result = {"preemptions": preemptions, "recomputed_rows": summary.recomputed_rows,
+              "worst_rel_err_vs_unpressured": round(worst, 5), "bitwise_equal_layers": f"{bitwise}/{len(ids) * 4}",
+              "closest_other_sample": round(closest_wrong, 3), "selfcheck": summary.selfcheck}
+    report("preemption", result)
+    assert preemptions > 0 and summary.recomputed_rows > 0, f"no preemption happened: the test shows nothing {result}"
+    assert worst <= REL_TOL and closest_wrong > 3 * REL_TOL, result
