@@ -87,8 +87,11 @@ def prepare_environment(log_level: str | None = None) -> None:
     """Before an engine starts (workers inherit the environment):
     - the V1 GPU model runner, whose batch layout the capture reads (V2 is the default for some
       architectures from 0.2x on);
-    - the log level for eagle3's logger inside worker processes (they start at vLLM's WARNING)."""
+    - the log level for eagle3's logger inside worker processes (they start at vLLM's WARNING);
+    - spawned workers: a forked worker dies with "Cannot re-initialize CUDA in forked subprocess" when the
+      driver process touched CUDA first (seen on the H200 with the kimi-depth engine); spawn is always safe."""
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if log_level:
         os.environ["EAGLE3_LOG_LEVEL"] = log_level
 
