@@ -62,6 +62,7 @@ class EvalReport:
     shifted_layer_ids: list[int] = field(default_factory=list)
     baseline_tokens_per_s: float | None = None
     outputs_identical: float | None = None
+    divergences: list = field(default_factory=list)  # per differing prompt: position and the target's margin there
     engine_start_s: float = 0.0            # target + draft, eager
     baseline_start_s: float = 0.0          # target alone, eager, same options
     drafter: dict = field(default_factory=dict)  # what vLLM loaded (eagle3_drafter_info)
@@ -78,6 +79,10 @@ class EvalReport:
             out.append(f"no draft       {self.baseline_tokens_per_s:,.0f} tok/s; speedup "
                        f"{d.tokens_per_s / self.baseline_tokens_per_s:.2f}x; greedy outputs identical "
                        f"{self.outputs_identical:.0%}")
+            if self.divergences:
+                m = sorted(x["margin"] for x in self.divergences)
+                out.append(f"divergences    {len(m)} prompts; the target's top-1 margin where they start: min "
+                           f"{m[0]:.4f}, median {m[len(m) // 2]:.4f}, max {m[-1]:.4f} nats")
         return out
 
 
@@ -95,14 +100,36 @@ def spec_counters(llm) -> dict:
     return totals
 
 
-def _run(llm, prompts, max_tokens: int, before: dict | None = None):
+def divergences(spec: list[list[int]], base: list[list[int]], base_top2: list[list[dict]]) -> list[dict]:
+    """Where speculative and plain greedy outputs first differ, and the target's own margin there (log-prob of
+    its top token minus the runner-up, from the plain run). A margin within bf16 noise means a near-tie that
+    the two computation paths (k+1 tokens verified at once vs one token per step) may break differently; a
+    large margin means the speculative path changed what the target says."""
+    out = []
+    for i, (a, b) in enumerate(zip(spec, base)):
+        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if pos is None and len(a) != len(b):
+            pos = min(len(a), len(b))
+        if pos is None:
+            continue
+        top = sorted(base_top2[i][pos].values(), reverse=True) if pos < len(base_top2[i]) else []
+        out.append({"prompt": i, "position": pos, "margin": top[0] - top[1] if len(top) > 1 else float("nan")})
+    return out
+
+
+def _run(llm, prompts, max_tokens: int, before: dict | None = None, top2: list | None = None):
+    """Greedy generation; with ``top2`` (a list), each output's per-token top-2 logprobs are appended to it."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False,
+                            logprobs=2 if top2 is not None else None)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
+    if top2 is not None:
+        top2 += [[{int(t): float(getattr(v, "logprob", v)) for t, v in step.items()} for step in o.outputs[0].logprobs]
+                 for o in outs]
     if before is None:
         return tokens, seconds, None
     after = spec_counters(llm)
@@ -171,6 +198,10 @@ def run(cfg: EvalConfig) -> EvalReport:
         base_tokens, seconds, _ = _run(base, prompts, cfg.max_tokens)
         report.baseline_tokens_per_s = sum(map(len, base_tokens)) / seconds
         report.outputs_identical = sum(a == b for a, b in zip(spec_tokens, base_tokens)) / len(prompts)
+        if report.outputs_identical < 1:
+            top2: list = []
+            _run(base, prompts, cfg.max_tokens, top2=top2)  # the plain run again, timed apart, with margins
+            report.divergences = divergences(spec_tokens, base_tokens, top2)
         base.llm_engine.engine_core.shutdown()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

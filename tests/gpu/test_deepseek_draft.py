@@ -4,7 +4,12 @@ training -> vLLM `speculative_config={"method": "eagle3"}` with k = 3.
 
 No acceptance threshold: with random weights the target's next token carries little that a draft can learn.
 What must hold: vLLM loads the bf16, embedding-free export; the drafter shares the target's embedding; the
-RoPE vLLM applies to the draft is the one it was trained with; greedy outputs equal the target's alone.
+RoPE vLLM applies to the draft is the one it was trained with; greedy outputs equal the target's alone wherever
+the target is decided. Measured on the H200 (session 2): only 25% of 32 random-token prompts gave identical
+32-token outputs with acceptance 0 (no draft token accepted, so the draft cannot have changed them): verifying
+k+1 tokens at once runs the target's MLA and MoE kernels at another shape than one token per step, and a
+random-weight target's top logits are often within bf16 noise of each other. So a divergence must start at a
+near-tie of the target's own plain run (top-1 minus top-2 log-prob <= NEAR_TIE); a larger margin there fails.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from eagle3.data import random_samples
 from eagle3.draft import DraftShape, export_bytes, speculators_config
 
 pytestmark = pytest.mark.gpu
+
+NEAR_TIE = 0.1  # nats: two bf16 computations of logits of magnitude ~7 differ by up to ~0.03 each
 
 
 def test_a_draft_trained_on_mini_kimi_is_served_with_it(target, engines, tmp_path, gpu_out, report):
@@ -63,8 +70,9 @@ def test_a_draft_trained_on_mini_kimi_is_served_with_it(target, engines, tmp_pat
     report("deepseek_draft_summary", summary)
     report("deepseek_draft_drafter", {k: v for k, v in rep.drafter.items() if not k.startswith("rope_c")})
     report("deepseek_draft_seconds", round(time.perf_counter() - t0, 1))
+    report("deepseek_draft_divergences", rep.divergences)
     assert d.drafts > 0 and len(d.per_position) == 3
-    assert rep.outputs_identical == 1.0, summary
+    assert all(x["margin"] <= NEAR_TIE for x in rep.divergences), (summary, rep.divergences)
     assert rep.drafter["shares_embedding"] and rep.drafter["dtype"] == "bfloat16", rep.drafter
     # the RoPE vLLM applies to the draft is the one speculators trained it with
     import copy
