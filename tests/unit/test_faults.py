@@ -25,7 +25,7 @@ def setup(tiny_kimi, small_data, tmp_path_factory):
 
     def cfg(out, fault=None):
         return extract.ExtractConfig(model=str(tiny_kimi), out=str(out), batch_size=4, shard_samples=3,
-                                     writer_threads=0, fault=fault,
+                                     writer_threads=0, fault=fault, selfcheck=0,  # storage only here
                                      data=DataConfig([str(small_data)], max_len=96, max_samples=24))
 
     counts = {}
