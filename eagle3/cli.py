@@ -45,14 +45,16 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target model folder (config.json, weights, tokenizer)")
     p.add_argument("--data", nargs="+", required=True, help="JSONL conversations (OpenAI messages or ShareGPT)")
     p.add_argument("--out", required=True, help="store folder (created; rerun the same command to resume)")
-    p.add_argument("--backend", choices=["hf", "vllm"], default="hf")
+    p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
+                   help="hf: transformers reference (CPU or one GPU); vllm: production engine")
     p.add_argument("--layer-ids", type=_layer_ids, default=None, help="e.g. 2,30,58,61; default (2, L//2, L-3, L)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--long", dest="long_rule", choices=["truncate", "split", "drop", "error"], default="truncate")
+    p.add_argument("--batch-size", type=int, default=64, help="samples per engine call")
+    p.add_argument("--max-len", type=int, default=2048, help="tokens per sample; longer ones follow --long")
+    p.add_argument("--long", dest="long_rule", choices=["truncate", "split", "drop", "error"], default="truncate",
+                   help="samples over --max-len: keep the start, cut into windows, reject, or stop")
     p.add_argument("--on-error", choices=["skip", "stop"], default="skip",
                    help="bad input lines: skip and write them to STORE/rejects.jsonl (default), or stop")
-    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--max-samples", type=int, default=None, help="stop after this many samples (default: all)")
     p.add_argument("--shard-samples", type=int, default=None,
                    help="hf backend: also cut a shard after this many samples (the vllm backend cuts by tokens)")
     p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: ~512 MiB of states)")
@@ -218,24 +220,36 @@ def cmd_bench_report(a) -> int:
     return 0
 
 
+class _Help(argparse.HelpFormatter):
+    """Every option's help ends with its default unless the text already states it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" not in text and action.default not in (None, False, argparse.SUPPRESS)
+                and action.option_strings):
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagle3", description="EAGLE-3 drafts for large targets with vLLM")
+    parser = argparse.ArgumentParser(prog="eagle3", description="EAGLE-3 drafts for large targets with vLLM",
+                                     formatter_class=_Help)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug (workers too)")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("doctor", help="versions, GPUs, and whether the installed vLLM is supported")
-    _add_extract_args(sub.add_parser("extract", help="capture target hidden states into a shard store"))
-    _add_train_args(sub.add_parser("train", help="train an EAGLE-3 draft on a store (torchrun for DDP)"))
-    d = sub.add_parser("demo", help="tiny Kimi-family model + bundled data: extract and train on CPU")
-    d.add_argument("--out", default="runs/demo")
+    sub.add_parser("doctor", formatter_class=_Help, help="versions, GPUs, and whether the installed vLLM is supported")
+    _add_extract_args(sub.add_parser("extract", formatter_class=_Help, help="capture target hidden states into a shard store"))
+    _add_train_args(sub.add_parser("train", formatter_class=_Help, help="train an EAGLE-3 draft on a store (torchrun for DDP)"))
+    d = sub.add_parser("demo", formatter_class=_Help, help="tiny Kimi-family model + bundled data: extract and train on CPU")
+    d.add_argument("--out", default="runs/demo", help="folder for the model, store and draft")
     d.add_argument("--model", default="tiny-kimi", help="a buildable preset: tiny-kimi or tiny-llama")
-    d.add_argument("--samples", type=int, default=None)
-    d.add_argument("--max-len", type=int, default=256)
-    d.add_argument("--epochs", type=int, default=3)
-    d.add_argument("--steps", type=int, default=None)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--quiet", action="store_true")
-    v = sub.add_parser("verify", help="check a store: checksums, shapes, NaN/zero/duplicate layers, ids")
-    v.add_argument("store")
+    d.add_argument("--samples", type=int, default=None, help="bundled conversations used (default: all 300)")
+    d.add_argument("--max-len", type=int, default=256, help="tokens per sample")
+    d.add_argument("--epochs", type=int, default=3, help="training passes over the store")
+    d.add_argument("--steps", type=int, default=None, help="stop training after this many steps (default: epochs)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the model's weights and of training")
+    d.add_argument("--quiet", action="store_true", help="no progress bars")
+    v = sub.add_parser("verify", formatter_class=_Help, help="check a store: checksums, shapes, NaN/zero/duplicate layers, ids")
+    v.add_argument("store", help="store folder made by `eagle3 extract`")
     v.add_argument("--fix", action="store_true", help="quarantine bad shards so a resumed extract redoes them")
     v.add_argument("--quick", action="store_true", help="skip checksums and per-sample value checks")
     v.add_argument("--semantic", action="store_true",
@@ -245,28 +259,28 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="what runs the target for --semantic")
     v.add_argument("--device", default="cpu", help="hf backend device for --semantic (default cpu)")
     v.add_argument("--semantic-samples", type=int, default=8, help="stored samples checked by --semantic (default 8)")
-    e = sub.add_parser("eval", help="serve target + draft in vLLM; acceptance length and speedup")
-    e.add_argument("--target", required=True)
-    e.add_argument("--draft", required=True)
+    e = sub.add_parser("eval", formatter_class=_Help, help="serve target + draft in vLLM; acceptance length and speedup")
+    e.add_argument("--target", required=True, help="target model folder")
+    e.add_argument("--draft", required=True, help="draft folder (OUT/draft of `eagle3 train`)")
     e.add_argument("--prompts", default=None,
                    help="JSONL conversations, prompted up to their last assistant turn (default: the learnable "
                         "target's held-out prompts)")
-    e.add_argument("--out", required=True)
-    e.add_argument("--k", type=int, default=3)
-    e.add_argument("--max-tokens", type=int, default=128)
-    e.add_argument("--num-prompts", type=int, default=64)
-    e.add_argument("--gpu-mem", type=float, default=0.3)
+    e.add_argument("--out", required=True, help="folder for eval.json and eval.md")
+    e.add_argument("--k", type=int, default=3, help="draft tokens per step (num_speculative_tokens)")
+    e.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
+    e.add_argument("--num-prompts", type=int, default=64, help="prompts evaluated")
+    e.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM gpu_memory_utilization")
     e.add_argument("--no-shifted", action="store_true", help="skip the layer-ids-shifted-by-one run")
     e.add_argument("--no-baseline", action="store_true", help="skip the target-only run")
-    m = sub.add_parser("make-target", help="train the learnable tiny Llama target (a minute on a GPU)")
-    m.add_argument("--out", required=True)
-    m.add_argument("--steps", type=int, default=1500)
-    m.add_argument("--device", default=None)
-    b = sub.add_parser("bench", help="benchmark reports")
+    m = sub.add_parser("make-target", formatter_class=_Help, help="train the learnable tiny Llama target (a minute on a GPU)")
+    m.add_argument("--out", required=True, help="folder for the trained target")
+    m.add_argument("--steps", type=int, default=1500, help="training steps of the target")
+    m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    b = sub.add_parser("bench", formatter_class=_Help, help="benchmark reports")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
-    r = bsub.add_parser("report", help="Markdown table + PNG plot from pytest-benchmark JSON history")
+    r = bsub.add_parser("report", formatter_class=_Help, help="Markdown table + PNG plot from pytest-benchmark JSON history")
     r.add_argument("--history", nargs="+", required=True, help="benchmark JSON files or folders")
-    r.add_argument("--out", required=True)
+    r.add_argument("--out", required=True, help="folder for throughput.md and the PNG")
     r.add_argument("--baselines", default=None, help="folder of per-profile baseline JSON (default: bundled)")
     return parser
 

@@ -6,7 +6,6 @@ committed; files it does not name are removed when the store opens, and their sa
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,8 +17,8 @@ import torch
 from eagle3 import faults
 from eagle3.data import DataConfig, Sample, load_samples
 from eagle3.layers import default_layer_ids, validate_layer_ids
-from eagle3.presets import config_hash
-from eagle3.store import Store, StoreError, StoreSpec
+from eagle3.presets import config_hash, read_model_config
+from eagle3.store import Store, StoreError, StoreSpec, shard_tokens
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +73,6 @@ class ExtractSummary:
             [f"check      {self.selfcheck}"] if self.selfcheck else [])
 
 
-def read_model_config(model: str | Path) -> dict:
-    path = Path(model) / "config.json"
-    if not path.exists():
-        raise StoreError(f"{path} not found: --model must be a model folder with config.json")
-    return json.loads(path.read_text())
-
-
 def store_spec(model: str | Path, layer_ids: Sequence[int] | None, dtype: str) -> StoreSpec:
     cfg = read_model_config(model)
     text = cfg.get("text_config") or cfg
@@ -90,17 +82,6 @@ def store_spec(model: str | Path, layer_ids: Sequence[int] | None, dtype: str) -
               "architecture": (cfg.get("architectures") or ["?"])[0], "num_hidden_layers": num_layers,
               "vocab_size": int(text["vocab_size"])}
     return StoreSpec(target=target, layer_ids=ids, hidden_size=int(text["hidden_size"]), dtype=dtype)
-
-
-SHARD_BYTES = 512 << 20
-
-
-def shard_tokens(cfg: ExtractConfig, spec: StoreSpec) -> int:
-    """Tokens per shard: cfg.shard_tokens, else ~512 MiB of states (Kimi-K2.5: 9,362 tokens)."""
-    if cfg.shard_tokens:
-        return cfg.shard_tokens
-    per_token = len(spec.layer_ids) * spec.hidden_size * spec.torch_dtype.itemsize
-    return max(256, SHARD_BYTES // per_token)
 
 
 def make_backend(cfg: ExtractConfig, spec: StoreSpec):
@@ -247,7 +228,8 @@ class _LocalSession:
         from eagle3.store import ShardWriter
 
         self.backend, self.fault = backend, fault
-        self.writer = ShardWriter(store.root, store.spec, store.next_shard_index, shard_tokens(cfg, store.spec),
+        self.writer = ShardWriter(store.root, store.spec, store.next_shard_index,
+                                  shard_tokens(store.spec, cfg.shard_tokens),
                                   cfg.shard_samples, cfg.fsync, threads=cfg.writer_threads, fault=fault)
 
     def submit(self, batch: Sequence[Sample]):

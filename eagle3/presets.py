@@ -123,6 +123,18 @@ def profile_from_config(config: dict[str, Any], name: str = "custom") -> TargetP
                          int(text["vocab_size"]))
 
 
+def read_model_config(model) -> dict:
+    """A target folder's config.json (the one place targets' configs are read)."""
+    from pathlib import Path
+
+    path = Path(model) / "config.json"
+    if not path.exists():
+        from eagle3.preflight import UsageError
+
+        raise UsageError(f"{path} not found: --model must be a model folder with config.json")
+    return json.loads(path.read_text())
+
+
 def config_hash(config: dict[str, Any]) -> str:
     """Identity of a target for stores: sha256 of its config without bookkeeping keys, 16 hex digits."""
     skip = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",

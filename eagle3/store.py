@@ -221,6 +221,17 @@ def write_shard(root: Path, name: str, tensors: dict[str, torch.Tensor], spec: S
     return ShardInfo(name, sha, nbytes, len(sample_ids), int(tensors["input_ids"].shape[0]), list(sample_ids))
 
 
+SHARD_BYTES = 512 << 20
+
+
+def shard_tokens(spec: StoreSpec, requested: int | None = None) -> int:
+    """Tokens per shard: ``requested``, else ~512 MiB of states (Kimi-K2.5: 9,362 tokens)."""
+    if requested:
+        return requested
+    per_token = len(spec.layer_ids) * spec.hidden_size * spec.torch_dtype.itemsize
+    return max(256, SHARD_BYTES // per_token)
+
+
 def shard_name(index: int) -> str:
     return f"{SHARDS}/shard-{index:06d}.safetensors"
 

@@ -34,9 +34,8 @@ import torch
 
 from eagle3 import checkpoint, faults
 from eagle3.draft import SERVE_TPS, DraftShape, check_servable, draft_vocab, speculators_config
-from eagle3.extract import read_model_config
 from eagle3.layers import aux_ids
-from eagle3.presets import config_hash
+from eagle3.presets import config_hash, read_model_config
 from eagle3.store import Store, StoreError, StoreMismatch
 
 log = logging.getLogger(__name__)

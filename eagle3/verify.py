@@ -193,6 +193,7 @@ def semantic(root: str | Path, model: str | Path, backend: str = "hf", samples: 
 
     from eagle3 import extract, selfcheck
     from eagle3.data import Sample
+    from eagle3.presets import read_model_config
 
     store = Store(Path(root), read_manifest(root))
     got = list(itertools.islice(store.iter_samples(), samples))
@@ -210,7 +211,7 @@ def semantic(root: str | Path, model: str | Path, backend: str = "hf", samples: 
                 raise
             import tempfile
 
-            text = extract.read_model_config(model)
+            text = read_model_config(model)
             with tempfile.TemporaryDirectory() as tmp:
                 head = selfcheck.load_head_files(engine.dump_head(tmp), float(
                     (text.get("text_config") or text).get("rms_norm_eps", 1e-6)))

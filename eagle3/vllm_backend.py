@@ -12,9 +12,8 @@ from typing import Sequence
 
 from eagle3 import vllm_compat as compat
 from eagle3.data import Sample
-from eagle3.extract import shard_tokens
 from eagle3.rpc import Expect, Record, check_consistent, normalize_reply
-from eagle3.store import ShardInfo, Store, StoreError, StoreSpec
+from eagle3.store import ShardInfo, Store, StoreError, StoreSpec, shard_tokens
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +105,7 @@ class VLLMSession:
                     "writer_threads": max(4, getattr(cfg, "writer_threads", 0) or 0), "slots": 4}
         if mode == "store":
             open_cfg.update(root=str(store.root), spec=store.spec.to_json(), start_index=store.next_shard_index,
-                            shard_tokens=shard_tokens(cfg, store.spec), fsync=cfg.fsync)
+                            shard_tokens=shard_tokens(store.spec, cfg.shard_tokens), fsync=cfg.fsync)
         backend.call("eagle3_open", open_cfg, keys=frozenset({"rank", "mode"}))
         self.tokens = 0  # prompt tokens the engine computed so far in this session
         self.recomputed = 0  # prompt rows the engine computed again after preempting their request
