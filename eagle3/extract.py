@@ -208,15 +208,7 @@ def final_state_check(backend, store: Store, cfg: ExtractConfig, samples: Sequen
         stored = {s["sample_id"]: s for s in tmp.iter_samples()}
         states = selfcheck.last_states([stored[s.sample_id] for s in samples], store.spec.layer_ids[-1])
         engine = backend.top_logprobs(samples, selfcheck.K)
-        try:
-            head = selfcheck.load_head(cfg.model)
-        except selfcheck.SelfCheckFailed:
-            if not hasattr(backend, "dump_head"):
-                raise
-            text = read_model_config(cfg.model)
-            head = selfcheck.load_head_files(backend.dump_head(scratch),
-                                             float((text.get("text_config") or text).get("rms_norm_eps", 1e-6)))
-        return selfcheck.compare(head, states, engine)
+        return selfcheck.compare(selfcheck.head_for(cfg.model, backend, scratch), states, engine)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -117,6 +117,19 @@ def load_head_files(paths: Sequence[str | Path], eps: float) -> FinalHead:
     return FinalHead(norm.float(), eps, head, f"engine ({len(parts)} rank file(s))")
 
 
+def head_for(model: str | Path, backend, scratch: str | Path) -> FinalHead:
+    """The target's checkpoint head, or, for a target without weights (load_format="dummy"), the slices the
+    engine's ranks dump into ``scratch``."""
+    try:
+        return load_head(model)
+    except SelfCheckFailed:
+        if not hasattr(backend, "dump_head"):
+            raise
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    eps = float((cfg.get("text_config") or cfg).get("rms_norm_eps", 1e-6))
+    return load_head_files(backend.dump_head(scratch), eps)
+
+
 @dataclass
 class EngineTop:
     """What the engine produced after a prompt: its greedy token and top-k logprobs {token: logprob}."""

@@ -193,7 +193,6 @@ def semantic(root: str | Path, model: str | Path, backend: str = "hf", samples: 
 
     from eagle3 import extract, selfcheck
     from eagle3.data import Sample
-    from eagle3.presets import read_model_config
 
     store = Store(Path(root), read_manifest(root))
     got = list(itertools.islice(store.iter_samples(), samples))
@@ -204,17 +203,10 @@ def semantic(root: str | Path, model: str | Path, backend: str = "hf", samples: 
     engine = extract.make_backend(cfg, store.spec)
     try:
         tops = engine.top_logprobs(prompts, selfcheck.K)
-        try:
-            head = selfcheck.load_head(model)
-        except selfcheck.SelfCheckFailed:
-            if not hasattr(engine, "dump_head"):
-                raise
-            import tempfile
+        import tempfile
 
-            text = read_model_config(model)
-            with tempfile.TemporaryDirectory() as tmp:
-                head = selfcheck.load_head_files(engine.dump_head(tmp), float(
-                    (text.get("text_config") or text).get("rms_norm_eps", 1e-6)))
+        with tempfile.TemporaryDirectory() as tmp:
+            head = selfcheck.head_for(model, engine, tmp)
     finally:
         engine.close()
     return selfcheck.compare(head, selfcheck.last_states(got, store.spec.layer_ids[-1]), tops)
