@@ -184,7 +184,9 @@ def cmd_verify(a) -> int:
         print(f"quarantined {len(moved)} shard(s) to {Path(a.store) / 'quarantine'}; rerun the extraction to redo them")
     ok = rep.ok
     if a.semantic:
-        model = a.model or json.loads((Path(a.store) / "manifest.json").read_text())["spec"]["target"]["name_or_path"]
+        from eagle3.store import read_manifest
+
+        model = a.model or read_manifest(a.store)["spec"]["target"]["name_or_path"]
         result = verify.semantic(a.store, model, a.backend, a.semantic_samples, a.device)
         print(result.line())
         ok = ok and result.ok
@@ -294,7 +296,9 @@ def preflight(a) -> None:
         if a.layer_ids:
             from eagle3.layers import validate_layer_ids
 
-            cfg = json.loads((folder / "config.json").read_text())
+            from eagle3.presets import read_model_config
+
+            cfg = read_model_config(folder)
             validate_layer_ids(a.layer_ids, int((cfg.get("text_config") or cfg)["num_hidden_layers"]))
         if a.backend == "vllm":
             pf.vllm_installed("extract --backend vllm")

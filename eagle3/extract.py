@@ -140,22 +140,20 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
     if cfg.selfcheck and todo:
         try:
             result = final_state_check(backend, store, cfg, todo[: cfg.selfcheck])
+            check_line = result.line()
+            log.info("%s", check_line)
+            if not result.ok:
+                from eagle3.selfcheck import SelfCheckFailed
+
+                raise SelfCheckFailed(
+                    f"{check_line}. The captured id-{spec.layer_ids[-1]} states do not reproduce the engine's own "
+                    "next token through its final norm and lm_head: they are not the last layer's output before the norm "
+                    "(a post-norm state, another layer, or misaligned rows). Nothing was stored. Check the layer ids "
+                    "and the vLLM version (`eagle3 doctor`); --no-selfcheck skips this check.")
         except BaseException:
             if own_backend:
                 backend.close()
             raise
-        check_line = result.line()
-        log.info("%s", check_line)
-        if not result.ok:
-            if own_backend:
-                backend.close()
-            from eagle3.selfcheck import SelfCheckFailed
-
-            raise SelfCheckFailed(
-                f"{check_line}. The captured id-{spec.layer_ids[-1]} states do not reproduce the engine's own next "
-                "token through its final norm and lm_head: they are not the last layer's output before the norm "
-                "(a post-norm state, another layer, or misaligned rows). Nothing was stored. Check the layer ids and "
-                "the vLLM version (`eagle3 doctor`); --no-selfcheck skips this check.")
     t0 = time.perf_counter()
     written_tokens = written_bytes = 0
     bar = _progress(progress, total=sum(len(s) for s in todo), unit="tok", desc=f"extract ({cfg.backend})")

@@ -77,8 +77,10 @@ def load_head(model: str | Path) -> FinalHead:
     slice of ~2.3 GB, not the 1T checkpoint)."""
     from safetensors import safe_open
 
+    from eagle3.presets import read_model_config
+
     folder = Path(model)
-    cfg = json.loads((folder / "config.json").read_text())
+    cfg = read_model_config(folder)
     text = cfg.get("text_config") or cfg
     files = _weight_files(folder)
     if not files:
@@ -125,7 +127,9 @@ def head_for(model: str | Path, backend, scratch: str | Path) -> FinalHead:
     except SelfCheckFailed:
         if not hasattr(backend, "dump_head"):
             raise
-    cfg = json.loads((Path(model) / "config.json").read_text())
+    from eagle3.presets import read_model_config
+
+    cfg = read_model_config(model)
     eps = float((cfg.get("text_config") or cfg).get("rms_norm_eps", 1e-6))
     return load_head_files(backend.dump_head(scratch), eps)
 

@@ -124,6 +124,15 @@ def write_chunks(f, chunks: Sequence[memoryview]) -> None:
         f.write(c)
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 16 MiB chunks (what the manifest records at commit)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def atomic_write(path: Path, chunks: Sequence[memoryview | bytes], fsync: bool = True,
                  fault: Callable[[str], None] | None = None) -> tuple[str, int]:
     """Write to .tmp-NAME, fsync, rename over NAME, fsync the folder. Returns (sha256, bytes).

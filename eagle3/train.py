@@ -21,7 +21,6 @@ Checkpoints every ``checkpoint_minutes`` of work (and/or ``checkpoint_every`` st
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -36,7 +35,7 @@ from eagle3 import checkpoint, faults
 from eagle3.draft import SERVE_TPS, DraftShape, check_servable, draft_vocab, speculators_config
 from eagle3.layers import aux_ids
 from eagle3.presets import config_hash, read_model_config
-from eagle3.store import Store, StoreError, StoreMismatch
+from eagle3.store import Store, StoreError, StoreMismatch, file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +155,7 @@ class StoreSamples:
     def verify_shard(self, file: str) -> None:
         if file in self.verified:
             return
-        h = hashlib.sha256()
-        with open(self.store.root / file, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-        if h.hexdigest() != self.sha[file]:
+        if file_sha256(self.store.root / file) != self.sha[file]:
             raise self._bad(file, None, "its sha256 differs from the manifest's (the file changed after commit)")
         self.verified.add(file)
 

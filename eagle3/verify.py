@@ -18,7 +18,6 @@ rerunning the extraction redoes exactly those samples.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections import Counter
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.store import QUARANTINE, SHARDS, Store, read_manifest
+from eagle3.store import QUARANTINE, SHARDS, Store, file_sha256, read_manifest
 
 _ST = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
@@ -65,14 +64,6 @@ class VerifyReport:
         return [head] + [str(f) for f in self.findings[:200]]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> None:
     from safetensors import safe_open
 
@@ -85,7 +76,7 @@ def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> No
         return bad("missing_file", "file is gone")
     if path.stat().st_size != shard["bytes"]:
         return bad("size_mismatch", f"{path.stat().st_size} bytes, manifest says {shard['bytes']}")
-    if deep and _sha256(path) != shard["sha256"]:
+    if deep and file_sha256(path) != shard["sha256"]:
         return bad("sha256_mismatch", "content differs from what was committed")
     try:
         f = safe_open(str(path), framework="pt")

@@ -18,8 +18,6 @@ with speculative_config method eagle3 and k = 3 on held-out prompts.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 import time
 
@@ -37,22 +35,15 @@ MIN_SPREAD = 0.02  # a floor, so two seeds that happen to agree closely do not m
 
 def misaligned_copy(store, out):
     """The store with every sample's aux states moved one position earlier: row t holds token t+1's aux states."""
-    from safetensors import safe_open
+    from tests.unit.conftest import rewrite_shards
 
-    from eagle3.store import safetensors_chunks
-
-    shutil.copytree(store, out)
-    manifest = json.loads((out / "manifest.json").read_text())
-    for entry in manifest["shards"]:
-        with safe_open(str(out / entry["file"]), framework="pt") as f:
-            meta, t = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    def shift(n, t, meta):
         hs, off = t["hidden_states"], t["offsets"].tolist()
         for a, b in zip(off, off[1:]):
             hs[a : b - 1, :-1] = hs[a + 1 : b, :-1].clone()
-        data = b"".join(bytes(c) for c in safetensors_chunks(t, meta))
-        (out / entry["file"]).write_bytes(data)
-        entry["sha256"], entry["bytes"] = hashlib.sha256(data).hexdigest(), len(data)
-    (out / "manifest.json").write_text(json.dumps(manifest))
+
+    shutil.copytree(store, out)
+    rewrite_shards(out, shift)
     return out
 
 

@@ -79,6 +79,32 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def rewrite_shards(root, edit, rehash: bool = True) -> None:
+    """Edit a store's shard files in place: ``edit(shard_no, tensors, metadata)`` changes the tensors; the file
+    is rewritten in the store's byte layout and, with ``rehash``, the manifest gets its new sha256 and size (so
+    only value checks, not checksums, can see the change)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from eagle3.store import safetensors_chunks
+
+    root = Path(root)
+    manifest = json.loads((root / "manifest.json").read_text())
+    for n, entry in enumerate(manifest["shards"]):
+        with safe_open(str(root / entry["file"]), framework="pt") as f:
+            meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        if edit(n, tensors, meta) is False:
+            continue
+        data = b"".join(bytes(c) for c in safetensors_chunks(tensors, meta))
+        (root / entry["file"]).write_bytes(data)
+        if rehash:
+            entry["sha256"], entry["bytes"] = hashlib.sha256(data).hexdigest(), len(data)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
 def run_forked(fn) -> tuple[bool, int]:
     """Run fn() in a forked child (one torch thread: OpenMP does not survive fork with more).
 

@@ -86,7 +86,6 @@ def test_any_schedule_reassembles_every_sample(tmp_path_factory, case):
 def test_a_preempted_request_never_lets_a_shard_go_out_with_rows_that_did_not_arrive(tmp_path):
     """The bug this guards: rows recomputed after a preemption were counted as arrivals a second time, so a
     shard's missing-row count reached 0 while later rows had not arrived, and the writer wrote stale rows."""
-    import random
 
     root = tmp_path / "s"
     store = Store.open(root, SPEC, create=True, fsync=False)

@@ -85,31 +85,23 @@ def test_extract_runs_the_check_first_and_stops_before_storing_wrong_states(tiny
 
 
 def test_verify_semantic_passes_a_good_store_and_fails_a_post_norm_one(small_store, tiny_kimi, tmp_path, capsys):
-    import json
     import shutil
 
-    from safetensors import safe_open
-
     from eagle3 import cli
-    from eagle3.store import safetensors_chunks
+
+    from .conftest import rewrite_shards
 
     assert cli.main(["verify", str(small_store), "--semantic", "--semantic-samples", "6"]) == 0
     assert "final-state self-check PASS: 6 prompts" in capsys.readouterr().out
     bad = tmp_path / "s"
     shutil.copytree(small_store, bad)  # rewrite every stored last layer as post-norm (sha re-hashed: verify is OK)
     head = selfcheck.load_head(tiny_kimi)
-    manifest = json.loads((bad / "manifest.json").read_text())
-    for entry in manifest["shards"]:
-        with safe_open(str(bad / entry["file"]), framework="pt") as f:
-            meta, t = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+
+    def post_norm(n, t, meta):
         h = t["hidden_states"][:, -1].float()
         t["hidden_states"][:, -1] = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm).bfloat16()
-        data = b"".join(bytes(c) for c in safetensors_chunks(t, meta))
-        (bad / entry["file"]).write_bytes(data)
-        import hashlib
 
-        entry["sha256"], entry["bytes"] = hashlib.sha256(data).hexdigest(), len(data)
-    (bad / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_shards(bad, post_norm)
     assert cli.main(["verify", str(bad)]) == 0
     capsys.readouterr()
     assert cli.main(["verify", str(bad), "--semantic", "--model", str(tiny_kimi)]) == 1

@@ -2,7 +2,6 @@
 a non-finite loss stops it before the optimizer step, checkpoints are on by default and a kill -9 resumes to
 the same loss curve, the newest complete checkpoint wins and a torn one is skipped."""
 
-import hashlib
 import json
 import logging
 import os
@@ -10,14 +9,12 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle3 import checkpoint, cli, train as train_mod
-from eagle3.store import safetensors_chunks
 from eagle3.train import BadData, TrainConfig, TrainingDiverged, train
 
-from .conftest import run_forked
+from .conftest import rewrite_shards, run_forked
 
 
 def _cfg(store, out, **kw):
@@ -28,20 +25,16 @@ def _cfg(store, out, **kw):
 def _rewrite_sample(store, shard_no: int, sample_no: int, value: float, rehash: bool) -> str:
     """Put ``value`` into one sample's states (layer 0, first row); re-hash the shard in the manifest or not.
     Returns the sample id."""
-    manifest = json.loads((store / "manifest.json").read_text())
-    entry = manifest["shards"][shard_no]
-    path = store / entry["file"]
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    off = tensors["offsets"].tolist()
-    tensors["hidden_states"][off[sample_no], 0, :] = value
-    data = b"".join(bytes(c) for c in safetensors_chunks(tensors, meta))
-    path.write_bytes(data)
-    if rehash:
-        entry["sha256"], entry["bytes"] = hashlib.sha256(data).hexdigest(), len(data)
-        (store / "manifest.json").write_text(json.dumps(manifest))
-    return json.loads(meta["sample_ids"])[sample_no]
+    sid = []
+
+    def edit(n, t, meta):
+        if n != shard_no:
+            return False
+        t["hidden_states"][t["offsets"][sample_no], 0, :] = value
+        sid.append(json.loads(meta["sample_ids"])[sample_no])
+
+    rewrite_shards(store, edit, rehash)
+    return sid[0]
 
 
 @pytest.fixture
