@@ -83,6 +83,15 @@ class VLLMBackend:
         replies = self.call("eagle3_dump_head", str(folder), keys=frozenset({"rank", "file"}))
         return [r["file"] for r in replies if r["file"]]
 
+    def unit_norms(self) -> int:
+        """Dummy-weight targets: every decoder layer's RMSNorm weight set to 1 on every rank, the final norm left
+        as it is (see eagle3_unit_norms); returns how many norms each rank set."""
+        replies = self.call("eagle3_unit_norms", keys=frozenset({"norms"}))
+        counts = {r["norms"] for r in replies}
+        if len(counts) != 1 or 0 in counts:
+            raise RuntimeError(f"ranks set {sorted(counts)} RMSNorm weights to 1; expected the same non-zero count")
+        return counts.pop()
+
     def open_session(self, store: Store, cfg, fault=None, mode: str = "store") -> "VLLMSession":
         return VLLMSession(self, store, cfg, mode)
 

@@ -181,6 +181,12 @@ def final_head(model) -> tuple[Any, Any, int, int]:
     return norm, head.weight, start, end
 
 
+def final_norm_module(model) -> Any:
+    """The module of the target's final norm (model.norm of the language model), or None."""
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    return getattr(getattr(lm, "model", None), "norm", None)
+
+
 def layer_state(output) -> Any:
     """A decoder layer's output as the residual stream: (hidden, residual) -> their sum."""
     if isinstance(output, tuple):

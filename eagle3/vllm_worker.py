@@ -162,6 +162,26 @@ class CaptureExtension:
                   path, metadata={"vocab_start": str(start), "vocab_end": str(end)})
         return {"rank": rank, "file": path}
 
+    def eagle3_unit_norms(self) -> dict:
+        """Dummy-weight targets only: set every decoder layer's RMSNorm weight to 1. vLLM's dummy loader draws
+        each parameter uniform in +-1e-3 from one seed per shape, so all layers share weights and norm weights of
+        ~1e-3 shrink each layer's update far below the bf16 resolution of the residual: ids 2 and 30 of the
+        kimi-depth profile came back equal to 1e-6. With unit norms each layer's update is a few percent.
+        The final norm keeps its weights: with a unit weight RMSNorm is idempotent, and the self-check could not
+        tell a post-norm state from the pre-norm one (seen on the H200)."""
+        import torch
+
+        model = compat.get_model(self)
+        final = compat.final_norm_module(model)
+        n = 0
+        with torch.no_grad():
+            for module in model.modules():
+                weight = getattr(module, "weight", None)
+                if module is not final and "RMSNorm" in type(module).__name__ and isinstance(weight, torch.Tensor):
+                    weight.fill_(1.0)
+                    n += 1
+        return {"norms": n}
+
     def eagle3_drafter_info(self, positions: list) -> dict:
         """Serving-side facts about the loaded EAGLE-3 draft: does it share the target's embedding and lm_head,
         its weights' dtype, and its rotary embedding (class, base, cos/sin at ``positions``) - what vLLM applies."""

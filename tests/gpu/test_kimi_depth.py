@@ -2,7 +2,14 @@
 engine alone takes 61 GB and 2-4 minutes to start). Built from config.json with load_format="dummy": 61 layers,
 hidden 7168, Kimi's MLA, first layer dense, 8 routed experts of 2048 all active + 1 shared, vocab 163840. The
 real ids (2, 30, 58, 61), including id L that some vLLM versions drop (vLLM issue 48124), through vLLM's own
-aux-hidden-state path and the production store."""
+aux-hidden-state path and the production store.
+
+vLLM's dummy loader draws every parameter uniform in +-1e-3 from one seed per shape (weight_utils.py,
+initialize_dummy_weights): all layers share weights and norm weights of ~1e-3 shrink each layer's update below the
+bf16 resolution of the residual, so on plain dummy weights ids 2 and 30 came back equal to 1.3e-6 (H200, session
+3). The fixture sets every decoder layer's RMSNorm weight to 1 (VLLMBackend.unit_norms) so the layers' updates
+are visible (then 5.6 % between ids 58 and 61). The final norm keeps its dummy weights: with a unit final norm
+RMSNorm is idempotent, and a post-norm state passed the self-check like the right one (seen in session 3)."""
 
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ def depth(tmp_path_factory, report):
     backend = VLLMBackend(str(folder), spec, capture="aux", gpu_memory_utilization=0.85, max_model_len=4096,
                           max_num_batched_tokens=16384, load_format="dummy", log_level="INFO")
     report("kimi_depth_engine_start_s", round(time.perf_counter() - t0, 1))
+    report("kimi_depth_unit_norms", backend.unit_norms())
     yield prof, folder, backend
     backend.close()
 
@@ -59,8 +67,9 @@ def test_every_sample_is_four_kimi_layers_stored_and_read_back(depth, tmp_path, 
 
 
 def test_the_self_check_on_dummy_weights(depth, tmp_path, report):
-    """Measured, to find what separates right from wrong when logits are nearly flat (weights uniform in
-    +-1e-3): the engine's own head (dumped by the ranks), the captured id 61 vs post-norm and id 58 states."""
+    """With logits nearly flat (lm_head uniform in +-1e-3), the self-check on the engine's own head (dumped by the
+    ranks) must pass the captured id-61 state and fail a post-norm state and another prompt's. Layer L-1's failure
+    is asserted on mini-Kimi's real random weights (test_selfcheck_gpu.py); here id 58 is measured and reported."""
     prof, folder, backend = depth
     samples = random_samples(8, 512, prof.vocab_size, seed=72)
     cfg = extract.ExtractConfig(model=str(folder), out=str(tmp_path / "s"), backend="vllm", batch_size=8, selfcheck=0)
@@ -76,5 +85,6 @@ def test_the_self_check_on_dummy_weights(depth, tmp_path, report):
                "id 58": selfcheck.compare(head, selfcheck.last_states(got, 58), engine),
                "other prompt": selfcheck.compare(head, right.roll(1, 0), engine)}
     report("selfcheck_kimi_depth_dummy", {k: v.line() for k, v in results.items()})
-    # the hypothesis under test: the rank percentile of the engine's top-k in our ordering still separates
-    assert results["right"].rank > max(r.rank for k, r in results.items() if k != "right"), results
+    report("kimi_depth_id58_vs_61_rel", round(rel_err(selfcheck.last_states(got, 58), right), 4))
+    assert results["right"].ok, results["right"].line()
+    assert not results["post-norm"].ok and not results["other prompt"].ok, results

@@ -249,3 +249,34 @@ def test_a_capture_error_is_reported_not_raised_inside_the_forward(fake, tiny_ki
     with pytest.raises(StoreError, match="capture step: RuntimeError: boom in the forward"):
         extract.run(_cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="aux"), samples=_samples()[:2],
                     progress=False)
+
+
+def test_unit_norms_sets_every_rank_s_layer_rmsnorms_to_one_and_nothing_else(fake, tiny_kimi):
+    """The kimi-depth GPU test's dummy weights: vLLM draws every parameter in +-1e-3 from one seed per shape, so
+    layer updates vanish below bf16 resolution; unit_norms sets each rank's decoder-layer RMSNorm weights (and only
+    those: not the final norm, not other weights) to 1."""
+    from eagle3.extract import store_spec
+    from eagle3.vllm_backend import VLLMBackend
+
+    class RMSNorm(torch.nn.Module):  # named as vLLM's vllm.model_executor.layers.layernorm.RMSNorm
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.full((8,), 1e-3))
+
+    backend = VLLMBackend(str(tiny_kimi), store_spec(tiny_kimi, IDS, "float32"), tp=2, capture="hooks")
+    for w in fake_vllm.FakeLLM.last.workers:
+        model = w.model_runner.model
+        model.model.norm = RMSNorm()
+        for layer in model.model.layers[:3]:
+            layer.input_layernorm, layer.proj = RMSNorm(), torch.nn.Linear(8, 8)
+            torch.nn.init.constant_(layer.proj.weight, 1e-3)
+    assert backend.unit_norms() == 3
+    for w in fake_vllm.FakeLLM.last.workers:
+        params = dict(w.model_runner.model.named_parameters())
+        norms = {k: v for k, v in params.items() if k.endswith("input_layernorm.weight")}
+        assert len(norms) == 3 and all(bool((v == 1).all()) for v in norms.values())
+        assert bool((params["model.norm.weight"] == 1e-3).all())
+        assert all(bool((v == 1e-3).all()) for k, v in params.items() if k.endswith("proj.weight"))
+    fake_vllm.FakeLLM.last.workers[1].model_runner.model.model.layers[0].input_layernorm = torch.nn.Identity()
+    with pytest.raises(RuntimeError, match=r"ranks set \[2, 3\] RMSNorm weights"):
+        backend.unit_norms()
