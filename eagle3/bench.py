@@ -94,6 +94,11 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
         vs_base = f"{r.tokens_per_s / base:.2f}x" if base else "-"
         lines.append(f"| {r.run} | {r.profile} | {r.key} | {r.tokens_per_s:,.0f} | {vs_plain} | {vs_base} | "
                      f"{'YES: ' + reg if reg else 'no'} |")
+    where = baselines_dir or BASELINES
+    if not baselines:
+        lines += ["", f"**No baselines found in {where}**: regressions cannot be flagged (a `pip install .` without "
+                      "the package data? `--baselines FOLDER` names another folder)."]
+    lines += [f"No baseline for profile `{p}` in {where}." for p in sorted({r.profile for r in records} - set(baselines))]
     md = out / "throughput.md"
     md.write_text("\n".join(lines) + "\n")
 

@@ -42,9 +42,12 @@ def _setup_logging(verbosity: int) -> None:
 
 
 def _add_extract_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="target model folder (config.json, weights, tokenizer)")
-    p.add_argument("--data", nargs="+", required=True, help="JSONL conversations (OpenAI messages or ShareGPT)")
-    p.add_argument("--out", required=True, help="store folder (created; rerun the same command to resume)")
+    p.add_argument("--model", help="target model folder (config.json, weights, tokenizer)")
+    p.add_argument("--data", nargs="+", help="JSONL conversations (OpenAI messages or ShareGPT)")
+    p.add_argument("--out", help="store folder (created; rerun the same command, or --resume OUT, to continue)")
+    p.add_argument("--resume", metavar="STORE", default=None,
+                   help="continue STORE with the target, data and options it recorded (instead of --model, --data "
+                        "and --out; --batch-size, --device, --tp, --gpu-mem and --no-fsync may still be given)")
     p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
                    help="hf: transformers reference (CPU or one GPU); vllm: production engine")
     p.add_argument("--layer-ids", type=_layer_ids, default=None, help="e.g. 2,30,58,61; default (2, L//2, L-3, L)")
@@ -70,7 +73,14 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
                         "reproduce the engine's own next token)")
 
 
+def _extract_defaults() -> dict:
+    p = argparse.ArgumentParser()
+    _add_extract_args(p)
+    return vars(p.parse_args([]))
+
+
 def _extract_config(a):
+    from eagle3 import recipe
     from eagle3.data import DataConfig
     from eagle3.extract import ExtractConfig
 
@@ -80,7 +90,7 @@ def _extract_config(a):
                         max_samples=a.max_samples),
         shard_samples=a.shard_samples, shard_tokens=a.shard_tokens, device=a.device, tp=a.tp,
         capture=a.capture, fsync=not a.no_fsync, vllm_kwargs={"gpu_memory_utilization": a.gpu_mem},
-        selfcheck=0 if a.no_selfcheck else a.selfcheck_prompts,
+        selfcheck=0 if a.no_selfcheck else a.selfcheck_prompts, recipe=recipe.from_args(a),
     )
 
 
@@ -179,9 +189,12 @@ def cmd_verify(a) -> int:
     rep = verify.verify(a.store, deep=not a.quick)
     for line in rep.lines():
         print(line)
-    if a.fix and not rep.ok:
+    fixed = a.fix and not rep.ok
+    if fixed:
         moved = verify.fix(a.store, rep)
-        print(f"quarantined {len(moved)} shard(s) to {Path(a.store) / 'quarantine'}; rerun the extraction to redo them")
+        print(f"quarantined {len(moved)} shard(s) to {Path(a.store) / 'quarantine'}")
+    for line in verify.repair_lines(a.store, rep, fixed):
+        print(line)
     ok = rep.ok
     if a.semantic:
         from eagle3.store import read_manifest
@@ -238,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=_Help)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug (workers too)")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("doctor", formatter_class=_Help, help="versions, GPUs, and whether the installed vLLM is supported")
+    doc = sub.add_parser("doctor", formatter_class=_Help,
+                         help="versions, GPUs, and whether the installed vLLM is supported (about a second)")
+    doc.add_argument("--deep", action="store_true", help="also import every module the pipeline needs (seconds)")
     _add_extract_args(sub.add_parser("extract", formatter_class=_Help, help="capture target hidden states into a shard store"))
     _add_train_args(sub.add_parser("train", formatter_class=_Help, help="train an EAGLE-3 draft on a store (torchrun for DDP)"))
     d = sub.add_parser("demo", formatter_class=_Help, help="tiny Kimi-family model + bundled data: extract and train on CPU")
@@ -292,6 +307,14 @@ def preflight(a) -> None:
     from eagle3 import preflight as pf
 
     if a.cmd == "extract":
+        if a.resume:
+            from eagle3 import recipe
+
+            recipe.resume(a, _extract_defaults())
+            print(f"resuming: {recipe.command(a.out, recipe.from_args(a), _extract_defaults())}", file=sys.stderr)
+        missing = [f"--{k}" for k in ("model", "data", "out") if not getattr(a, k)]
+        if missing:
+            raise pf.UsageError(f"extract needs {', '.join(missing)} (or --resume STORE to continue a store)")
         folder = pf.model_folder(a.model, tokenizer=True, weights=a.backend == "hf")
         if a.layer_ids:
             from eagle3.layers import validate_layer_ids
@@ -346,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "doctor":
         from eagle3 import doctor
 
-        return doctor.main([])
+        return doctor.main(["--deep"] if args.deep else [])
     from eagle3.checkpoint import NonFiniteWeights
     from eagle3.draft import DraftShapeError
     from eagle3.selfcheck import SelfCheckFailed

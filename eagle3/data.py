@@ -89,12 +89,25 @@ class DataReport:
 # ---------------------------------------------------------------------------------------- reading
 
 
+def json_problem(text: str, e: json.JSONDecodeError) -> str:
+    """Where a line's JSON breaks, in words. json's own column misleads on a line cut short: the newline puts
+    the error at "line 2 column 1", and an unclosed string is reported where it starts."""
+    end = len(text.rstrip("\r\n"))
+    open_string = e.msg.startswith(("Unterminated string", "Invalid control character"))
+    if open_string and (e.pos >= end or e.msg.startswith("Unterminated")):
+        return f"a string is still open where the line ends, column {end}: a closing quote is missing, or the line " \
+               "was cut short"
+    if e.pos >= end:
+        return f"{e.msg}: the line ends at column {end} before the JSON does (cut short?)"
+    return f"{e.msg} at column {e.colno} of {end}: ...{text[max(0, e.pos - 20):e.pos + 1]!r} <- here"
+
+
 def parse_conversation(text: str, path: str | Path, line: int) -> list[dict[str, str]]:
     """One JSONL line -> messages [{role, content}], or DataError saying what is wrong."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(path, line, f"invalid JSON ({e.msg} at column {e.colno})",
+        raise DataError(path, line, f"invalid JSON ({json_problem(text, e)})",
                         "Each line must be one JSON object; fix or remove the line", "invalid_json") from None
     if not isinstance(obj, dict):
         raise DataError(path, line, f"expected a JSON object, got {type(obj).__name__}",
@@ -264,8 +277,12 @@ def load_samples(cfg: DataConfig, tokenizer, tokenizer_where: str = "tokenizer")
         log.warning("skipped %d bad lines (%s)%s", len(rejects), dict(report.rejected),
                     f"; see {cfg.rejects_path}" if cfg.rejects_path else "")
     if not samples:
+        if not rejects:
+            raise DataError(", ".join(cfg.paths), None, f"no conversations: {report.lines} lines, "
+                            f"{report.blank_lines} blank", "Give JSONL files with one conversation per line")
+        where = f"; each rejected line and its reason: {cfg.rejects_path}" if cfg.rejects_path else ""
         raise DataError(", ".join(cfg.paths), None, f"no usable samples ({report.summary()})",
-                        "Check the input format; rejected lines and reasons are in the rejects file")
+                        f"Check the input format{where}")
     return samples, report
 
 

@@ -1,4 +1,8 @@
-"""`eagle3 doctor`: what is installed, what the GPUs are, and whether vLLM is one the adapter supports."""
+"""`eagle3 doctor`: what is installed, what the GPUs are, and whether vLLM is one the adapter supports.
+
+By default in about a second: versions from package metadata, whether each module the pipeline needs can be
+found, and the devices (torch only). `--deep` also imports each of them (speculators alone takes seconds), which
+is what scripts/setup-env runs (`--check-install`)."""
 
 from __future__ import annotations
 
@@ -41,21 +45,43 @@ def collect() -> dict[str, str]:
     return info
 
 
-def install_problems() -> list[str]:
-    """Imports the pipeline needs; each failure is a sentence saying what to do."""
+CHECKS = [
+    ("transformers.models.deepseek_v3", "DeepseekV3 (the Kimi family)"),
+    ("transformers.models.llama", "Llama"),
+    ("safetensors.torch", "safetensors"),
+    ("tokenizers", "tokenizers"),
+    ("speculators.models.eagle3", "speculators' EAGLE-3 model"),
+]
+
+
+def _exists(module: str) -> bool:
+    """Whether ``module`` is installed, importing nothing (find_spec of a dotted name imports its parents)."""
+    import importlib.util
+    from pathlib import Path
+
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not rest:
+        return spec is not None
+    path = Path(next(iter(spec.submodule_search_locations or [""]))).joinpath(*rest)
+    return (path / "__init__.py").exists() or path.with_suffix(".py").exists()
+
+
+def install_problems(deep: bool = True) -> list[str]:
+    """Modules the pipeline needs; each failure is a sentence saying what to do. ``deep`` imports them, else
+    only finds them (no import: fast)."""
     problems = []
-    checks = [
-        ("transformers.models.deepseek_v3", "DeepseekV3 (the Kimi family) does not import"),
-        ("transformers.models.llama", "Llama does not import"),
-        ("safetensors.torch", "safetensors does not import"),
-        ("tokenizers", "tokenizers does not import"),
-        ("speculators.models.eagle3", "speculators' EAGLE-3 model does not import"),
-    ]
-    for module, what in checks:
+    for module, what in CHECKS:
         try:
-            importlib.import_module(module)
+            if deep:
+                importlib.import_module(module)
+            elif not _exists(module):
+                raise ModuleNotFoundError(f"no module named {module!r}")
         except Exception as e:  # noqa: BLE001 - reported, not swallowed
-            problems.append(f"{what}: {type(e).__name__}: {e}. Re-run scripts/setup-env.")
+            problems.append(f"{what} does not {'import' if deep else 'exist'}: {type(e).__name__}: {e}. "
+                            "Re-run scripts/setup-env.")
+    if not deep:
+        return problems
     for extra in ("torchvision", "torchaudio"):
         if _version(extra):
             try:
@@ -75,11 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         for p in problems:
             print(f"eagle3 install check: {p}", file=sys.stderr)
         return 1 if problems else 0
+    deep = "--deep" in argv
     info = collect()
+    info["imports"] = "imported each module the pipeline needs" if deep else \
+        "found (not imported; `eagle3 doctor --deep` imports them, a few seconds)"
     width = max(map(len, info))
+    problems = install_problems(deep)
     for k, v in info.items():
         print(f"{k:<{width}}  {v}")
-    problems = install_problems()
     for p in problems:
         print(f"PROBLEM  {p}")
     return 1 if problems else 0

@@ -42,6 +42,7 @@ class ExtractConfig:
     capture: str = "auto"                   # vllm backend: auto | hooks | aux
     vllm_kwargs: dict = field(default_factory=dict)
     selfcheck: int = 4                      # prompts for the final-state self-check before storing (0 = skip)
+    recipe: dict | None = None              # the CLI options, recorded for `extract --resume` (recipe.py)
     fault: Callable[[str], None] | None = None  # tests: kill points
 
 
@@ -131,7 +132,7 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
         raise StoreError(f"{cfg.out} was planned for a different sample list ({len(plan)} samples, this run "
                          f"{len(ids)}); use a new --out folder or the same data and options")
     if plan is None:
-        store.write_plan(ids, fsync=cfg.fsync)
+        store.write_plan(ids, fsync=cfg.fsync, recipe=cfg.recipe)
     done_before = len(store.done_ids)
     todo = [s for s in samples if s.sample_id not in store.done_ids]
     own_backend = backend is None

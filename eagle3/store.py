@@ -35,12 +35,12 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from eagle3.layers import CONVENTION
+from eagle3.recipe import PLAN  # plan.json: sample ids + the recorded extract options
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-PLAN = "plan.json"
 SHARDS = "shards"
 QUARANTINE = "quarantine"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -457,8 +457,9 @@ class Store:
         self.manifest = manifest
         self.done_ids |= new_ids
 
-    def write_plan(self, sample_ids: Sequence[str], fsync: bool = True) -> None:
-        atomic_write_json(self.root / PLAN, {"sample_ids": list(sample_ids)}, fsync=fsync)
+    def write_plan(self, sample_ids: Sequence[str], fsync: bool = True, recipe: dict | None = None) -> None:
+        """The sample ids this store will hold, and the extract options that made it (recipe.py)."""
+        atomic_write_json(self.root / PLAN, {"sample_ids": list(sample_ids), "recipe": recipe}, fsync=fsync)
 
     def plan(self) -> list[str] | None:
         p = self.root / PLAN

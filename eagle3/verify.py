@@ -13,7 +13,7 @@ Findings (kind: what it means):
   missing_sample    a planned sample id that no shard holds
   uncommitted_file  a shard file the manifest does not name (removed on the next extract)
 ``--fix`` moves shards with findings to STORE/quarantine/ and drops them from the manifest, so
-rerunning the extraction redoes exactly those samples.
+`eagle3 extract --resume STORE` redoes exactly those samples. The report ends with the command that repairs it.
 """
 
 from __future__ import annotations
@@ -58,10 +58,17 @@ class VerifyReport:
     def kinds(self) -> Counter:
         return Counter(f.kind for f in self.findings)
 
-    def lines(self) -> list[str]:
+    def lines(self, per_kind: int = 20) -> list[str]:
+        """A head line with exact counts, then up to ``per_kind`` findings of each kind and how many more."""
         head = f"{self.store}: {self.shards} shards, {self.samples} samples, {self.tokens} tokens: "
         head += "OK" if self.ok else f"{len(self.findings)} findings " + json.dumps(dict(self.kinds()))
-        return [head] + [str(f) for f in self.findings[:200]]
+        out, shown = [head], Counter()
+        for f in self.findings:
+            shown[f.kind] += 1
+            if shown[f.kind] <= per_kind:
+                out.append(str(f))
+        out += [f"{'':<18} ... and {n - per_kind} more {kind}" for kind, n in self.kinds().items() if n > per_kind]
+        return out
 
 
 def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> None:
@@ -140,11 +147,9 @@ def verify(root: str | Path, deep: bool = True) -> VerifyReport:
             rep.findings.append(Finding("repeated_sample", None, sid, f"stored {n} times"))
     plan = store.plan()
     if plan is not None:
-        missing = [sid for sid in plan if sid not in seen]
-        for sid in missing[:50]:
-            rep.findings.append(Finding("missing_sample", None, sid, "planned but in no shard"))
-        if len(missing) > 50:
-            rep.findings.append(Finding("missing_sample", None, None, f"... {len(missing) - 50} more"))
+        for sid in plan:
+            if sid not in seen:
+                rep.findings.append(Finding("missing_sample", None, sid, "planned but in no shard"))
     committed = {s["file"] for s in store.shards}
     for p in sorted((root / SHARDS).glob("*")) if (root / SHARDS).exists() else []:
         if f"{SHARDS}/{p.name}" not in committed:
@@ -174,6 +179,29 @@ def fix(root: str | Path, rep: VerifyReport) -> list[str]:
             moved.append(name)
     store.drop_shards(bad)
     return moved
+
+
+def repair_lines(root: str | Path, rep: VerifyReport, fixed: bool) -> list[str]:
+    """What to run next: after ``rep`` (and after --fix when ``fixed``), the one command that repairs the store."""
+    from eagle3 import recipe
+
+    if rep.ok:
+        return []
+    root = Path(root)
+    resume = (f"eagle3 extract --resume {root}" if recipe.load(root) is not None else
+              f"your original `eagle3 extract ... --out {root}` command (this store did not record it)")
+    store = Store(root, read_manifest(root))
+    plan = store.plan() or []
+    missing = sum(1 for sid in plan if sid not in store.done_ids)
+    if fixed:
+        return [f"now {missing} planned samples are missing; repair: {resume}"]
+    bad = {f.shard for f in rep.findings if f.shard} | (
+        {"?"} if any(f.kind == "repeated_sample" for f in rep.findings) else set())
+    if bad:
+        held = sum(len(s["sample_ids"]) for s in store.shards if s["file"] in bad)
+        return [f"repair: eagle3 verify {root} --fix (quarantines {len(bad - {'?'})} shard(s) holding {held} samples), "
+                f"then {resume} (extracts them and the {missing} missing)"]
+    return [f"repair: {resume} (extracts the {missing} missing samples)"]
 
 
 def semantic(root: str | Path, model: str | Path, backend: str = "hf", samples: int = 8, device: str = "cpu"):

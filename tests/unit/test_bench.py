@@ -45,3 +45,43 @@ def test_report_writes_a_table_and_a_plot(tmp_path):
 def test_report_without_records_says_so(tmp_path):
     with pytest.raises(ValueError, match="no benchmark records"):
         bench.report([tmp_path], tmp_path / "out")
+
+
+def test_report_says_when_no_baseline_applies(tmp_path):
+    _history(tmp_path, "2026-12-01T10:00", {"plain/64x512": 300000}, profile="h100-unknown")
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["bench", "report", "--history", str(tmp_path / "2026-12-01T10:00.json"), "--out",
+                     str(tmp_path / "a")]) == 0
+    assert "No baseline for profile `h100-unknown`" in (tmp_path / "a" / "throughput.md").read_text()
+    assert cli.main(["bench", "report", "--history", str(tmp_path / "2026-12-01T10:00.json"), "--out",
+                     str(tmp_path / "b"), "--baselines", str(tmp_path / "empty")]) == 0
+    assert "**No baselines found in" in (tmp_path / "b" / "throughput.md").read_text()
+
+
+def test_a_non_editable_install_carries_the_baselines_and_the_bundled_data(tmp_path):
+    """Issue 17: `pip install .` left eagle3/bundled/baselines/*.json out, so `bench report` flagged nothing."""
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    import shutil
+
+    repo = Path(bench.__file__).resolve().parents[1]
+    src = tmp_path / "src"  # a clean copy: a build/ folder left in the checkout would hide a missing pattern
+    shutil.copytree(repo / "eagle3", src / "eagle3", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(repo / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "wheel"), str(src)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "wheel").glob("eagle3-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    bundled = {str(p.relative_to(repo)) for p in (repo / "eagle3" / "bundled").rglob("*") if p.is_file()}
+    assert bundled and bundled <= names, sorted(bundled - names)
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    code = "from eagle3 import bench; print(bench.BASELINES); print(sorted(bench.load_baselines()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"})
+    where, profiles = out.stdout.splitlines()
+    assert where.startswith(str(tmp_path / "site")), out.stderr
+    assert eval(profiles) == sorted(bench.load_baselines()) and len(eval(profiles)) >= 2

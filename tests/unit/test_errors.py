@@ -18,13 +18,33 @@ def _extract_cfg(model, data, out, **kw):
 @pytest.mark.parametrize("setup,match", [
     (lambda p: p, "file not found"),
     (lambda p: (p.mkdir(), p)[1], "is a directory"),
-    (lambda p: (p.write_text(""), p)[1], "no usable samples"),
-    (lambda p: (p.write_text("\n\n  \n"), p)[1], "no usable samples"),
+    (lambda p: (p.write_text(""), p)[1], "no conversations: 0 lines, 0 blank. Give JSONL files"),
+    (lambda p: (p.write_text("\n\n  \n"), p)[1], "no conversations: 3 lines, 3 blank"),
 ])
 def test_file_level_problems(tmp_path, tokenizer, setup, match):
     path = setup(tmp_path / "in.jsonl")
     with pytest.raises(DataError, match=match):
         load_samples(DataConfig([str(path)]), tokenizer)
+
+
+def test_an_empty_file_does_not_point_to_a_rejects_file_that_is_not_there(tmp_path, tiny_kimi, capsys):
+    """Issue 17: extract on an empty file said the rejected lines were in a rejects file it never wrote."""
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    code = cli.main(["extract", "--model", str(tiny_kimi), "--data", str(data), "--out", str(tmp_path / "s")])
+    err = capsys.readouterr().err
+    assert code == 2 and "no conversations" in err and "rejects" not in err, err
+    assert not (tmp_path / "s" / "rejects.jsonl").exists()
+
+
+def test_when_every_line_is_rejected_the_message_names_the_rejects_file(tmp_path, tiny_kimi, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "Hi?"}\n')
+    code = cli.main(["extract", "--model", str(tiny_kimi), "--data", str(data), "--out", str(tmp_path / "s")])
+    err = capsys.readouterr().err
+    rejects = tmp_path / "s" / "rejects.jsonl"
+    assert code == 2 and f"each rejected line and its reason: {rejects}" in err, err
+    assert json.loads(rejects.read_text())["reason"] == "invalid_json"
 
 
 def test_two_inputs_with_one_name_would_collide(tmp_path, tokenizer, small_data):

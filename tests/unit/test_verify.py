@@ -185,3 +185,66 @@ def test_fix_quarantines_and_a_resume_redoes_exactly_those_samples(store, tiny_k
     assert again.keys() == reference.keys()
     for sid, t in reference.items():
         assert torch.equal(again[sid], t), sid
+
+
+def _drop_shards(root, n):
+    """The first n shards lost: files gone and out of the manifest."""
+    m = _manifest(root)
+    for shard in m["shards"][:n]:
+        (root / shard["file"]).unlink()
+    m["shards"] = m["shards"][n:]
+    _save_manifest(root, m)
+
+
+def test_verify_counts_exactly_and_ends_with_the_command_that_repairs(tiny_kimi, small_data, tmp_path, capsys):
+    """Issue 17: after damage, verify's head counts every missing sample (it printed 50 lines and '51 findings'
+    for 64), shows at most 20 lines per kind, and ends with the one command that repairs; that command, run as
+    printed, restores the store with the options it was made with (non-default here)."""
+    import shlex
+
+    out = tmp_path / "s"
+    made = ["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(out), "--max-len", "160",
+            "--shard-samples", "4", "--batch-size", "4", "--no-selfcheck"]
+    assert cli.main(made) == 0
+    capsys.readouterr()
+    from eagle3.store import Store
+
+    reference = {s["sample_id"]: s["states"][8].clone() for s in Store.open(out).iter_samples()}
+    _drop_shards(out, 6)      # 24 samples in no shard
+    _flip_byte(out)           # and one damaged shard of 4
+    assert cli.main(["verify", str(out)]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert '25 findings {"sha256_mismatch": 1, "missing_sample": 24}' in lines[0]
+    assert sum("missing_sample" in x and "planned" in x for x in lines) == 20
+    assert any("... and 4 more missing_sample" in x for x in lines)
+    assert lines[-1] == (f"repair: eagle3 verify {out} --fix (quarantines 1 shard(s) holding 4 samples), then "
+                         f"eagle3 extract --resume {out} (extracts them and the 24 missing)")
+    assert cli.main(["verify", str(out), "--fix"]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == f"now 28 planned samples are missing; repair: eagle3 extract --resume {out}"
+    command = shlex.split(lines[-1].split("repair: ")[1])
+    assert cli.main(command[1:]) == 0
+    assert "resuming: eagle3 extract --model" in capsys.readouterr().err
+    assert cli.main(["verify", str(out)]) == 0
+    again = {s["sample_id"]: s for s in Store.open(out).iter_samples()}
+    assert again.keys() == reference.keys()
+    assert all(torch.equal(again[k]["states"][8], t) for k, t in reference.items())
+    assert max(len(s["input_ids"]) for s in again.values()) <= 160           # the recorded --max-len
+    assert max(len(s["sample_ids"]) for s in _manifest(out)["shards"]) == 4  # the recorded --shard-samples
+
+
+def test_resume_refuses_what_would_change_the_store_and_stores_without_a_record(small_store, tiny_kimi, capsys):
+    assert cli.main(["extract", "--resume", str(small_store)]) == 2
+    assert "did not record the command" in capsys.readouterr().err
+    assert cli.main(["extract", "--out", str(small_store)]) == 2
+    assert "extract needs --model, --data" in capsys.readouterr().err
+
+
+def test_resume_allows_runtime_options_only(tiny_kimi, small_data, tmp_path, capsys):
+    out = tmp_path / "s"
+    assert cli.main(["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(out),
+                     "--max-samples", "6", "--no-selfcheck"]) == 0
+    assert cli.main(["extract", "--resume", str(out), "--max-len", "64"]) == 2
+    assert "--max-len would change what is stored" in capsys.readouterr().err
+    assert cli.main(["extract", "--resume", str(out), "--batch-size", "2"]) == 0  # nothing left: a no-op
+    assert "6 already there" in capsys.readouterr().out
