@@ -80,9 +80,9 @@ def _extract_defaults() -> dict:
 
 
 def _extract_config(a):
-    from eagle3 import recipe
-    from eagle3.data import DataConfig
-    from eagle3.extract import ExtractConfig
+    from eagle3.data.conversations import DataConfig
+    from eagle3.extract.extract import ExtractConfig
+    from eagle3.store import recipe
 
     return ExtractConfig(
         model=a.model, out=a.out, backend=a.backend, layer_ids=a.layer_ids, batch_size=a.batch_size,
@@ -137,8 +137,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_config(a):
-    from eagle3.draft import SERVE_TPS
-    from eagle3.train import TrainConfig
+    from eagle3.train.draft import SERVE_TPS
+    from eagle3.train.train import TrainConfig
 
     shape = {k: v for k, v in (("num_attention_heads", a.draft_heads), ("num_key_value_heads", a.draft_kv_heads),
                                ("head_dim", a.draft_head_dim)) if v is not None}
@@ -152,9 +152,12 @@ def _train_config(a):
 
 def cmd_demo(a) -> int:
     """The whole chain on the tiny Kimi-family model and the bundled conversations, on CPU."""
-    from eagle3 import corpus, extract, presets, tiny, train
-    from eagle3.data import DataConfig
-    from eagle3.draft import check_vllm_loadable
+    from eagle3.data import corpus
+    from eagle3.data.conversations import DataConfig
+    from eagle3.extract import extract
+    from eagle3.targets import presets, tiny
+    from eagle3.train import train
+    from eagle3.train.draft import check_vllm_loadable
 
     out = Path(a.out)
     t0 = time.perf_counter()
@@ -184,7 +187,7 @@ def cmd_demo(a) -> int:
 
 
 def cmd_verify(a) -> int:
-    from eagle3 import verify
+    from eagle3.store import verify
 
     rep = verify.verify(a.store, deep=not a.quick)
     for line in rep.lines():
@@ -197,17 +200,19 @@ def cmd_verify(a) -> int:
         print(line)
     ok = rep.ok
     if a.semantic:
-        from eagle3.store import read_manifest
+        from eagle3.store.folder import read_manifest
 
         model = a.model or read_manifest(a.store)["spec"]["target"]["name_or_path"]
-        result = verify.semantic(a.store, model, a.backend, a.semantic_samples, a.device)
+        from eagle3.extract.extract import check_store
+
+        result = check_store(a.store, model, a.backend, a.semantic_samples, a.device)
         print(result.line())
         ok = ok and result.ok
     return 0 if ok else 1
 
 
 def cmd_eval(a) -> int:
-    from eagle3 import evaluate
+    from eagle3.serve import evaluate
 
     report = evaluate.run(evaluate.EvalConfig(target=a.target, draft=a.draft, prompts=a.prompts, out=a.out,
                                               k=a.k, max_tokens=a.max_tokens, num_prompts=a.num_prompts,
@@ -219,7 +224,7 @@ def cmd_eval(a) -> int:
 
 
 def cmd_make_target(a) -> int:
-    from eagle3 import learnable
+    from eagle3.targets import learnable
 
     info = learnable.make_target(a.out, steps=a.steps, device=a.device)
     print(f"target     {a.out} (learnable-llama: hidden 256, 8 layers) trained {info['steps']} steps in "
@@ -308,7 +313,7 @@ def preflight(a) -> None:
 
     if a.cmd == "extract":
         if a.resume:
-            from eagle3 import recipe
+            from eagle3.store import recipe
 
             recipe.resume(a, _extract_defaults())
             print(f"resuming: {recipe.command(a.out, recipe.from_args(a), _extract_defaults())}", file=sys.stderr)
@@ -317,9 +322,8 @@ def preflight(a) -> None:
             raise pf.UsageError(f"extract needs {', '.join(missing)} (or --resume STORE to continue a store)")
         folder = pf.model_folder(a.model, tokenizer=True, weights=a.backend == "hf")
         if a.layer_ids:
-            from eagle3.layers import validate_layer_ids
-
-            from eagle3.presets import read_model_config
+            from eagle3.targets.layers import validate_layer_ids
+            from eagle3.targets.presets import read_model_config
 
             cfg = read_model_config(folder)
             validate_layer_ids(a.layer_ids, int((cfg.get("text_config") or cfg)["num_hidden_layers"]))
@@ -357,9 +361,9 @@ def _fail(a, e: Exception) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from eagle3.data import DataError
-    from eagle3.layers import LayerIdError
+    from eagle3.data.conversations import DataError
     from eagle3.preflight import UsageError
+    from eagle3.targets.layers import LayerIdError
 
     try:
         preflight(args)
@@ -370,21 +374,21 @@ def main(argv: list[str] | None = None) -> int:
         from eagle3 import doctor
 
         return doctor.main(["--deep"] if args.deep else [])
-    from eagle3.checkpoint import NonFiniteWeights
-    from eagle3.draft import DraftShapeError
-    from eagle3.selfcheck import SelfCheckFailed
-    from eagle3.store import StoreError
-    from eagle3.train import TrainingDiverged
+    from eagle3.extract.selfcheck import SelfCheckFailed
+    from eagle3.store.format import StoreError
+    from eagle3.train.checkpoint import NonFiniteWeights
+    from eagle3.train.draft import DraftShapeError
+    from eagle3.train.train import TrainingDiverged
 
     try:
         if args.cmd == "extract":
-            from eagle3 import extract
+            from eagle3.extract import extract
 
             summary = extract.run(_extract_config(args))
             print("\n".join(summary.lines()))
             return 0
         if args.cmd == "train":
-            from eagle3 import train
+            from eagle3.train import train
 
             result = train.train(_train_config(args))
             print("\n".join(result.lines()))

@@ -11,7 +11,7 @@ import importlib.metadata
 import platform
 import sys
 
-from eagle3 import vllm_compat
+from eagle3.extract import vllm_compat
 
 
 def _version(dist: str) -> str | None:

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle3 import extract, presets, tiny
-from eagle3.presets import TargetProfile
-from eagle3.store import Store
+from eagle3.extract import extract
+from eagle3.store.folder import Store
+from eagle3.targets import presets, tiny
+from eagle3.targets.presets import TargetProfile
 
 
 @dataclass
@@ -76,7 +77,7 @@ class Engines:
         self.spec = extract.store_spec(target.path, target.profile.layer_ids, "bfloat16")
 
     def get(self, strategy: str):
-        from eagle3.vllm_backend import VLLMBackend
+        from eagle3.extract.vllm_backend import VLLMBackend
 
         if strategy not in self.cache:
             if not self.target.local:  # a real target fills the GPUs: one engine at a time
@@ -106,7 +107,7 @@ def hf_reference(target):
     """transformers on the same weights, computing in float32: the oracle for vLLM's bf16 states."""
     if not target.local:
         pytest.skip(f"{target.profile.name} does not fit the hf reference on one device")
-    from eagle3.hf_backend import HFBackend
+    from eagle3.extract.hf_backend import HFBackend
 
     return HFBackend(target.path, target.profile.layer_ids, device="cuda", compute_dtype="float32",
                      out_dtype="float32", batch_size=1)

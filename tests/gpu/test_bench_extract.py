@@ -24,10 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3 import bench, extract
-from eagle3.data import random_samples
-from eagle3.store import Store
-from eagle3.vllm_backend import VLLMSession
+from eagle3 import bench
+from eagle3.data.conversations import random_samples
+from eagle3.extract import extract
+from eagle3.extract.vllm_backend import VLLMSession
+from eagle3.store.folder import Store
 
 pytestmark = [pytest.mark.gpu, pytest.mark.benchmark]
 
@@ -166,7 +167,7 @@ def test_eagle3_hooks_capture(benchmark, target, engines):
 def test_hf_reference(benchmark, target):
     if not target.local:
         pytest.skip("the hf reference does not fit this target on one device")
-    from eagle3.hf_backend import HFBackend
+    from eagle3.extract.hf_backend import HFBackend
 
     hf = HFBackend(target.path, target.profile.layer_ids, device="cuda", compute_dtype="bfloat16", batch_size=16)
     b, t = 16, 512

@@ -21,9 +21,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3 import evaluate, extract, train
-from eagle3.data import random_samples
-from eagle3.draft import DraftShape, export_bytes, speculators_config
+from eagle3.data.conversations import random_samples
+from eagle3.extract import extract
+from eagle3.serve import evaluate
+from eagle3.train import train
+from eagle3.train.draft import DraftShape, export_bytes, speculators_config
 
 pytestmark = pytest.mark.gpu
 

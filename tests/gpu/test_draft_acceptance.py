@@ -23,8 +23,12 @@ import time
 
 import pytest
 
-from eagle3 import corpus, evaluate, extract, learnable, train
-from eagle3.data import DataConfig
+from eagle3.data import corpus
+from eagle3.data.conversations import DataConfig
+from eagle3.extract import extract
+from eagle3.serve import evaluate
+from eagle3.targets import learnable
+from eagle3.train import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3 import corpus, verify
-from eagle3.data import random_samples
-from eagle3.rpc import Expect, LayerStack, ReplyError, describe, normalize_reply
-from eagle3.store import Store
+from eagle3.data import corpus
+from eagle3.data.conversations import random_samples
+from eagle3.extract.rpc import Expect, LayerStack, ReplyError, describe, normalize_reply
+from eagle3.store import verify
+from eagle3.store.folder import Store
 
 from .conftest import extract_with
 

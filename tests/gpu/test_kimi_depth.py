@@ -18,9 +18,11 @@ import time
 import pytest
 import torch
 
-from eagle3 import extract, presets, selfcheck, tiny, verify
-from eagle3.data import random_samples
-from eagle3.store import Store
+from eagle3.data.conversations import random_samples
+from eagle3.extract import extract, selfcheck
+from eagle3.store import verify
+from eagle3.store.folder import Store
+from eagle3.targets import presets, tiny
 
 from .test_extract_vllm import rel_err
 
@@ -29,7 +31,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.kimi_depth]
 
 @pytest.fixture(scope="module")
 def depth(tmp_path_factory, report):
-    from eagle3.vllm_backend import VLLMBackend
+    from eagle3.extract.vllm_backend import VLLMBackend
 
     prof = presets.from_name("kimi-depth")
     folder = tiny.build_model(prof, tmp_path_factory.mktemp("kimi-depth"), dtype="bfloat16")

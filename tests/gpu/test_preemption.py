@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3 import extract, verify
-from eagle3.data import random_samples
-from eagle3.store import Store
+from eagle3.data.conversations import random_samples
+from eagle3.extract import extract
+from eagle3.store import verify
+from eagle3.store.folder import Store
 
 from .test_extract_vllm import REL_TOL, rel_err
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.gpu
 def test_states_under_forced_preemption_equal_an_unpressured_run(target, engines, tmp_path, report):
     if not target.local:
         pytest.skip("starts a second engine of the target beside the suite's")
-    from eagle3.vllm_backend import VLLMBackend
+    from eagle3.extract.vllm_backend import VLLMBackend
 
     samples = random_samples(48, 1024, target.profile.vocab_size, seed=61)
 

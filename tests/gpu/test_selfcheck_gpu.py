@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3 import extract, selfcheck
-from eagle3.data import random_samples
-from eagle3.store import Store
+from eagle3.data.conversations import random_samples
+from eagle3.extract import extract, selfcheck
+from eagle3.store.folder import Store
 
 pytestmark = pytest.mark.gpu
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def test_selfcheck_passes_the_captured_state_and_fails_wrong_ones(target, engines, tmp_path, report):
     if not target.local:
         pytest.skip("the L-1 control uses the hf reference on the same weights")
-    from eagle3.hf_backend import HFBackend
+    from eagle3.extract.hf_backend import HFBackend
 
     L = target.profile.num_hidden_layers
     samples = random_samples(16, [512, 37, 200, 129, 64, 300, 90, 411] * 2, target.profile.vocab_size, seed=81)

@@ -8,8 +8,9 @@ import signal
 import pytest
 import torch
 
-from eagle3 import corpus, presets, tiny
-from eagle3.data import DataConfig
+from eagle3.data import corpus
+from eagle3.data.conversations import DataConfig
+from eagle3.targets import presets, tiny
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -42,7 +43,7 @@ def small_data(tmp_path_factory):
 @pytest.fixture(scope="session")
 def small_store(tiny_kimi, small_data, tmp_path_factory):
     """An hf-backend store of small_data on tiny-kimi, shards of 8 samples."""
-    from eagle3 import extract
+    from eagle3.extract import extract
 
     out = tmp_path_factory.mktemp("store") / "store"
     cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(out), data=DataConfig([str(small_data)], max_len=192),
@@ -54,7 +55,7 @@ def small_store(tiny_kimi, small_data, tmp_path_factory):
 @pytest.fixture(scope="session")
 def trained_run(small_store, tmp_path_factory):
     """A short training run on small_store (12 steps, checkpoints every 4): (TrainResult, out folder)."""
-    from eagle3.train import TrainConfig, train
+    from eagle3.train.train import TrainConfig, train
 
     out = tmp_path_factory.mktemp("train")
     cfg = TrainConfig(store=str(small_store), out=str(out), draft_vocab_size=256, batch_samples=4, lr=3e-3, seed=0,
@@ -89,7 +90,7 @@ def rewrite_shards(root, edit, rehash: bool = True) -> None:
 
     from safetensors import safe_open
 
-    from eagle3.store import safetensors_chunks
+    from eagle3.store.format import safetensors_chunks
 
     root = Path(root)
     manifest = json.loads((root / "manifest.json").read_text())

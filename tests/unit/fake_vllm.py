@@ -22,6 +22,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from eagle3.extract.vllm_compat import WORKER_EXTENSION
+
 _CURRENT = {"tp_rank": 0, "tp_size": 1}
 
 
@@ -119,9 +121,9 @@ class FakeLLM:
     last = None
 
     def __init__(self, **kw):
-        from eagle3.vllm_worker import CaptureExtension
+        from eagle3.extract.vllm_worker import CaptureExtension
 
-        assert kw["worker_extension_cls"] == "eagle3.vllm_worker.CaptureExtension"
+        assert kw["worker_extension_cls"] == WORKER_EXTENSION
         self.kw = kw
         self.tp = kw.get("tensor_parallel_size", 1)
         self.aux = kw.get("speculative_config") is not None
@@ -263,5 +265,5 @@ def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits
             "vllm.distributed.parallel_state": ps}
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr("eagle3.vllm_compat.installed_version", lambda: "0.26.0")
+    monkeypatch.setattr("eagle3.extract.vllm_compat.installed_version", lambda: "0.26.0")
     return FakeLLM

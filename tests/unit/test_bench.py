@@ -60,12 +60,11 @@ def test_report_says_when_no_baseline_applies(tmp_path):
 
 def test_a_non_editable_install_carries_the_baselines_and_the_bundled_data(tmp_path):
     """Issue 17: `pip install .` left eagle3/bundled/baselines/*.json out, so `bench report` flagged nothing."""
+    import shutil
     import subprocess
     import sys
     import zipfile
     from pathlib import Path
-
-    import shutil
 
     repo = Path(bench.__file__).resolve().parents[1]
     src = tmp_path / "src"  # a clean copy: a build/ folder left in the checkout would hide a missing pattern

@@ -1,4 +1,4 @@
-"""The capture pipeline (eagle3.capture) on CPU tensors: any chunked-prefill schedule, with preemptions that
+"""The capture pipeline (eagle3.extract.capture) on CPU tensors: any chunked-prefill schedule, with preemptions that
 reset a request to token 0 mid-prefill, reassembles every announced sample exactly, into shards of any size;
 skipped prefixes and strangers are reported."""
 
@@ -6,8 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eagle3.capture import Announced, Capturer, StepLayout
-from eagle3.store import ShardWriter, Store, StoreSpec
+from eagle3.extract.capture import Announced, Capturer, StepLayout
+from eagle3.store.folder import Store
+from eagle3.store.format import StoreSpec
+from eagle3.store.writer import ShardWriter
 
 H, N_LAYERS = 8, 3
 SPEC = StoreSpec(target={"config_hash": "x"}, layer_ids=(1, 2, 3), hidden_size=H, dtype="float32")

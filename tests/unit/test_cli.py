@@ -4,7 +4,8 @@ import json
 import subprocess
 import sys
 
-from eagle3 import cli, doctor, vllm_compat
+from eagle3 import cli, doctor
+from eagle3.extract import vllm_compat
 
 
 def test_doctor_prints_versions_and_finds_no_problem(capsys):
@@ -30,7 +31,7 @@ def test_doctor_is_quick_it_imports_no_model_code_unless_deep(capsys):
 
 
 def test_importing_eagle3_does_not_import_vllm_or_initialize_cuda():
-    code = ("import sys, eagle3, eagle3.cli, eagle3.extract, eagle3.rpc, eagle3.vllm_compat, eagle3.doctor;"
+    code = ("import sys, eagle3, eagle3.cli, eagle3.extract.extract, eagle3.extract.rpc, eagle3.extract.vllm_compat, eagle3.doctor;"
             "import torch; print('vllm' in sys.modules, torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stderr

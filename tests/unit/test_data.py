@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from eagle3.data import DataConfig, DataError, load_samples, parse_conversation, random_samples, render
+from eagle3.data.conversations import (
+    DataConfig,
+    DataError,
+    load_samples,
+    parse_conversation,
+    random_samples,
+    render,
+)
 
 
 def _write(tmp_path, name, lines):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from eagle3.train import TrainConfig, train
+from eagle3.train.train import TrainConfig, train
 
 
 def test_two_process_ddp_matches_one_process(small_store, tmp_path, one_thread):

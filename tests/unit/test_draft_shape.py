@@ -15,14 +15,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eagle3 import presets
-from eagle3.draft import SERVE_TPS, DraftShape, DraftShapeError, check_servable, tp_problems
+from eagle3.targets import presets
+from eagle3.train.draft import SERVE_TPS, DraftShape, DraftShapeError, check_servable, tp_problems
 
 TPS = (1, 2, 4, 8, 16)
 
 
 def vllm_accepts(shape: DraftShape, tp: int) -> bool:
-    """vLLM 0.26's assertions, written out independently of eagle3.draft."""
+    """vLLM 0.26's assertions, written out independently of eagle3.train.draft."""
     if shape.num_attention_heads % tp:
         return False
     kv = shape.num_key_value_heads
@@ -92,7 +92,7 @@ def test_speculators_rotary_is_plain_rope_with_the_exported_theta():
     get_rope builds from rope_parameters {'rope_type': 'default', 'rope_theta': theta}."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    from eagle3.draft import speculators_config
+    from eagle3.train.draft import speculators_config
 
     target = dict(presets.from_name("tiny-kimi").hf_config, rope_theta=12345.0,
                   rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})
@@ -115,7 +115,7 @@ def test_speculators_rotary_is_plain_rope_with_the_exported_theta():
 
 def test_kimi_draft_size_on_disk_is_stated():
     """bf16, no embedding (vLLM shares the target's): the README's figure comes from this count."""
-    from eagle3.draft import export_bytes
+    from eagle3.train.draft import export_bytes
 
     shape = DraftShape.for_target(presets.from_name("kimi-k2.5").hf_config)
     n = export_bytes(shape, n_aux=3, draft_vocab_size=32000)

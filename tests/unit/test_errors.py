@@ -6,8 +6,13 @@ import shutil
 
 import pytest
 
-from eagle3 import cli, extract, store as store_mod, verify
-from eagle3.data import DataConfig, DataError, load_samples
+from eagle3 import cli
+from eagle3.data.conversations import DataConfig, DataError, load_samples
+from eagle3.extract import extract
+from eagle3.store import files as store_mod
+from eagle3.store import verify
+from eagle3.store.folder import Store
+from eagle3.store.format import StoreError, StoreMismatch
 
 
 def _extract_cfg(model, data, out, **kw):
@@ -86,10 +91,10 @@ def test_disk_full_mid_extraction_then_resume_completes(tiny_kimi, small_data, t
         real(f, chunks)
 
     monkeypatch.setattr(store_mod, "write_chunks", fill_up)
-    with pytest.raises(store_mod.StoreError, match="disk full"):
+    with pytest.raises(StoreError, match="disk full"):
         extract.run(_extract_cfg(tiny_kimi, small_data, out), progress=False)
     assert not list(out.rglob(".tmp-*"))
-    committed = store_mod.Store.open(out).done_ids
+    committed = Store.open(out).done_ids
     assert 0 < len(committed) < 48
     monkeypatch.setattr(store_mod, "write_chunks", real)
     summary = extract.run(_extract_cfg(tiny_kimi, small_data, out), progress=False)
@@ -100,23 +105,23 @@ def test_disk_full_mid_extraction_then_resume_completes(tiny_kimi, small_data, t
 def test_resume_with_other_options_is_refused(tiny_kimi, small_data, small_store, tmp_path):
     out = tmp_path / "s"
     shutil.copytree(small_store, out)
-    with pytest.raises(store_mod.StoreMismatch, match="layer_ids"):
+    with pytest.raises(StoreMismatch, match="layer_ids"):
         extract.run(_extract_cfg(tiny_kimi, small_data, out, layer_ids=(1, 4, 5, 8)), progress=False)
-    with pytest.raises(store_mod.StoreError, match="different sample list"):
+    with pytest.raises(StoreError, match="different sample list"):
         extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(out),
                                           data=DataConfig([str(small_data)], max_len=128, max_samples=10)),
                     progress=False)
 
 
 def test_trainer_refuses_hidden_size_mismatch(small_store, tmp_path):
-    from eagle3.train import TrainConfig, train
+    from eagle3.train.train import TrainConfig, train
 
     out = tmp_path / "s"
     shutil.copytree(small_store, out)
     m = json.loads((out / "manifest.json").read_text())
     m["spec"]["hidden_size"] = 64
     (out / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(store_mod.StoreMismatch, match="hidden size 64 != target hidden size 128"):
+    with pytest.raises(StoreMismatch, match="hidden size 64 != target hidden size 128"):
         train(TrainConfig(store=str(out), out=str(tmp_path / "t"), max_steps=1, batch_samples=4), progress=False)
 
 

@@ -2,7 +2,7 @@
 
 import math
 
-from eagle3.evaluate import divergences
+from eagle3.serve.evaluate import divergences
 
 
 def test_divergence_is_located_with_the_plain_runs_margin():

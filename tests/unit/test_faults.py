@@ -6,10 +6,12 @@ import random
 import pytest
 import torch
 
-from eagle3 import extract, faults, verify
-from eagle3.data import DataConfig
-from eagle3.hf_backend import HFBackend
-from eagle3.store import Store
+from eagle3 import faults
+from eagle3.data.conversations import DataConfig
+from eagle3.extract import extract
+from eagle3.extract.hf_backend import HFBackend
+from eagle3.store import verify
+from eagle3.store.folder import Store
 
 from .conftest import run_forked
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3 import presets, tiny
-from eagle3.data import random_samples
-from eagle3.hf_backend import HFBackend
+from eagle3.data.conversations import random_samples
+from eagle3.extract.hf_backend import HFBackend
+from eagle3.targets import presets, tiny
 
 
 @pytest.fixture(scope="module")

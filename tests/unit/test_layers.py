@@ -4,8 +4,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eagle3.layers import LayerIdError, aux_ids, default_layer_ids, hook_layer_index, validate_layer_ids
-from eagle3.presets import PRESETS, from_name
+from eagle3.targets.layers import (
+    LayerIdError,
+    aux_ids,
+    default_layer_ids,
+    hook_layer_index,
+    validate_layer_ids,
+)
+from eagle3.targets.presets import PRESETS, from_name
 
 
 def test_kimi_default_ids():

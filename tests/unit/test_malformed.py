@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.data import DataConfig, DataError, load_samples
+from eagle3.data.conversations import DataConfig, DataError, load_samples
 
 HERE = Path(__file__).parent / "data" / "malformed"
 EXPECTED = json.loads((HERE / "expected.json").read_text())

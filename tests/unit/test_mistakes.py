@@ -106,14 +106,14 @@ def test_argument_mistakes_are_refused_in_under_a_second(tiny_kimi, small_data, 
     seconds = time.perf_counter() - t0
     assert done.returncode == 2 and "layer id 99 out of range" in done.stderr, done.stderr
     assert seconds < 1.0, seconds
-    code = "import sys, eagle3.cli, eagle3.preflight, eagle3.layers, eagle3.data; print('torch' in sys.modules)"
+    code = "import sys, eagle3.cli, eagle3.preflight, eagle3.targets.layers, eagle3.data.conversations; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
 @pytest.mark.skipif(_has_vllm(), reason="checks the message for a machine without vLLM")
 def test_the_library_refuses_the_vllm_backend_without_vllm_before_making_the_store(tiny_kimi, small_data, tmp_path):
-    from eagle3 import extract
-    from eagle3.data import DataConfig
+    from eagle3.data.conversations import DataConfig
+    from eagle3.extract import extract
     from eagle3.preflight import UsageError
 
     cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(tmp_path / "out"), backend="vllm",

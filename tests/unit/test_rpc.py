@@ -1,4 +1,4 @@
-"""eagle3.rpc: every reply shape real vLLM versions produce, and the ones they must not be confused with."""
+"""eagle3.extract.rpc: every reply shape real vLLM versions produce, and the ones they must not be confused with."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eagle3.rpc import Expect, LayerStack, Record, ReplyError, check_consistent, describe, normalize_reply
+from eagle3.extract.rpc import (
+    Expect,
+    LayerStack,
+    Record,
+    ReplyError,
+    check_consistent,
+    describe,
+    normalize_reply,
+)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

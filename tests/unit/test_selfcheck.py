@@ -5,9 +5,9 @@ prompts of `eagle3 extract` through the store and stops before anything is store
 import pytest
 import torch
 
-from eagle3 import extract, selfcheck
-from eagle3.data import DataConfig, random_samples
-from eagle3.hf_backend import HFBackend
+from eagle3.data.conversations import DataConfig, random_samples
+from eagle3.extract import extract, selfcheck
+from eagle3.extract.hf_backend import HFBackend
 
 L = 8
 
@@ -67,7 +67,7 @@ def test_extract_runs_the_check_first_and_stops_before_storing_wrong_states(tiny
     assert summary.selfcheck.startswith("final-state self-check PASS: 4 prompts")
     assert not (tmp_path / "ok" / ".selfcheck").exists()
 
-    from eagle3 import hf_backend
+    from eagle3.extract import hf_backend
 
     real = hf_backend.HFBackend.forward_states
 

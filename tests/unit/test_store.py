@@ -10,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from eagle3 import store as store_mod
-from eagle3.store import ShardWriter, Store, StoreError, StoreMismatch, StoreSpec, safetensors_chunks
+from eagle3.store import files as store_mod
+from eagle3.store.folder import Store
+from eagle3.store.format import StoreError, StoreMismatch, StoreSpec, safetensors_chunks
+from eagle3.store.writer import ShardWriter
 
 SPEC = StoreSpec(target={"name_or_path": "t", "config_hash": "abc"}, layer_ids=(2, 4, 5, 8), hidden_size=6)
 

@@ -1,5 +1,6 @@
-"""The house reads as the pipeline (issue 17): no import circles between eagle3's modules (counting imports
-inside functions too), and every module imports on its own."""
+"""The house reads as the pipeline (issue 17): eagle3's folders are its stages, imports go one way only
+(a stage imports earlier stages, never later ones), no import circles between modules (counting imports inside
+functions too), and every module imports on its own in a fresh interpreter."""
 
 import ast
 import subprocess
@@ -9,23 +10,59 @@ from pathlib import Path
 import eagle3
 
 PKG = Path(eagle3.__file__).parent
+# the order a module may import in: base helpers, then the pipeline's stages, then the commands on top
+ORDER = ["base", "data", "targets", "store", "extract", "train", "serve", "commands"]
+BASE = {"preflight", "faults"}
+COMMANDS = {"cli", "doctor", "bench"}
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module names under eagle3 (without the 'eagle3.' prefix) -> their files."""
+    out = {}
+    for f in sorted(PKG.rglob("*.py")):
+        rel = f.relative_to(PKG).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        if parts:
+            out[".".join(parts)] = f
+    return out
+
+
+def resolve(name: str, known) -> str | None:
+    """The longest known module that a dotted import names (eagle3.store.folder.Store -> store.folder)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in known:
+            return ".".join(parts[:n])
+    return None
 
 
 def import_graph() -> dict[str, set[str]]:
+    mods = modules()
     graph = {}
-    for f in sorted(PKG.glob("*.py")):
-        name = f.stem
+    for name, f in mods.items():
         deps = set()
         for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eagle3"):
-                if node.module == "eagle3":
-                    deps |= {a.name for a in node.names}
-                else:
-                    deps.add(node.module.split(".")[1])
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "eagle3":
+                base = node.module.removeprefix("eagle3").lstrip(".")
+                for a in node.names:  # `from eagle3.extract import selfcheck` names a module
+                    hit = resolve(f"{base}.{a.name}".lstrip("."), mods) or resolve(base, mods)
+                    if hit:
+                        deps.add(hit)
             elif isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("eagle3.")}
+                deps |= {resolve(a.name.removeprefix("eagle3."), mods) for a in node.names
+                         if a.name.startswith("eagle3.")} - {None}
         graph[name] = deps - {name}
     return graph
+
+
+def stage(module: str) -> str:
+    top = module.split(".")[0]
+    if top in BASE:
+        return "base"
+    if top in COMMANDS:
+        return "commands"
+    assert top in ORDER, f"eagle3/{top}: a module outside the stage folders; put it in one (or in BASE/COMMANDS)"
+    return top
 
 
 def cycles(graph):
@@ -49,11 +86,37 @@ def cycles(graph):
 def test_no_import_circles():
     graph = import_graph()
     assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]  # the detector detects
+    assert "store.folder" in graph["extract.extract"] and "extract.selfcheck" in graph["extract.extract"]
     assert cycles(graph) == []
 
 
+def test_imports_go_from_later_stages_to_earlier_ones_only():
+    graph = import_graph()
+    back = sorted(f"{a} ({stage(a)}) imports {b} ({stage(b)})" for a, deps in graph.items() for b in deps
+                  if ORDER.index(stage(b)) > ORDER.index(stage(a)))
+    assert back == []
+
+
+def test_the_tree_is_the_pipeline():
+    folders = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(ORDER) - {"base", "commands"}
+    loose = {p.stem for p in PKG.glob("*.py")} - {"__init__"}
+    assert loose == BASE | COMMANDS, loose
+
+
 def test_every_module_imports_in_a_fresh_interpreter():
-    mods = [f"eagle3.{f.stem}" for f in sorted(PKG.glob("*.py")) if f.stem != "__init__"]
+    mods = [f"eagle3.{m}" for m in modules()]
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok')"
     out = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_worker_extension_vllm_loads_by_name_resolves_in_a_fresh_interpreter():
+    """vLLM's spawned workers import WORKER_EXTENSION by its dotted name: after the move into eagle3/extract/, a
+    stale string would only fail on the GPU."""
+    from eagle3.extract.vllm_compat import WORKER_EXTENSION
+
+    mod, _, cls = WORKER_EXTENSION.rpartition(".")
+    code = f"import importlib; c = getattr(importlib.import_module({mod!r}), {cls!r}); print(hasattr(c, 'eagle3_setup'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]

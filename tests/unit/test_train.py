@@ -7,11 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3 import checkpoint, faults, tiny
-from eagle3.draft import DraftShape, check_vllm_loadable, draft_vocab
-from eagle3.presets import from_name
-from eagle3.store import StoreMismatch
-from eagle3.train import TrainConfig, train
+from eagle3 import faults
+from eagle3.store.format import StoreMismatch
+from eagle3.targets import tiny
+from eagle3.targets.presets import from_name
+from eagle3.train import checkpoint
+from eagle3.train.draft import DraftShape, check_vllm_loadable, draft_vocab
+from eagle3.train.train import TrainConfig, train
 
 from .conftest import run_forked
 
@@ -120,7 +122,7 @@ def test_fault_points_are_off_unless_asked(monkeypatch):
 def test_ttt_step_loss_decay_and_warmup_reach_the_run(small_store, tmp_path):
     """Options at non-default values change what is trained: the step-loss decay weighs later TTT steps, warm-up
     ramps the learning rate linearly before the cosine."""
-    from eagle3.train import _lr_lambda
+    from eagle3.train.train import _lr_lambda
 
     base = train(_cfg(small_store, tmp_path / "a", max_steps=1), progress=False).losses
     decayed = train(_cfg(small_store, tmp_path / "b", max_steps=1, ttt_step_loss_decay=0.5), progress=False).losses

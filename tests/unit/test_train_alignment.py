@@ -16,9 +16,10 @@ The alignment asserted is EAGLE-3's as speculators 0.9.0 trains it and vLLM 0.26
 import pytest
 import torch
 
-from eagle3 import extract
-from eagle3.store import ShardWriter, Store
-from eagle3.train import StoreSamples, TrainConfig, micro_batches, model_inputs, train
+from eagle3.extract import extract
+from eagle3.store.folder import Store
+from eagle3.store.writer import ShardWriter
+from eagle3.train.train import StoreSamples, TrainConfig, micro_batches, model_inputs, train
 
 IDS = (2, 4, 5, 8)  # tiny-kimi: aux 2, 4, 5; last 8
 H = 128

@@ -11,8 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3 import checkpoint, cli, train as train_mod
-from eagle3.train import BadData, TrainConfig, TrainingDiverged, train
+from eagle3 import cli
+from eagle3.train import checkpoint
+from eagle3.train import train as train_mod
+from eagle3.train.train import BadData, TrainConfig, TrainingDiverged, train
 
 from .conftest import rewrite_shards, run_forked
 
@@ -131,7 +133,7 @@ def test_default_options_checkpoint_by_time_and_a_kill_resumes_to_the_same_curve
     saved = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").glob("step-*"))
     assert saved and saved[-1] < "step-0000007", saved
     monkeypatch.setattr(train_mod, "_clock", FakeClock())
-    with caplog.at_level(logging.WARNING, logger="eagle3.train"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.train.train"):
         resumed = train(cfg, progress=False)
     n = int(saved[-1].split("-")[1])
     assert f"resuming from step {n} of 8" in caplog.text
@@ -172,6 +174,6 @@ def test_a_rerun_of_a_finished_run_says_so(trained_run, small_store):
 
 
 def test_bad_data_error_is_a_store_error_for_the_cli():
-    from eagle3.store import StoreError
+    from eagle3.store.format import StoreError
 
     assert issubclass(BadData, StoreError)

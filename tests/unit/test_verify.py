@@ -8,9 +8,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagle3 import cli, extract, verify
-from eagle3.data import DataConfig
-from eagle3.store import atomic_write, safetensors_chunks
+from eagle3 import cli
+from eagle3.data.conversations import DataConfig
+from eagle3.extract import extract
+from eagle3.store import verify
+from eagle3.store.files import atomic_write
+from eagle3.store.format import safetensors_chunks
 
 
 @pytest.fixture
@@ -167,7 +170,7 @@ def test_infinity_is_found_too(store):
 
 def test_fix_quarantines_and_a_resume_redoes_exactly_those_samples(store, tiny_kimi, small_data, capsys):
     reference = {s["sample_id"]: s["states"][4].clone() for s in
-                 __import__("eagle3.store", fromlist=["Store"]).Store.open(store).iter_samples()}
+                 __import__("eagle3.store.folder", fromlist=["Store"]).Store.open(store).iter_samples()}
     _duplicate_layer(store)
     _flip_byte(store)
     assert cli.main(["verify", str(store), "--fix"]) == 1
@@ -179,7 +182,7 @@ def test_fix_quarantines_and_a_resume_redoes_exactly_those_samples(store, tiny_k
                           progress=False)
     assert summary.samples_written == 16
     assert cli.main(["verify", str(store)]) == 0
-    from eagle3.store import Store
+    from eagle3.store.folder import Store
 
     again = {s["sample_id"]: s["states"][4] for s in Store.open(store).iter_samples()}
     assert again.keys() == reference.keys()
@@ -207,7 +210,7 @@ def test_verify_counts_exactly_and_ends_with_the_command_that_repairs(tiny_kimi,
             "--shard-samples", "4", "--batch-size", "4", "--no-selfcheck"]
     assert cli.main(made) == 0
     capsys.readouterr()
-    from eagle3.store import Store
+    from eagle3.store.folder import Store
 
     reference = {s["sample_id"]: s["states"][8].clone() for s in Store.open(out).iter_samples()}
     _drop_shards(out, 6)      # 24 samples in no shard

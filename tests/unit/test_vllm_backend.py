@@ -8,11 +8,12 @@ import sys
 import pytest
 import torch
 
-from eagle3 import extract
-from eagle3.data import random_samples
-from eagle3.hf_backend import HFBackend
-from eagle3.rpc import Expect, LayerStack, ReplyError, normalize_reply
-from eagle3.store import Store, StoreError
+from eagle3.data.conversations import random_samples
+from eagle3.extract import extract
+from eagle3.extract.hf_backend import HFBackend
+from eagle3.extract.rpc import Expect, LayerStack, ReplyError, normalize_reply
+from eagle3.store.folder import Store
+from eagle3.store.format import StoreError
 
 from . import fake_vllm
 from .oracle import layerwise_states
@@ -125,7 +126,7 @@ def test_exactly_one_rank_writes_as_its_reply_and_the_files_say(fake, tiny_kimi,
 
     from safetensors import safe_open
 
-    from eagle3.vllm_backend import VLLMBackend
+    from eagle3.extract.vllm_backend import VLLMBackend
 
     replies = []
     real = VLLMBackend.call
@@ -161,7 +162,7 @@ def test_prefix_caching_loses_states_and_is_caught(fake, tiny_kimi, tmp_path):
 
 
 def test_ranks_that_disagree_are_reported(fake, tiny_kimi, tmp_path, monkeypatch):
-    from eagle3 import vllm_worker
+    from eagle3.extract import vllm_worker
 
     real = vllm_worker.CaptureExtension.eagle3_collect
 
@@ -213,7 +214,7 @@ def test_tensors_in_rpc_replies_are_refused_as_vllm_026_sends_them(fake, tiny_ki
 
 @pytest.mark.parametrize("level,shown", [("INFO", True), (None, False)])
 def test_worker_logs_reach_the_user_at_the_chosen_level(level, shown):
-    code = ("from eagle3.vllm_worker import configure_worker_logging, log;"
+    code = ("from eagle3.extract.vllm_worker import configure_worker_logging, log;"
             f"configure_worker_logging({level!r}); log.info('capture installed: hello')")
     env = {"PATH": "/usr/bin:/bin", "EAGLE3_LOG_LEVEL": ""}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
@@ -225,7 +226,7 @@ def test_worker_logs_reach_the_user_at_the_chosen_level(level, shown):
 def test_benchmark_sinks_run_repeatedly_without_leaking_buffers(fake, tiny_kimi, tmp_path, mode):
     """The null sink (copy to pinned host memory, drop) and counting, session after session, as the
     throughput benchmarks use them; steps run under inference mode as in vLLM."""
-    from eagle3.vllm_backend import VLLMSession
+    from eagle3.extract.vllm_backend import VLLMSession
 
     cfg = _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="aux")
     backend = extract.make_backend(cfg, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
@@ -240,7 +241,7 @@ def test_benchmark_sinks_run_repeatedly_without_leaking_buffers(fake, tiny_kimi,
 
 
 def test_a_capture_error_is_reported_not_raised_inside_the_forward(fake, tiny_kimi, tmp_path, monkeypatch):
-    from eagle3 import capture
+    from eagle3.extract import capture
 
     def broken(self, layers, layout):
         raise RuntimeError("boom in the forward")
@@ -255,8 +256,8 @@ def test_unit_norms_sets_every_rank_s_layer_rmsnorms_to_one_and_nothing_else(fak
     """The kimi-depth GPU test's dummy weights: vLLM draws every parameter in +-1e-3 from one seed per shape, so
     layer updates vanish below bf16 resolution; unit_norms sets each rank's decoder-layer RMSNorm weights (and only
     those: not the final norm, not other weights) to 1."""
-    from eagle3.extract import store_spec
-    from eagle3.vllm_backend import VLLMBackend
+    from eagle3.extract.extract import store_spec
+    from eagle3.extract.vllm_backend import VLLMBackend
 
     class RMSNorm(torch.nn.Module):  # named as vLLM's vllm.model_executor.layers.layernorm.RMSNorm
         def __init__(self):

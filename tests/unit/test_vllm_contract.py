@@ -1,4 +1,4 @@
-"""Contract: every vLLM attribute and signature eagle3.vllm_compat relies on, checked against the
+"""Contract: every vLLM attribute and signature eagle3.extract.vllm_compat relies on, checked against the
 installed vLLM. Runs wherever vLLM imports (the GPU host; CPU CI has no vLLM and skips this module)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here; the contract runs on the GPU host")
 
-from eagle3 import vllm_compat  # noqa: E402
-from eagle3.rpc import Expect, LayerStack, ReplyError, normalize_reply  # noqa: E402
+from eagle3.extract import vllm_compat  # noqa: E402
+from eagle3.extract.rpc import Expect, LayerStack, ReplyError, normalize_reply  # noqa: E402
 
 
 def _src(obj) -> str:

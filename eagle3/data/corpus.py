@@ -125,4 +125,4 @@ def write_jsonl(path: str | Path, conversations: list[dict]) -> Path:
     return path
 
 
-BUNDLED = Path(__file__).parent / "bundled" / "conversations.jsonl"
+BUNDLED = Path(__file__).parents[1] / "bundled" / "conversations.jsonl"

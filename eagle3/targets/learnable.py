@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3 import corpus, tiny
-from eagle3.presets import TargetProfile
+from eagle3.data import corpus
+from eagle3.targets import tiny
+from eagle3.targets.presets import TargetProfile
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import logging
 import os
 from pathlib import Path
 
-from eagle3 import corpus
-from eagle3.presets import TargetProfile
+from eagle3.data import corpus
+from eagle3.targets.presets import TargetProfile
 
 log = logging.getLogger(__name__)
 

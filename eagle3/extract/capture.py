@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from eagle3.store import shard_offsets
+from eagle3.store.format import shard_offsets
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from eagle3.layers import default_layer_ids, validate_layer_ids
+from eagle3.targets.layers import default_layer_ids, validate_layer_ids
 
 # Kimi-K2.5's decoder layer shapes (its text model is DeepseekV3): MLA and MoE dimensions.
 KIMI_MLA = dict(

@@ -14,7 +14,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from eagle3.rpc import Expect, Record, normalize_reply
+from eagle3.extract.rpc import Expect, Record, normalize_reply
+from eagle3.extract.vllm_compat import WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def _run(llm, prompts, max_tokens: int, before: dict | None = None, top2: list |
 
 
 def load_prompts(cfg: EvalConfig, tokenizer) -> list[list[int]]:
-    from eagle3 import learnable
+    from eagle3.targets import learnable
 
     if cfg.prompts is None:
         return learnable.eval_prompts(tokenizer, cfg.num_prompts)
@@ -172,7 +173,7 @@ def run(cfg: EvalConfig) -> EvalReport:
                   gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
                   kernel_config={"enable_flashinfer_autotune": False})
     t0 = time.perf_counter()
-    llm = vllm.LLM(**common, disable_log_stats=False, worker_extension_cls="eagle3.vllm_worker.CaptureExtension",
+    llm = vllm.LLM(**common, disable_log_stats=False, worker_extension_cls=WORKER_EXTENSION,
                    skip_tokenizer_init=cfg.prompt_ids is not None,
                    speculative_config={"method": "eagle3", "model": cfg.draft, "num_speculative_tokens": cfg.k})
     start = time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """Production extraction: a vLLM engine whose workers capture states during prefill (max_tokens=1)
 and write them straight into the store. Only small records cross collective_rpc; every reply goes
-through eagle3.rpc.normalize_reply and is cross-checked across ranks.
+through eagle3.extract.rpc.normalize_reply and is cross-checked across ranks.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import os
 import time
 from typing import Sequence
 
-from eagle3 import vllm_compat as compat
-from eagle3.data import Sample
-from eagle3.rpc import Expect, Record, check_consistent, normalize_reply
-from eagle3.store import ShardInfo, Store, StoreError, StoreSpec, shard_tokens
+from eagle3.data.conversations import Sample
+from eagle3.extract import vllm_compat as compat
+from eagle3.extract.rpc import Expect, Record, check_consistent, normalize_reply
+from eagle3.store.folder import Store
+from eagle3.store.format import ShardInfo, StoreError, StoreSpec, shard_tokens
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class VLLMBackend:
         """The engine's own next-token distribution after each sample (max_tokens=1, logprobs=k)."""
         from vllm import SamplingParams
 
-        from eagle3.selfcheck import EngineTop
+        from eagle3.extract.selfcheck import EngineTop
 
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, detokenize=False)
         outs = self.llm.generate([{"prompt_token_ids": list(s.input_ids)} for s in samples], params, use_tqdm=False)

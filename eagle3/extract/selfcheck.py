@@ -77,7 +77,7 @@ def load_head(model: str | Path) -> FinalHead:
     slice of ~2.3 GB, not the 1T checkpoint)."""
     from safetensors import safe_open
 
-    from eagle3.presets import read_model_config
+    from eagle3.targets.presets import read_model_config
 
     folder = Path(model)
     cfg = read_model_config(folder)
@@ -127,7 +127,7 @@ def head_for(model: str | Path, backend, scratch: str | Path) -> FinalHead:
     except SelfCheckFailed:
         if not hasattr(backend, "dump_head"):
             raise
-    from eagle3.presets import read_model_config
+    from eagle3.targets.presets import read_model_config
 
     cfg = read_model_config(model)
     eps = float((cfg.get("text_config") or cfg).get("rms_norm_eps", 1e-6))

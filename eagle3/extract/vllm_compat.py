@@ -52,7 +52,7 @@ def support_verdict(version: str | None) -> str:
 
 # ----------------------------------------------------------------------------- engine side (driver)
 
-WORKER_EXTENSION = "eagle3.vllm_worker.CaptureExtension"
+WORKER_EXTENSION = "eagle3.extract.vllm_worker.CaptureExtension"
 STRATEGIES = ("hooks", "aux")
 
 
@@ -204,7 +204,7 @@ def parallel_info() -> dict[str, Any]:
 
 def step_layout(runner):
     """The current step's batch layout from the V1 GPU model runner."""
-    from eagle3.capture import StepLayout
+    from eagle3.extract.capture import StepLayout
 
     batch = runner.input_batch
     n = batch.num_reqs

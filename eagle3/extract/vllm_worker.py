@@ -12,9 +12,9 @@ import sys
 
 import torch
 
-from eagle3 import vllm_compat as compat
-from eagle3.capture import Announced, Capturer
-from eagle3.layers import hook_layer_index, validate_layer_ids
+from eagle3.extract import vllm_compat as compat
+from eagle3.extract.capture import Announced, Capturer
+from eagle3.targets.layers import hook_layer_index, validate_layer_ids
 
 log = logging.getLogger("eagle3.worker")
 
@@ -88,7 +88,8 @@ class CaptureExtension:
     def eagle3_open(self, cfg: dict) -> dict:
         """Start a session. cfg: mode (store | host | count), hidden_size, dtype, and for store: root,
         spec, start_index, shard_tokens, fsync, writer_threads."""
-        from eagle3.store import ShardWriter, StoreSpec
+        from eagle3.store.format import StoreSpec
+        from eagle3.store.writer import ShardWriter
 
         e3 = self._e3
         mode = cfg["mode"] if e3["owner"] else "count"

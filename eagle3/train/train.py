@@ -31,11 +31,14 @@ from pathlib import Path
 
 import torch
 
-from eagle3 import checkpoint, faults
-from eagle3.draft import SERVE_TPS, DraftShape, check_servable, draft_vocab, speculators_config
-from eagle3.layers import aux_ids
-from eagle3.presets import config_hash, read_model_config
-from eagle3.store import Store, StoreError, StoreMismatch, file_sha256
+from eagle3 import faults
+from eagle3.store.files import file_sha256
+from eagle3.store.folder import Store
+from eagle3.store.format import StoreError, StoreMismatch
+from eagle3.targets.layers import aux_ids
+from eagle3.targets.presets import config_hash, read_model_config
+from eagle3.train import checkpoint
+from eagle3.train.draft import SERVE_TPS, DraftShape, check_servable, draft_vocab, speculators_config
 
 log = logging.getLogger(__name__)
 

@@ -161,7 +161,7 @@ def publish(ckpt: Path, out: Path, dtype: str = "bfloat16", serve_tps=()) -> Pat
     """Write the servable draft to OUT/draft atomically: floating tensors in ``dtype`` (vLLM serves in the
     target's dtype; bf16 halves the bytes of a float32 checkpoint), config.json saying so. Refuses a draft with
     non-finite weights or one vLLM would refuse at any of ``serve_tps``."""
-    from eagle3.draft import DraftShape, check_servable
+    from eagle3.train.draft import DraftShape, check_servable
 
     config = json.loads((ckpt / "config.json").read_text())
     check_servable(DraftShape.from_layer_config(config["transformer_layer_config"]), serve_tps)

@@ -15,10 +15,11 @@ from typing import Callable, Sequence
 import torch
 
 from eagle3 import faults
-from eagle3.data import DataConfig, Sample, load_samples
-from eagle3.layers import default_layer_ids, validate_layer_ids
-from eagle3.presets import config_hash, read_model_config
-from eagle3.store import Store, StoreError, StoreSpec, shard_tokens
+from eagle3.data.conversations import DataConfig, Sample, load_samples
+from eagle3.store.folder import Store, read_manifest
+from eagle3.store.format import StoreError, StoreSpec, shard_tokens
+from eagle3.targets.layers import default_layer_ids, validate_layer_ids
+from eagle3.targets.presets import config_hash, read_model_config
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +88,12 @@ def store_spec(model: str | Path, layer_ids: Sequence[int] | None, dtype: str) -
 
 def make_backend(cfg: ExtractConfig, spec: StoreSpec):
     if cfg.backend == "hf":
-        from eagle3.hf_backend import HFBackend
+        from eagle3.extract.hf_backend import HFBackend
 
         return HFBackend(cfg.model, spec.layer_ids, device=cfg.device, compute_dtype=cfg.compute_dtype,
                          out_dtype=cfg.dtype)
     if cfg.backend == "vllm":
-        from eagle3.vllm_backend import VLLMBackend
+        from eagle3.extract.vllm_backend import VLLMBackend
 
         return VLLMBackend(cfg.model, spec, tp=cfg.tp, capture=cfg.capture, **cfg.vllm_kwargs)
     raise ValueError(f"unknown backend {cfg.backend!r}: use hf or vllm")
@@ -144,7 +145,7 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
             check_line = result.line()
             log.info("%s", check_line)
             if not result.ok:
-                from eagle3.selfcheck import SelfCheckFailed
+                from eagle3.extract.selfcheck import SelfCheckFailed
 
                 raise SelfCheckFailed(
                     f"{check_line}. The captured id-{spec.layer_ids[-1]} states do not reproduce the engine's own "
@@ -193,7 +194,7 @@ def final_state_check(backend, store: Store, cfg: ExtractConfig, samples: Sequen
     import shutil
     from dataclasses import replace
 
-    from eagle3 import selfcheck
+    from eagle3.extract import selfcheck
 
     scratch = Path(cfg.out) / ".selfcheck"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -212,11 +213,35 @@ def final_state_check(backend, store: Store, cfg: ExtractConfig, samples: Sequen
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def check_store(root: str | Path, model: str | Path, backend: str = "hf", samples: int = 8, device: str = "cpu"):
+    """`verify --semantic`: the final-state self-check on stored samples. The target (hf on CPU/GPU, or a vLLM
+    engine) produces its next-token logprobs after each stored prompt; the stored last-token id-L state, through
+    the target's final norm and lm_head, must reproduce them. Returns a selfcheck.SelfCheckResult."""
+    import itertools
+    import tempfile
+
+    from eagle3.extract import selfcheck
+
+    store = Store(Path(root), read_manifest(root))
+    got = list(itertools.islice(store.iter_samples(), samples))
+    if not got:
+        raise selfcheck.SelfCheckFailed(f"{root} holds no samples to check")
+    prompts = [Sample(s["sample_id"], tuple(s["input_ids"].tolist()), tuple(s["loss_mask"].tolist())) for s in got]
+    engine = make_backend(ExtractConfig(model=str(model), out=str(root), backend=backend, device=device), store.spec)
+    try:
+        tops = engine.top_logprobs(prompts, selfcheck.K)
+        with tempfile.TemporaryDirectory() as tmp:
+            head = selfcheck.head_for(model, engine, tmp)
+    finally:
+        engine.close()
+    return selfcheck.compare(head, selfcheck.last_states(got, store.spec.layer_ids[-1]), tops)
+
+
 class _LocalSession:
     """In-process capture (hf backend): states come back here and go to a ShardWriter."""
 
     def __init__(self, backend, store: Store, cfg: ExtractConfig, fault):
-        from eagle3.store import ShardWriter
+        from eagle3.store.writer import ShardWriter
 
         self.backend, self.fault = backend, fault
         self.writer = ShardWriter(store.root, store.spec, store.next_shard_index,

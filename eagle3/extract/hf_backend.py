@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from eagle3.data import Sample
-from eagle3.layers import validate_layer_ids
+from eagle3.data.conversations import Sample
+from eagle3.targets.layers import validate_layer_ids
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class HFBackend:
     @torch.inference_mode()
     def top_logprobs(self, samples: Sequence[Sample], k: int):
         """The model's own next-token distribution after each sample: greedy token + top-k logprobs."""
-        from eagle3.selfcheck import EngineTop
+        from eagle3.extract.selfcheck import EngineTop
 
         out = []
         for s in samples:

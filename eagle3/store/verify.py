@@ -26,7 +26,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3.store import QUARANTINE, SHARDS, Store, file_sha256, read_manifest
+from eagle3.store.files import file_sha256
+from eagle3.store.folder import Store, read_manifest
+from eagle3.store.format import QUARANTINE, SHARDS
 
 _ST = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
@@ -183,7 +185,7 @@ def fix(root: str | Path, rep: VerifyReport) -> list[str]:
 
 def repair_lines(root: str | Path, rep: VerifyReport, fixed: bool) -> list[str]:
     """What to run next: after ``rep`` (and after --fix when ``fixed``), the one command that repairs the store."""
-    from eagle3 import recipe
+    from eagle3.store import recipe
 
     if rep.ok:
         return []
@@ -202,30 +204,3 @@ def repair_lines(root: str | Path, rep: VerifyReport, fixed: bool) -> list[str]:
         return [f"repair: eagle3 verify {root} --fix (quarantines {len(bad - {'?'})} shard(s) holding {held} samples), "
                 f"then {resume} (extracts them and the {missing} missing)"]
     return [f"repair: {resume} (extracts the {missing} missing samples)"]
-
-
-def semantic(root: str | Path, model: str | Path, backend: str = "hf", samples: int = 8, device: str = "cpu"):
-    """`verify --semantic`: the final-state self-check on stored samples. The target (hf on CPU/GPU, or a vLLM
-    engine) produces its next-token logprobs after each stored prompt; the stored last-token id-L state, through
-    the target's final norm and lm_head, must reproduce them. Returns a selfcheck.SelfCheckResult."""
-    import itertools
-
-    from eagle3 import extract, selfcheck
-    from eagle3.data import Sample
-
-    store = Store(Path(root), read_manifest(root))
-    got = list(itertools.islice(store.iter_samples(), samples))
-    if not got:
-        raise selfcheck.SelfCheckFailed(f"{root} holds no samples to check")
-    prompts = [Sample(s["sample_id"], tuple(s["input_ids"].tolist()), tuple(s["loss_mask"].tolist())) for s in got]
-    cfg = extract.ExtractConfig(model=str(model), out=str(root), backend=backend, device=device)
-    engine = extract.make_backend(cfg, store.spec)
-    try:
-        tops = engine.top_logprobs(prompts, selfcheck.K)
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            head = selfcheck.head_for(model, engine, tmp)
-    finally:
-        engine.close()
-    return selfcheck.compare(head, selfcheck.last_states(got, store.spec.layer_ids[-1]), tops)

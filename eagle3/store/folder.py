@@ -1,0 +1,176 @@
+"""A store folder: its manifest (the commit point), plan, committed shards, and reading samples back.
+Opening a store removes shard files the manifest does not name."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from eagle3.store.files import atomic_write_json
+from eagle3.store.format import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    SHARDS,
+    ShardInfo,
+    StoreError,
+    StoreMismatch,
+    StoreSpec,
+    shard_index,
+)
+from eagle3.store.recipe import PLAN  # plan.json: sample ids + the recorded extract options
+
+log = logging.getLogger(__name__)
+
+
+class Store:
+    """A store folder: its manifest, committed shards, and what is already done."""
+
+    def __init__(self, root: Path, manifest: dict):
+        self.root, self.manifest = root, manifest
+        self.spec = StoreSpec.from_json(manifest["spec"])
+        self.done_ids: set[str] = {sid for s in manifest["shards"] for sid in s["sample_ids"]}
+
+    # -- opening
+    @classmethod
+    def open(cls, root: str | Path, spec: StoreSpec | None = None, create: bool = False,
+             fsync: bool = True) -> "Store":
+        """Open (or with ``create``, make) a store; remove uncommitted files; refuse a mismatched spec."""
+        root = Path(root)
+        path = root / MANIFEST
+        if path.exists():
+            manifest = read_manifest(root)
+            store = cls(root, manifest)
+            if spec is not None:
+                diffs = store.spec.mismatches(spec)
+                if diffs:
+                    raise StoreMismatch(
+                        f"{path} was written for a different setup: " + "; ".join(diffs)
+                        + ". Use a new --out folder, or the same target, layer ids, dtype and hidden size."
+                    )
+            store._remove_uncommitted()
+            return store
+        if not create:
+            raise StoreError(f"{root} is not a store (no {MANIFEST}); run `eagle3 extract` to make one")
+        if spec is None:
+            raise StoreError("creating a store needs its spec")
+        _check_writable(root)
+        leftovers = [p for p in (root / SHARDS).glob("*")] if (root / SHARDS).exists() else []
+        for p in leftovers:
+            p.unlink()
+        manifest = {"schema_version": SCHEMA_VERSION, "spec": spec.to_json(), "shards": [],
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        (root / SHARDS).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, manifest, fsync=fsync)
+        return cls(root, manifest)
+
+    def _remove_uncommitted(self) -> None:
+        committed = {s["file"] for s in self.manifest["shards"]}
+        for p in sorted((self.root / SHARDS).glob("*")) if (self.root / SHARDS).exists() else []:
+            rel = f"{SHARDS}/{p.name}"
+            if rel not in committed:
+                log.info("removing uncommitted %s (its samples will be extracted again)", rel)
+                p.unlink()
+        for p in self.root.glob(".tmp-*"):
+            p.unlink()
+
+    # -- state
+    @property
+    def shards(self) -> list[dict]:
+        return self.manifest["shards"]
+
+    @property
+    def next_shard_index(self) -> int:
+        used = [shard_index(s["file"]) for s in self.shards]
+        return max(used) + 1 if used else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s["num_tokens"] for s in self.shards)
+
+    # -- commit
+    def commit(self, infos: Sequence[ShardInfo], fsync: bool = True, fault=None) -> None:
+        """Add durable shards to the manifest (the commit point). Refuses duplicates and missing files."""
+        if not infos:
+            return
+        new_ids: set[str] = set()
+        for info in infos:
+            p = self.root / info.file
+            if not p.exists() or p.stat().st_size != info.bytes:
+                raise StoreError(f"cannot commit {info.file}: file missing or of the wrong size")
+            dup = (set(info.sample_ids) & self.done_ids) | (set(info.sample_ids) & new_ids)
+            if dup or len(set(info.sample_ids)) != len(info.sample_ids):
+                raise StoreError(f"cannot commit {info.file}: samples already in the store: {sorted(dup)[:5]}")
+            new_ids |= set(info.sample_ids)
+        manifest = dict(self.manifest, shards=self.shards + [asdict(i) for i in infos],
+                        updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        if fault:
+            fault("before_manifest")
+        atomic_write_json(self.root / MANIFEST, manifest, fsync=fsync, fault=fault)
+        self.manifest = manifest
+        self.done_ids |= new_ids
+
+    def write_plan(self, sample_ids: Sequence[str], fsync: bool = True, recipe: dict | None = None) -> None:
+        """The sample ids this store will hold, and the extract options that made it (recipe.py)."""
+        atomic_write_json(self.root / PLAN, {"sample_ids": list(sample_ids), "recipe": recipe}, fsync=fsync)
+
+    def plan(self) -> list[str] | None:
+        p = self.root / PLAN
+        return json.loads(p.read_text())["sample_ids"] if p.exists() else None
+
+    def drop_shards(self, files: set[str], fsync: bool = True) -> None:
+        """Remove shards from the manifest (verify --fix); their samples become 'not done'."""
+        manifest = dict(self.manifest, shards=[s for s in self.shards if s["file"] not in files])
+        atomic_write_json(self.root / MANIFEST, manifest, fsync=fsync)
+        self.manifest = manifest
+        self.done_ids = {sid for s in manifest["shards"] for sid in s["sample_ids"]}
+
+    # -- reading
+    def iter_samples(self, layer_ids: Sequence[int] | None = None) -> Iterator[dict]:
+        """Yield {sample_id, input_ids [T], loss_mask [T], states {id: [T, H]}} in commit order."""
+        from safetensors import safe_open
+
+        ids = list(layer_ids) if layer_ids is not None else list(self.spec.layer_ids)
+        missing = set(ids) - set(self.spec.layer_ids)
+        if missing:
+            raise StoreMismatch(f"{self.root} has layers {list(self.spec.layer_ids)}, not {sorted(missing)}")
+        for shard in self.shards:
+            with safe_open(str(self.root / shard["file"]), framework="pt") as f:
+                offsets = f.get_tensor("offsets").tolist()
+                sample_ids = json.loads(f.metadata()["sample_ids"])
+                input_ids, loss_mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+                hs = f.get_slice("hidden_states")
+                col = {i: self.spec.layer_ids.index(i) for i in ids}
+                for s, sid in enumerate(sample_ids):
+                    a, b = offsets[s], offsets[s + 1]
+                    rows = hs[a:b]  # [T, n_layers, H]
+                    yield {"sample_id": sid, "input_ids": input_ids[a:b], "loss_mask": loss_mask[a:b],
+                           "states": {i: rows[:, col[i]] for i in ids}}
+
+
+def read_manifest(root: str | Path) -> dict:
+    path = Path(root) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise StoreError(f"{path} is not valid JSON ({e.msg}, line {e.lineno}); restore it or re-extract") from None
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise StoreError(f"{path} has schema_version {version!r}; this eagle3 reads {SCHEMA_VERSION}")
+    for key in ("spec", "shards"):
+        if key not in manifest:
+            raise StoreError(f"{path} lacks {key!r}; it is not an eagle3 manifest")
+    return manifest
+
+
+def _check_writable(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".tmp-write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise StoreError(f"output folder {root} is not writable ({e.strerror}); choose another --out") from None

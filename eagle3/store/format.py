@@ -1,0 +1,153 @@
+"""The store format: what a store folder and a shard file hold (see eagle3/store/__init__.py), the
+spec every shard of a store shares, and how samples become one shard's tensors and header."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from eagle3.targets.layers import CONVENTION
+
+SCHEMA_VERSION = 1
+
+
+MANIFEST = "manifest.json"
+
+
+SHARDS = "shards"
+
+
+QUARANTINE = "quarantine"
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
+              torch.int64: "I64", torch.uint8: "U8"}
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+class StoreMismatch(StoreError):
+    """The store on disk was made for another target, layer set, dtype or hidden size."""
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """What every shard of a store must agree on."""
+
+    target: dict[str, Any]          # name_or_path, config_hash, architecture, num_hidden_layers, vocab_size
+    layer_ids: tuple[int, ...]
+    hidden_size: int
+    dtype: str = "bfloat16"
+    convention: str = CONVENTION
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def mismatches(self, other: "StoreSpec") -> list[str]:
+        out = []
+        if self.target.get("config_hash") != other.target.get("config_hash"):
+            out.append(f"target model: store has {self.target.get('name_or_path')} (config "
+                       f"{self.target.get('config_hash')}), this run uses {other.target.get('name_or_path')} "
+                       f"(config {other.target.get('config_hash')})")
+        def norm(v):
+            return tuple(v) if isinstance(v, (list, tuple)) else v
+
+        for name in ("layer_ids", "hidden_size", "dtype", "convention"):
+            a, b = getattr(self, name), getattr(other, name)
+            if norm(a) != norm(b):
+                out.append(f"{name}: store has {list(a) if isinstance(a, tuple) else a}, this run uses "
+                           f"{list(b) if isinstance(b, tuple) else b}")
+        return out
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["layer_ids"] = list(self.layer_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "StoreSpec":
+        return cls(target=d["target"], layer_ids=tuple(d["layer_ids"]), hidden_size=int(d["hidden_size"]),
+                   dtype=d["dtype"], convention=d["convention"])
+
+
+@dataclass
+class ShardInfo:
+    file: str                 # relative to the store root
+    sha256: str
+    bytes: int
+    num_samples: int
+    num_tokens: int
+    sample_ids: list[str] = field(default_factory=list)
+
+
+def safetensors_chunks(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list[memoryview]:
+    """The safetensors byte layout as zero-copy views: u64 header size, JSON header, raw tensor bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset, views = 0, []
+    for name, t in tensors.items():
+        t = t.detach().contiguous().cpu()
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        views.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()) if nbytes else memoryview(b""))
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return [memoryview(len(raw).to_bytes(8, "little")), memoryview(raw), *views]
+
+
+def shard_meta(spec: StoreSpec, sample_ids: Sequence[str], writer: str | None = None) -> dict[str, str]:
+    meta = {
+        "schema": str(SCHEMA_VERSION), "sample_ids": json.dumps(list(sample_ids)),
+        "layer_ids": json.dumps(list(spec.layer_ids)), "convention": spec.convention, "dtype": spec.dtype,
+        "hidden_size": str(spec.hidden_size), "target_config_hash": str(spec.target.get("config_hash")),
+    }
+    if writer:
+        meta["writer"] = writer
+    return meta
+
+
+def shard_offsets(lengths: Sequence[int]) -> torch.Tensor:
+    """Sample lengths -> offsets int64 [S + 1]; sample s is rows offsets[s]:offsets[s+1]."""
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(list(lengths), dtype=torch.int64).cumsum(0)
+    return offsets
+
+
+def shard_tensors(samples: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
+                  spec: StoreSpec) -> dict[str, torch.Tensor]:
+    """samples of (sample_id, input_ids [T], loss_mask [T], states [n_layers, T, H]) -> shard tensors."""
+    return {
+        "input_ids": torch.cat([ids.to(torch.int32) for _, ids, _, _ in samples]),
+        "loss_mask": torch.cat([m.to(torch.uint8) for _, _, m, _ in samples]),
+        "offsets": shard_offsets([int(ids.shape[0]) for _, ids, _, _ in samples]),
+        "hidden_states": torch.cat([torch.stack(list(st), dim=1).to(spec.torch_dtype) for _, _, _, st in samples]),
+    }
+
+
+SHARD_BYTES = 512 << 20
+
+
+def shard_tokens(spec: StoreSpec, requested: int | None = None) -> int:
+    """Tokens per shard: ``requested``, else ~512 MiB of states (Kimi-K2.5: 9,362 tokens)."""
+    if requested:
+        return requested
+    per_token = len(spec.layer_ids) * spec.hidden_size * spec.torch_dtype.itemsize
+    return max(256, SHARD_BYTES // per_token)
+
+
+def shard_name(index: int) -> str:
+    return f"{SHARDS}/shard-{index:06d}.safetensors"
+
+
+def shard_index(name: str) -> int:
+    return int(Path(name).stem.split("-")[1])
