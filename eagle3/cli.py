@@ -105,9 +105,24 @@ def _tp_list(text: str) -> tuple[int, ...]:
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", required=True, help="shard store made by `eagle3 extract`")
+    p.add_argument("--store", default=None, help="shard store made by `eagle3 extract` (not with --online)")
     p.add_argument("--out", required=True, help="checkpoints and the final draft (OUT/draft)")
-    p.add_argument("--target", default=None, help="target folder (default: the one the store came from)")
+    p.add_argument("--target", default=None, help="target folder (default: the one the store came from; "
+                                                   "--online: required)")
+    o = p.add_argument_group("online training: extraction streams into training through a bounded spool")
+    o.add_argument("--online", action="store_true",
+                   help="extract --data with --target while training, through a spool of --spool-mb (no store)")
+    o.add_argument("--data", nargs="+", default=None, help="--online: JSONL conversations")
+    o.add_argument("--spool", default=None, help="--online: spool folder (default OUT/spool; local disk or /dev/shm)")
+    o.add_argument("--spool-mb", type=float, default=8192, help="--online: the spool's capacity in MiB")
+    o.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="--online: what extracts")
+    o.add_argument("--extract-batch", type=int, default=16, help="--online: samples per extraction call and shard")
+    o.add_argument("--max-len", type=int, default=2048, help="--online: tokens per sample (longer ones truncated)")
+    o.add_argument("--layer-ids", type=_layer_ids, default=None, help="--online: default (2, L//2, L-3, L)")
+    o.add_argument("--extract-device", default=None, help="--online, hf backend: device (default: --device)")
+    o.add_argument("--gpu-mem", type=float, default=0.5,
+                   help="--online, vllm backend: the engine's share of the GPU; the trainer uses the rest")
+    o.add_argument("--tp", type=int, default=1, help="--online, vllm backend: tensor parallel size")
     p.add_argument("--steps", type=int, default=None, help="stop after this many optimizer steps (default: epochs)")
     p.add_argument("--epochs", type=int, default=1, help="passes over the store (default 1)")
     p.add_argument("--batch", type=int, default=8, help="global batch in samples (default 8)")
@@ -142,12 +157,28 @@ def _train_config(a):
 
     shape = {k: v for k, v in (("num_attention_heads", a.draft_heads), ("num_key_value_heads", a.draft_kv_heads),
                                ("head_dim", a.draft_head_dim)) if v is not None}
-    return TrainConfig(store=a.store, out=a.out, target=a.target, max_steps=a.steps, epochs=a.epochs,
+    store = (a.spool or str(Path(a.out) / "spool")) if a.online else a.store
+    return TrainConfig(store=store, out=a.out, target=a.target, max_steps=a.steps, epochs=a.epochs,
                        batch_samples=a.batch, lr=a.lr, ttt_steps=a.ttt_steps, pack_tokens=a.pack_tokens,
                        draft_vocab_size=a.draft_vocab, device=a.device, dtype=a.dtype, export_dtype=a.export_dtype,
                        serve_tps=a.serve_tp or SERVE_TPS, shape=shape, checkpoint_every=a.checkpoint_every,
                        checkpoint_minutes=a.checkpoint_minutes, keep_checkpoints=a.keep_checkpoints,
                        on_bad_sample=a.on_bad_sample, seed=a.seed, resume=not a.no_resume)
+
+
+def cmd_train_online(a):
+    from eagle3.data.conversations import DataConfig
+    from eagle3.extract import extract
+    from eagle3.train import online
+
+    cfg = _train_config(a)
+    ex = extract.ExtractConfig(model=a.target, out=cfg.store, backend=a.backend, layer_ids=a.layer_ids,
+                               device=a.extract_device or a.device, tp=a.tp,
+                               vllm_kwargs={"gpu_memory_utilization": a.gpu_mem},
+                               data=DataConfig(a.data, max_len=a.max_len, rejects_path=str(Path(a.out) / "rejects.jsonl")))
+    samples, report = extract.load_dataset(ex)
+    print(f"data       {report.summary()}")
+    return online.run(cfg, ex, samples, int(a.spool_mb * 2**20), extract_batch=a.extract_batch)
 
 
 def cmd_demo(a) -> int:
@@ -333,7 +364,18 @@ def preflight(a) -> None:
         elif a.device.startswith("cuda"):
             pf.cuda_available(f"extract --device {a.device}")
     elif a.cmd == "train":
-        pf.store_folder(a.store)
+        if a.online:
+            missing = [f for f, v in (("--target", a.target), ("--data", a.data)) if not v]
+            if missing or a.store:
+                raise pf.UsageError(f"train --online extracts as it trains: it needs {' and '.join(missing)}"
+                                    if missing else "train --online makes no use of --store (it reads a spool)")
+            pf.model_folder(a.target, weights=a.backend == "hf", tokenizer=True, what="--target")
+            if a.backend == "vllm":
+                pf.vllm_installed("train --online --backend vllm")
+        elif not a.store:
+            raise pf.UsageError("train needs --store STORE (made by `eagle3 extract`), or --online --target T --data D")
+        else:
+            pf.store_folder(a.store)
         if a.target:
             pf.model_folder(a.target, weights=True, what="--target")
         if a.device.startswith("cuda"):
@@ -386,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
 
             summary = extract.run(_extract_config(args))
             print("\n".join(summary.lines()))
+            return 0
+        if args.cmd == "train" and args.online:
+            result = cmd_train_online(args)
+            print("\n".join(result.lines()))
             return 0
         if args.cmd == "train":
             from eagle3.train import train

@@ -141,17 +141,7 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
     check_line = ""
     if cfg.selfcheck and todo:
         try:
-            result = final_state_check(backend, store, cfg, todo[: cfg.selfcheck])
-            check_line = result.line()
-            log.info("%s", check_line)
-            if not result.ok:
-                from eagle3.extract.selfcheck import SelfCheckFailed
-
-                raise SelfCheckFailed(
-                    f"{check_line}. The captured id-{spec.layer_ids[-1]} states do not reproduce the engine's own "
-                    "next token through its final norm and lm_head: they are not the last layer's output before the norm "
-                    "(a post-norm state, another layer, or misaligned rows). Nothing was stored. Check the layer ids "
-                    "and the vLLM version (`eagle3 doctor`); --no-selfcheck skips this check.")
+            check_line = require_final_state(backend, store, cfg, todo[: cfg.selfcheck])
         except BaseException:
             if own_backend:
                 backend.close()
@@ -160,8 +150,7 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
     written_tokens = written_bytes = 0
     bar = _progress(progress, total=sum(len(s) for s in todo), unit="tok", desc=f"extract ({cfg.backend})")
     try:
-        session = backend.open_session(store, cfg, fault) if hasattr(backend, "open_session") else \
-            _LocalSession(backend, store, cfg, fault)
+        session = open_session(backend, store, cfg, fault)
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start : start + cfg.batch_size]
             infos = session.submit(batch)
@@ -187,6 +176,21 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
                           time.perf_counter() - t0, written_bytes, report, check_line, recomputed)
 
 
+def require_final_state(backend, store: Store, cfg: ExtractConfig, samples: Sequence[Sample]) -> str:
+    """final_state_check, and SelfCheckFailed (nothing stored yet) when it fails. Returns its line."""
+    result = final_state_check(backend, store, cfg, samples)
+    log.info("%s", result.line())
+    if not result.ok:
+        from eagle3.extract.selfcheck import SelfCheckFailed
+
+        raise SelfCheckFailed(
+            f"{result.line()}. The captured id-{store.spec.layer_ids[-1]} states do not reproduce the engine's own "
+            "next token through its final norm and lm_head: they are not the last layer's output before the norm "
+            "(a post-norm state, another layer, or misaligned rows). Nothing was stored. Check the layer ids "
+            "and the vLLM version (`eagle3 doctor`); --no-selfcheck skips this check.")
+    return result.line()
+
+
 def final_state_check(backend, store: Store, cfg: ExtractConfig, samples: Sequence[Sample]):
     """Extract ``samples`` through the production path into a scratch store (STORE/.selfcheck), read their
     last-token id-L states back and compare them, through the target's final norm and lm_head, with the
@@ -201,8 +205,7 @@ def final_state_check(backend, store: Store, cfg: ExtractConfig, samples: Sequen
     try:
         tmp = Store.open(scratch, store.spec, create=True, fsync=False)
         tcfg = replace(cfg, fsync=False, fault=None, out=str(scratch))
-        session = backend.open_session(tmp, tcfg, None) if hasattr(backend, "open_session") else \
-            _LocalSession(backend, tmp, tcfg, None)
+        session = open_session(backend, tmp, tcfg, None)
         tmp.commit(session.submit(samples), fsync=False)
         tmp.commit(session.finish(), fsync=False)
         stored = {s["sample_id"]: s for s in tmp.iter_samples()}
@@ -235,6 +238,14 @@ def check_store(root: str | Path, model: str | Path, backend: str = "hf", sample
     finally:
         engine.close()
     return selfcheck.compare(head, selfcheck.last_states(got, store.spec.layer_ids[-1]), tops)
+
+
+def open_session(backend, store: Store, cfg: ExtractConfig, fault=None):
+    """The backend's writing session into ``store``: vLLM's ranks write shards themselves; the hf backend's
+    states come back here and go to a ShardWriter."""
+    if hasattr(backend, "open_session"):
+        return backend.open_session(store, cfg, fault)
+    return _LocalSession(backend, store, cfg, fault)
 
 
 class _LocalSession:

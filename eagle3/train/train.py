@@ -134,10 +134,10 @@ class StoreSamples:
     samples is read (about 1.5 GB/s of hashing on one core, once per shard per run), and every sample's
     states are checked finite. A bad one raises BadData naming store, shard, sample and the fix."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, seed: int = 0):
         from safetensors import safe_open
 
-        self.store, self.ids = store, list(store.spec.layer_ids)
+        self.store, self.ids, self.seed = store, list(store.spec.layer_ids), seed
         self.index: list[tuple[str, int, int, str]] = []
         self.sha = {s["file"]: s["sha256"] for s in store.shards}
         self.verified: set[str] = set()
@@ -149,6 +149,28 @@ class StoreSamples:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    # -- the sample-source interface train() uses (the online spool implements the same, online.py)
+    def batch(self, step: int, steps_per_epoch: int, batch_samples: int) -> list[int]:
+        """Indices of step ``step``'s global batch: epoch e's permutation (seed + e), in slices of batch_samples."""
+        epoch, k = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + epoch))
+        return order[k * batch_samples : (k + 1) * batch_samples].tolist()
+
+    def sample_id(self, i: int) -> str:
+        return self.index[i][3]
+
+    def resumed(self, state: dict) -> None:
+        """Training resumes from a checkpoint with ``state``."""
+
+    def checkpointed(self, state: dict) -> None:
+        """A checkpoint with ``state`` is durable."""
+
+    def wants_checkpoint(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
 
     def _bad(self, file: str, sid: str | None, what: str) -> BadData:
         where = f"store {self.store.root}, shard {file}" + (f", sample {sid}" if sid else "")
@@ -228,7 +250,7 @@ def micro_batches(samples: "StoreSamples", indices: list[int], pack_tokens: int,
         except BadData as e:
             if skipped is None:
                 raise
-            skipped[samples.index[i][3]] = str(e).split(". Training stopped")[0]
+            skipped[samples.sample_id(i)] = str(e).split(". Training stopped")[0]
     if pack_tokens <= 0:
         return [[x] for x in xs]
     packs, cur, n = [], [], 0
@@ -310,7 +332,8 @@ def _lr_lambda(cfg: TrainConfig, total: int):
 _clock = time.monotonic  # tests replace it to simulate long runs
 
 
-def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
+def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
+    """Train on the store cfg.store; ``source`` (online.py's spool) replaces the store's samples and order."""
     from speculators.losses import resolve_loss_config
     from tqdm import tqdm
 
@@ -328,7 +351,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         raise ValueError(f"batch_samples {cfg.batch_samples} must be divisible by the {world} processes")
     if store.spec.dtype not in ("bfloat16", "float16", "float32"):
         raise StoreMismatch(f"store dtype {store.spec.dtype} is not a float type the trainer reads")
-    samples = StoreSamples(store)
+    samples = source if source is not None else StoreSamples(store, cfg.seed)
     if len(samples) == 0:
         raise StoreMismatch(f"store {cfg.store} has no samples")
     model = build_draft(cfg, store, samples, shape, tcfg, target)
@@ -349,6 +372,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         state = checkpoint.load(ckpt, model, optimizer)
         state.setdefault("skipped", {})
         resumed_from = state["step"]
+        samples.resumed(state)
         if rank == 0:
             log.warning("resuming from step %d of %d (%s); --no-resume starts over", resumed_from, total, ckpt)
     ddp = model
@@ -367,9 +391,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     with torch.compiler.set_stance("default" if cfg.compile else "force_eager"):
         while state["step"] < total:
             step = state["step"]
-            epoch, k = divmod(step, steps_per_epoch)
-            order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed + epoch))
-            batch = order[k * cfg.batch_samples : (k + 1) * cfg.batch_samples].tolist()
+            batch = samples.batch(step, steps_per_epoch, cfg.batch_samples)
             mine = batch[rank::world]
             loss_sum = torch.zeros((), dtype=torch.float64)
             packs = micro_batches(samples, mine, cfg.pack_tokens, skipped)
@@ -418,13 +440,15 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             if last:
                 state["accept"] = _acceptance(accept_sums)
             due = (cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0) or (
-                cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes)
+                cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes) or (
+                samples.wants_checkpoint())
             if rank == 0 and (last or due):
                 path = checkpoint.save(out, state["step"], model, optimizer, state, fault=fault)
                 last_save = _clock()
                 if last:
                     checkpoint.publish(path, out, cfg.export_dtype, cfg.serve_tps)
                 checkpoint.prune(out, cfg.keep_checkpoints)
+                samples.checkpointed(state)
             if dist is not None:
                 dist.barrier()
     bar.close()

@@ -1,0 +1,410 @@
+"""Online training (issue 15): extraction streams into training through a bounded spool; no full store on disk.
+
+At Kimi-K2.5's size a stored token costs 57,344 bytes (4 layers x 7168 x bf16): 6B tokens stored offline are
+about 344 TB. Online, an extraction backend (hf on CPU, vLLM on GPU) writes shards into a *spool*: a store
+folder (same format, checksums and layer-id contract as offline) with a capacity in bytes. The producer waits
+while the spool's committed bytes plus the batch it is about to submit would pass the capacity; the trainer
+reads the shards in order and frees each shard once it has read all of it.
+
+Order: the producer extracts the samples in exactly the order the offline trainer draws them from a store of
+the same samples (epoch e: torch.randperm(n, seed + e), sliced into global batches), so an online run follows
+the offline run's loss curve on the same samples. Position p of the training sequence holds the sample
+``plan[p]``; the spool's sample id is "<p>|<sample id>" (a sample appears once per epoch).
+
+Resume (kill -9 anywhere, rerun the same command): training restarts from its newest complete checkpoint,
+which records how many positions it has learned from (samples_seen). Spool shards below that are freed; the
+run of shards that continues it without a gap is kept; everything after is extracted again (extracted but not
+yet learned from in a checkpoint: re-extracted, never trained twice into the model, never lost).
+
+One GPU: the vLLM engine and the trainer share it; the engine takes ``gpu_memory_utilization`` of the memory
+(default 0.5 here), the trainer what is left. Several GPUs and nodes (not written yet): extraction ranks write
+shards into a spool on shared or local storage and the trainer ranks consume them; the spool's manifest is the
+only coordination, so producers on some GPUs and a DDP trainer on others need a spool per trainer rank (shards
+assigned round-robin), each with its own capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from eagle3.data.conversations import Sample
+from eagle3.store.folder import Store
+from eagle3.store.format import SHARDS, StoreError, StoreSpec
+from eagle3.train.train import StoreSamples, TrainConfig, TrainResult, train
+
+log = logging.getLogger(__name__)
+
+SHARD_MARGIN = 64 << 10  # bytes: a shard's safetensors header (tensor table + sample ids) is far below this
+
+
+def position_id(pos: int, sample_id: str) -> str:
+    return f"{pos:010d}|{sample_id}"
+
+
+def position_of(spool_id: str) -> int:
+    return int(spool_id.split("|", 1)[0])
+
+
+def training_order(n: int, batch_samples: int, epochs: int, seed: int, max_steps: int | None = None) -> list[int]:
+    """The data index at each training position, as the offline trainer draws a store of the same n samples
+    (StoreSamples.batch): epoch e's permutation with seed + e, cut into global batches, the rest dropped."""
+    steps_per_epoch = n // batch_samples
+    total = min(max_steps or 10**12, steps_per_epoch * epochs)
+    out: list[int] = []
+    for epoch in range((total + steps_per_epoch - 1) // steps_per_epoch):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        k = min(steps_per_epoch, total - epoch * steps_per_epoch)
+        out += order[: k * batch_samples]
+    return out
+
+
+def sample_bytes(tokens: int, spec: StoreSpec) -> int:
+    """Bytes one sample of ``tokens`` adds to a shard (states, input_ids int32, loss_mask uint8, one offset)."""
+    return tokens * (len(spec.layer_ids) * spec.hidden_size * spec.torch_dtype.itemsize + 5) + 8
+
+
+class SpoolClosed(RuntimeError):
+    pass
+
+
+class Spool:
+    """A store folder used as a bounded queue of shards holding consecutive training positions.
+
+    Accounting (bytes): ``committed`` = the committed shards' files, ``reserved`` = estimates of the samples
+    submitted to the backend and not yet committed. The producer submits only when committed + reserved + the
+    batch's estimate <= capacity. ``peak`` is the largest committed + reserved seen, ``peak_files`` the largest
+    sum of the shards folder's file sizes measured right after each commit and free."""
+
+    def __init__(self, root: str | Path, spec: StoreSpec, capacity: int, fsync: bool = True):
+        self.store = Store.open(root, spec, create=True, fsync=fsync)
+        self.capacity, self.fsync = capacity, fsync
+        self.cond = threading.Condition()
+        self.entries: dict[int, tuple[str, int, int, str]] = {}  # position -> (file, row a, row b, spool id)
+        self.unread: dict[str, set[int]] = {}                     # file -> positions not read yet
+        self.committed = self.reserved = self.peak = self.peak_files = 0
+        self.failed: BaseException | None = None
+        self.closed = self.producer_waiting = self.done = False
+        self.waiting_for = 0
+        self.producer_wait_s = self.consumer_wait_s = 0.0
+        for shard in self.store.shards:
+            self._index(shard)
+        self.committed = sum(s["bytes"] for s in self.store.shards)
+
+    # -- accounting
+    def files_bytes(self) -> int:
+        return sum(p.stat().st_size for p in (self.store.root / SHARDS).iterdir() if p.is_file())
+
+    def _measure(self) -> None:
+        self.peak = max(self.peak, self.committed + self.reserved)
+        self.peak_files = max(self.peak_files, self.files_bytes())
+
+    def _index(self, shard: dict) -> None:
+        from safetensors import safe_open
+
+        with safe_open(str(self.store.root / shard["file"]), framework="pt") as f:
+            off = f.get_tensor("offsets").tolist()
+        for s, sid in enumerate(shard["sample_ids"]):
+            self.entries[position_of(sid)] = (shard["file"], off[s], off[s + 1], sid)
+        self.unread[shard["file"]] = {position_of(sid) for sid in shard["sample_ids"]}
+
+    # -- producer side
+    def reserve(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` more fit under the capacity, then count them as reserved."""
+        t0 = time.perf_counter()
+        with self.cond:
+            self.producer_waiting, self.waiting_for = True, nbytes
+            while self.committed + self.reserved + nbytes > self.capacity and not self.closed:
+                self.cond.notify_all()
+                self.cond.wait(0.5)
+            self.producer_waiting = False
+            if self.closed:
+                raise SpoolClosed("the trainer stopped")
+            self.reserved += nbytes
+            self._measure()
+        self.producer_wait_s += time.perf_counter() - t0
+
+    def commit(self, infos, released: int) -> None:
+        """Commit finished shards; ``released`` bytes of reservation end with them."""
+        with self.cond:
+            self.store.commit(infos, fsync=self.fsync)
+            for info in infos:
+                self._index({"file": info.file, "sample_ids": info.sample_ids})
+                self.committed += info.bytes
+            self.reserved = max(0, self.reserved - released)
+            if self.committed + self.reserved > self.capacity:
+                raise StoreError(f"spool {self.store.root}: {self.committed + self.reserved} bytes committed and "
+                                 f"reserved, over its capacity {self.capacity} (a shard larger than estimated)")
+            self._measure()
+            self.cond.notify_all()
+
+    def finished(self) -> None:
+        with self.cond:
+            self.done = True
+            self.cond.notify_all()
+
+    def fail(self, e: BaseException) -> None:
+        with self.cond:
+            self.failed = e
+            self.cond.notify_all()
+
+    # -- consumer side
+    def wait_for(self, pos: int) -> tuple[str, int, int, str]:
+        t0 = time.perf_counter()
+        with self.cond:
+            while pos not in self.entries:
+                if self.failed is not None:
+                    raise StoreError(f"the extraction feeding spool {self.store.root} failed: "
+                                     f"{type(self.failed).__name__}: {self.failed}") from self.failed
+                if self.done:
+                    raise StoreError(f"spool {self.store.root}: the extraction finished without position {pos}")
+                if self.producer_waiting and self.reserved == 0 and self.committed + self.waiting_for > self.capacity:
+                    # only reading frees room, and the reader is here: nothing will ever move
+                    raise StoreError(
+                        f"spool {self.store.root} is full ({self.committed:,} of {self.capacity:,} bytes) of shards "
+                        f"the trainer is not reading, and it waits for position {pos}: a bug, not a setting "
+                        f"(positions held: {min(self.entries, default=None)}..{max(self.entries, default=None)})")
+                self.cond.wait(0.5)
+        self.consumer_wait_s += time.perf_counter() - t0
+        return self.entries[pos]
+
+    def read(self, pos: int) -> None:
+        """Position ``pos`` was read; a shard all of whose positions were read is freed."""
+        with self.cond:
+            file = self.entries[pos][0]
+            left = self.unread.get(file)
+            if left is None:
+                return
+            left.discard(pos)
+            if not left:
+                self._free({file})
+
+    def _free(self, files: set[str]) -> None:
+        gone = [s for s in self.store.shards if s["file"] in files]
+        self.store.drop_shards(files, fsync=self.fsync)
+        for s in gone:
+            (self.store.root / s["file"]).unlink(missing_ok=True)
+            self.committed -= s["bytes"]
+            self.unread.pop(s["file"], None)
+            for sid in s["sample_ids"]:
+                self.entries.pop(position_of(sid), None)
+        self._measure()
+        self.cond.notify_all()
+
+    def keep_from(self, start: int) -> int:
+        """Resume at position ``start``: keep the shards that continue it without a gap, free the others.
+        Returns the first position the producer must extract."""
+        with self.cond:
+            nxt = start
+            while nxt in self.entries and self.entries[nxt][0] in self.unread:
+                nxt += 1
+            keep = {self.entries[p][0] for p in range(start, nxt)}
+            # a kept shard may begin below start (positions learned already): its other rows stay readable
+            drop = {s["file"] for s in self.store.shards if s["file"] not in keep}
+            if drop:
+                self._free(drop)
+            for file in keep:
+                self.unread[file] = {p for p in self.unread[file] if p >= start}
+            return nxt
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class SpoolSamples(StoreSamples):
+    """train()'s sample source for online training: position p is read from the spool when it arrives."""
+
+    def __init__(self, spool: Spool, data: Sequence[Sample], plan: list[int], producer: "Producer", seed: int):
+        self.store, self.ids, self.seed = spool.store, list(spool.store.spec.layer_ids), seed
+        self.spool, self.data, self.plan, self.producer = spool, list(data), plan, producer
+        self.index = {}  # position -> (file, a, b, spool id), filled as shards arrive
+        self.sha: dict[str, str] = {}
+        self.verified: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def batch(self, step: int, steps_per_epoch: int, batch_samples: int) -> list[int]:
+        self.producer.start_once(step * batch_samples)
+        return list(range(step * batch_samples, (step + 1) * batch_samples))
+
+    def sample_id(self, i: int) -> str:
+        return position_id(i, self.data[self.plan[i]].sample_id)
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """From the tokenized samples (the ids and masks a store would hold), before any state exists."""
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for s in self.data:
+            ids, mask = torch.tensor(s.input_ids), torch.tensor(s.loss_mask).bool()
+            counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+        return counts
+
+    def get(self, i: int) -> dict:
+        entry = self.spool.wait_for(i)
+        self.index[i] = entry
+        if entry[0] not in self.sha:
+            self.sha[entry[0]] = next(s["sha256"] for s in self.spool.store.shards if s["file"] == entry[0])
+        try:
+            x = super().get(i)
+        finally:
+            self.spool.read(i)
+            self.index.pop(i, None)
+        if x["sample_id"] != self.sample_id(i):
+            raise StoreError(f"spool position {i} holds {x['sample_id']}, expected {self.sample_id(i)}")
+        return x
+
+    def resumed(self, state: dict) -> None:
+        self.producer.start_once(state["samples_seen"])
+
+
+class Producer:
+    """The extraction side: a thread that extracts plan[p] for p = start... into the spool, batch by batch."""
+
+    def __init__(self, spool: Spool, data: Sequence[Sample], plan: list[int], backend, extract_cfg, batch: int):
+        self.spool, self.data, self.plan, self.backend, self.cfg, self.batch = (spool, data, plan, backend,
+                                                                                 extract_cfg, batch)
+        self.thread: threading.Thread | None = None
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def start_once(self, start: int) -> None:
+        if self.thread is None:
+            first = self.spool.keep_from(start)
+            self.thread = threading.Thread(target=self._run, args=(first,), daemon=True, name="eagle3-producer")
+            self.thread.start()
+
+    def _run(self, first: int) -> None:
+        from eagle3 import faults
+        from eagle3.extract.extract import open_session
+
+        spec = self.spool.store.spec
+        t0 = time.perf_counter()
+        try:
+            session = open_session(self.backend, self.spool.store, self.cfg, self.cfg.fault or faults.from_env())
+            pending: list[int] = []  # estimates of submitted samples, in order
+            for a in range(first, len(self.plan), self.batch):
+                batch = [self._sample(p) for p in range(a, min(a + self.batch, len(self.plan)))]
+                est = [sample_bytes(len(s), spec) for s in batch]
+                self.spool.reserve(sum(est) + SHARD_MARGIN)
+                pending += est[:-1] + [est[-1] + SHARD_MARGIN]
+                infos = session.submit(batch)
+                self.spool.commit(infos, self._release(pending, infos))
+                self.tokens += sum(len(s) for s in batch)
+            infos = session.finish()
+            self.spool.commit(infos, self._release(pending, infos))
+            self.spool.finished()
+        except SpoolClosed:
+            return
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it
+            log.error("online extraction failed: %s: %s", type(e).__name__, e)
+            self.spool.fail(e)
+        finally:
+            self.seconds = time.perf_counter() - t0
+
+    @staticmethod
+    def _release(pending: list[int], infos) -> int:
+        n = sum(i.num_samples for i in infos)
+        released = sum(pending[:n])
+        del pending[:n]
+        return released
+
+    def _sample(self, pos: int) -> Sample:
+        s = self.data[self.plan[pos]]
+        return Sample(position_id(pos, s.sample_id), s.input_ids, s.loss_mask)
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+
+@dataclass
+class OnlineResult:
+    train: TrainResult
+    spool: str
+    capacity: int
+    peak_bytes: int          # committed + reserved, from the spool's accounting
+    peak_files_bytes: int    # the shards folder, measured on the file system
+    extracted_tokens: int
+    extract_seconds: float
+    producer_wait_s: float   # the extraction waited for room in the spool (training limits)
+    trainer_wait_s: float    # training waited for states (extraction limits)
+    selfcheck: str = ""
+
+    def lines(self) -> list[str]:
+        ex = self.extracted_tokens / self.extract_seconds if self.extract_seconds else 0.0
+        limit = "training" if self.producer_wait_s > self.trainer_wait_s else "extraction"
+        return self.train.lines() + ([f"check      {self.selfcheck}"] if self.selfcheck else []) + [
+            f"online     extracted {self.extracted_tokens:,} tokens this run at {ex:,.0f} tok/s; spool {self.spool} "
+            f"peak {self.peak_bytes / 2**20:,.1f} MiB (files {self.peak_files_bytes / 2**20:,.1f} MiB) of "
+            f"{self.capacity / 2**20:,.1f} MiB",
+            f"limits     {limit}: extraction waited {self.producer_wait_s:.1f} s for room, training waited "
+            f"{self.trainer_wait_s:.1f} s for states",
+        ]
+
+
+def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int, backend=None,
+        extract_batch: int = 16, progress: bool = True) -> OnlineResult:
+    """Train cfg (cfg.store is the spool folder) on ``samples`` extracted by extract_cfg's backend as training
+    goes, through a spool of ``capacity`` bytes. ``backend`` may be passed in to reuse an engine."""
+    from eagle3.extract.extract import make_backend, require_final_state, store_spec
+
+    if len(samples) < cfg.batch_samples:
+        raise ValueError(f"{len(samples)} samples, fewer than one batch of {cfg.batch_samples}")
+    spec = store_spec(extract_cfg.model, extract_cfg.layer_ids, extract_cfg.dtype)
+    longest = max(len(s) for s in samples)
+    need = 2 * (extract_batch * sample_bytes(longest, spec) + SHARD_MARGIN)
+    if capacity < need:
+        raise ValueError(f"--spool-bytes {capacity:,} cannot hold two extraction batches of {extract_batch} samples "
+                         f"of up to {longest} tokens ({need:,} bytes); give at least that, or a smaller --extract-batch")
+    # small shards: a shard closes once it holds `longest` tokens (or a batch's samples), so the one left open
+    # between two batches is smaller than a batch and the spool never waits on a shard it cannot finish
+    extract_cfg = dataclasses.replace(extract_cfg, out=str(cfg.store), shard_samples=extract_batch,
+                                      shard_tokens=longest, writer_threads=0)
+    _check_same_run(Path(cfg.store), samples, cfg)
+    spool = Spool(cfg.store, spec, capacity, fsync=extract_cfg.fsync)
+    plan = training_order(len(samples), cfg.batch_samples, cfg.epochs, cfg.seed, cfg.max_steps)
+    own = backend is None
+    backend = backend or make_backend(extract_cfg, spec)
+    producer = Producer(spool, samples, plan, backend, extract_cfg, extract_batch)
+    check = ""
+    try:
+        if extract_cfg.selfcheck:  # the offline extraction's first-batch check, before anything is trained
+            check = require_final_state(backend, spool.store, extract_cfg, list(samples[: extract_cfg.selfcheck]))
+        result = train(cfg, progress=progress, source=SpoolSamples(spool, samples, plan, producer, cfg.seed))
+    finally:
+        spool.close()
+        producer.join()
+        if own:
+            backend.close()
+    if spool.failed is not None:
+        raise spool.failed
+    out = OnlineResult(result, str(spool.store.root), capacity, spool.peak, spool.peak_files, producer.tokens,
+                       producer.seconds, spool.producer_wait_s, spool.consumer_wait_s, check)
+    if result.samples_seen >= len(plan):
+        shutil.rmtree(spool.store.root / SHARDS, ignore_errors=True)  # everything was learned from
+    return out
+
+
+def _check_same_run(spool: Path, samples: Sequence[Sample], cfg: TrainConfig) -> None:
+    """A spool continues only the run that made it: same samples, batch, epochs and seed."""
+    stamp = {"samples": [s.sample_id for s in samples], "batch": cfg.batch_samples, "epochs": cfg.epochs,
+             "seed": cfg.seed, "max_steps": cfg.max_steps}
+    path = spool / "online.json"
+    if path.exists():
+        if json.loads(path.read_text()) != stamp:
+            raise StoreError(f"spool {spool} belongs to another online run (other samples, batch, epochs or seed); "
+                             "use a new --out, or the same data and options")
+        return
+    spool.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(stamp))
