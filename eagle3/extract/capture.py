@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from eagle3.store.format import shard_offsets
+from eagle3.store.format import quantize_fp8, shard_offsets
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class ShardBuffer:
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     states: torch.Tensor
+    scales: torch.Tensor | None = None  # fp8 stores: float32 [cap, n_layers]
     used: int = 0
     samples: list[tuple[str, int]] = field(default_factory=list)  # (sample_id, length) in row order
     missing: int = 0          # rows reserved but not yet arrived on the host
@@ -131,8 +132,11 @@ class ShardFiller:
                 self.released.wait(timeout=60)
             self.allocated += 1
         cap = max(rows, self.capacity)
+        scales = (torch.empty(cap, self.n_layers, dtype=torch.float32, pin_memory=self.pin)
+                  if self.dtype == torch.float8_e4m3fn else None)
         return ShardBuffer(torch.empty(cap, dtype=torch.int32), torch.empty(cap, dtype=torch.uint8),
-                           torch.empty(cap, self.n_layers, self.hidden, dtype=self.dtype, pin_memory=self.pin))
+                           torch.empty(cap, self.n_layers, self.hidden, dtype=self.dtype, pin_memory=self.pin),
+                           scales)
 
     def reserve(self, req: str, prompt: Sequence[int], computed: int) -> Placement | None:
         """First sight of a request: its sample and rows. None (and an error) if it cannot be placed."""
@@ -187,8 +191,11 @@ class ShardFiller:
 
         def build(b=b):
             offsets = shard_offsets([n for _, n in b.samples])
-            return ({"input_ids": b.input_ids[: b.used], "loss_mask": b.loss_mask[: b.used], "offsets": offsets,
-                     "hidden_states": b.states[: b.used]}, [sid for sid, _ in b.samples])
+            tensors = {"input_ids": b.input_ids[: b.used], "loss_mask": b.loss_mask[: b.used], "offsets": offsets,
+                       "hidden_states": b.states[: b.used]}
+            if b.scales is not None:
+                tensors["scales"] = b.scales[: b.used]
+            return tensors, [sid for sid, _ in b.samples]
 
         def release(b=b):
             with self.lock:
@@ -283,12 +290,17 @@ class Capturer:
                 raise CaptureError(f"captured {t.shape[0]} rows but the step has {n} tokens (sequence-parallel "
                                    "shards? use --capture aux)")
         staged = torch.stack([t[:n] for t in layers], dim=1)  # [n, n_layers, H], compute stream
+        scales = None
+        if self.dtype == torch.float8_e4m3fn:  # quantized on the device: half the bytes cross to the host
+            staged, scales = quantize_fp8(staged)  # [n, n_layers, H] e4m3, [n, n_layers] float32
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []   # (host destination, device source)
         arrivals: list[tuple[ShardBuffer, int]] = []
-        host = None
+        host = []
         if self.mode == "host":
-            host, view = self.pool.get(tuple(staged.shape), staged.dtype)
-            copies.append((view, staged))
+            for src in (staged,) if scales is None else (staged, scales):
+                buf, view = self.pool.get(tuple(src.shape), src.dtype)
+                host.append(buf)
+                copies.append((view, src))
         else:
             f = self.filler
             for i, req in enumerate(layout.req_ids):
@@ -313,6 +325,9 @@ class Capturer:
                 if end > start:
                     copies.append((place.buf.states[place.row + start : place.row + end],
                                    staged[a + start - c : a + end - c]))
+                    if scales is not None:
+                        copies.append((place.buf.scales[place.row + start : place.row + end],
+                                       scales[a + start - c : a + end - c]))
                     arrivals.append((place.buf, end - start))
                     place.filled = end
                 if place.filled >= place.length:
@@ -325,12 +340,15 @@ class Capturer:
                 for dst, src in copies:
                     dst.copy_(src, non_blocking=True)
                 staged.record_stream(self.stream)
+                if scales is not None:
+                    scales.record_stream(self.stream)
                 event = torch.cuda.Event()
                 event.record(self.stream)
         else:
             for dst, src in copies:
                 dst.copy_(src)
-        self.stats.bytes_to_host += staged.numel() * staged.element_size()
+        self.stats.bytes_to_host += staged.numel() * staged.element_size() + (
+            0 if scales is None else scales.numel() * scales.element_size())
         self.queue.put((event, arrivals, host))
 
     def _consume(self) -> None:
@@ -342,8 +360,8 @@ class Capturer:
                 event, arrivals, host = item
                 if event is not None:
                     event.synchronize()
-                if host is not None:
-                    self.pool.put(host)
+                for buf in host:
+                    self.pool.put(buf)
                 for buf, rows in arrivals:
                     self.filler.arrived(buf, rows)
             except Exception as e:  # noqa: BLE001 - reported through errors

@@ -32,7 +32,7 @@ class ExtractConfig:
     backend: str = "hf"                     # hf | vllm
     layer_ids: tuple[int, ...] | None = None  # default (2, L//2, L-3, L)
     batch_size: int = 8                     # samples per backend call
-    dtype: str = "bfloat16"                 # dtype of stored states
+    dtype: str = "bfloat16"                 # dtype of stored states: bfloat16 | float16 | float32 | float8_e4m3fn
     device: str = "cpu"                     # hf backend
     compute_dtype: str | None = None        # hf backend; None = the checkpoint's dtype
     shard_tokens: int | None = None         # default: about 512 MiB of states per shard
@@ -91,7 +91,7 @@ def make_backend(cfg: ExtractConfig, spec: StoreSpec):
         from eagle3.extract.hf_backend import HFBackend
 
         return HFBackend(cfg.model, spec.layer_ids, device=cfg.device, compute_dtype=cfg.compute_dtype,
-                         out_dtype=cfg.dtype)
+                         out_dtype="bfloat16" if spec.fp8 else cfg.dtype)  # fp8: quantized by the shard writer
     if cfg.backend == "vllm":
         from eagle3.extract.vllm_backend import VLLMBackend
 

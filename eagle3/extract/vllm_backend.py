@@ -37,7 +37,8 @@ class VLLMBackend:
         self.strategy = compat.pick_strategy(capture)
         compat.prepare_environment(log_level or logging.getLevelName(logging.getLogger("eagle3").getEffectiveLevel()))
         kwargs = compat.engine_kwargs(
-            str(model), strategy=self.strategy, layer_ids=spec.layer_ids, tp=tp, dtype=spec.dtype,
+            str(model), strategy=self.strategy, layer_ids=spec.layer_ids, tp=tp,
+            dtype="bfloat16" if spec.fp8 else spec.dtype,  # an fp8 store's states are quantized at capture
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, load_format=load_format,
             skip_tokenizer_init=skip_tokenizer_init, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, extra=extra_engine_args)

@@ -19,6 +19,7 @@ from eagle3.store.format import (
     StoreError,
     StoreMismatch,
     StoreSpec,
+    dequantize,
     shard_index,
 )
 from eagle3.store.recipe import PLAN  # plan.json: sample ids + the recorded extract options
@@ -130,7 +131,8 @@ class Store:
 
     # -- reading
     def iter_samples(self, layer_ids: Sequence[int] | None = None) -> Iterator[dict]:
-        """Yield {sample_id, input_ids [T], loss_mask [T], states {id: [T, H]}} in commit order."""
+        """Yield {sample_id, input_ids [T], loss_mask [T], states {id: [T, H]}} in commit order (an fp8 store's
+        states dequantized to float32)."""
         from safetensors import safe_open
 
         ids = list(layer_ids) if layer_ids is not None else list(self.spec.layer_ids)
@@ -143,10 +145,13 @@ class Store:
                 sample_ids = json.loads(f.metadata()["sample_ids"])
                 input_ids, loss_mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
                 hs = f.get_slice("hidden_states")
+                sc = f.get_slice("scales") if self.spec.fp8 else None
                 col = {i: self.spec.layer_ids.index(i) for i in ids}
                 for s, sid in enumerate(sample_ids):
                     a, b = offsets[s], offsets[s + 1]
-                    rows = hs[a:b]  # [T, n_layers, H]
+                    rows = hs[a:b]  # [T, n_layers, H]; an fp8 store's come back dequantized, float32
+                    if sc is not None:
+                        rows = dequantize(rows, sc[a:b])
                     yield {"sample_id": sid, "input_ids": input_ids[a:b], "loss_mask": loss_mask[a:b],
                            "states": {i: rows[:, col[i]] for i in ids}}
 

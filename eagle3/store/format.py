@@ -24,11 +24,32 @@ SHARDS = "shards"
 QUARANTINE = "quarantine"
 
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FP8 = "float8_e4m3fn"  # states as e4m3 with a float32 scale per (token, layer), as speculators' FP8 connector
+FP8_MAX = 448.0        # the largest finite e4m3fn value
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+           FP8: torch.float8_e4m3fn}
 
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
-              torch.int64: "I64", torch.uint8: "U8"}
+              torch.int64: "I64", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] -> (e4m3 [..., H], scale float32 [...]): each row scaled so its largest |value| is FP8_MAX.
+    An all-zero row gets scale 0 (and dequantizes to zeros)."""
+    amax = x.abs().amax(-1).float()
+    scale = amax / FP8_MAX
+    q = (x.float() / scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantize(states: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stored states [..., H] (+ scales [...] for an fp8 store) -> ``dtype``."""
+    if scales is None:
+        return states.to(dtype)
+    return (states.float() * scales.float().unsqueeze(-1)).to(dtype)
 
 
 class StoreError(RuntimeError):
@@ -52,6 +73,17 @@ class StoreSpec:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == FP8
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of states one token adds to a shard: layers x hidden x dtype size (+ a float32 scale per layer
+        in an fp8 store)."""
+        layers = len(self.layer_ids)
+        return layers * self.hidden_size * self.torch_dtype.itemsize + (4 * layers if self.fp8 else 0)
 
     def mismatches(self, other: "StoreSpec") -> list[str]:
         out = []
@@ -125,13 +157,19 @@ def shard_offsets(lengths: Sequence[int]) -> torch.Tensor:
 
 def shard_tensors(samples: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
                   spec: StoreSpec) -> dict[str, torch.Tensor]:
-    """samples of (sample_id, input_ids [T], loss_mask [T], states [n_layers, T, H]) -> shard tensors."""
-    return {
+    """samples of (sample_id, input_ids [T], loss_mask [T], states [n_layers, T, H]) -> shard tensors.
+    An fp8 store gets hidden_states e4m3 [N, n_layers, H] and scales float32 [N, n_layers]."""
+    out = {
         "input_ids": torch.cat([ids.to(torch.int32) for _, ids, _, _ in samples]),
         "loss_mask": torch.cat([m.to(torch.uint8) for _, _, m, _ in samples]),
         "offsets": shard_offsets([int(ids.shape[0]) for _, ids, _, _ in samples]),
-        "hidden_states": torch.cat([torch.stack(list(st), dim=1).to(spec.torch_dtype) for _, _, _, st in samples]),
     }
+    states = torch.cat([torch.stack(list(st), dim=1) for _, _, _, st in samples])
+    if spec.fp8:
+        out["hidden_states"], out["scales"] = quantize_fp8(states)
+    else:
+        out["hidden_states"] = states.to(spec.torch_dtype)
+    return out
 
 
 SHARD_BYTES = 512 << 20
@@ -141,8 +179,7 @@ def shard_tokens(spec: StoreSpec, requested: int | None = None) -> int:
     """Tokens per shard: ``requested``, else ~512 MiB of states (Kimi-K2.5: 9,362 tokens)."""
     if requested:
         return requested
-    per_token = len(spec.layer_ids) * spec.hidden_size * spec.torch_dtype.itemsize
-    return max(256, SHARD_BYTES // per_token)
+    return max(256, SHARD_BYTES // spec.bytes_per_token)
 
 
 def shard_name(index: int) -> str:

@@ -28,9 +28,9 @@ import torch
 
 from eagle3.store.files import file_sha256
 from eagle3.store.folder import Store, read_manifest
-from eagle3.store.format import QUARANTINE, SHARDS
+from eagle3.store.format import FP8, QUARANTINE, SHARDS, dequantize
 
-_ST = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+_ST = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": FP8}
 
 
 @dataclass
@@ -113,12 +113,20 @@ def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> No
         return bad("bad_shape", f"hidden_states shape {sl.get_shape()}, expected {want}")
     if _ST.get(sl.get_dtype()) != spec.dtype:
         return bad("bad_dtype", f"hidden_states is {sl.get_dtype()}, manifest says {spec.dtype}")
+    if spec.fp8:
+        if "scales" not in keys:
+            return bad("bad_header", "an fp8 shard without its scales tensor")
+        sc = f.get_slice("scales")
+        if sc.get_shape() != want[:2] or sc.get_dtype() != "F32":
+            return bad("bad_shape", f"scales {sc.get_dtype()} {sc.get_shape()}, expected F32 {want[:2]}")
     rep.shards += 1
     rep.tokens += n_tok
     if not deep:
         rep.samples += len(sample_ids)
         return
     hs = f.get_tensor("hidden_states")  # [N, n_layers, H]
+    if spec.fp8:
+        hs = dequantize(hs, f.get_tensor("scales"))
     for s, sid in enumerate(sample_ids):
         a, b = offsets[s], offsets[s + 1]
         rows = [hs[a:b, k] for k in range(len(spec.layer_ids))]

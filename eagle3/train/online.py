@@ -69,8 +69,9 @@ def training_order(n: int, batch_samples: int, epochs: int, seed: int, max_steps
 
 
 def sample_bytes(tokens: int, spec: StoreSpec) -> int:
-    """Bytes one sample of ``tokens`` adds to a shard (states, input_ids int32, loss_mask uint8, one offset)."""
-    return tokens * (len(spec.layer_ids) * spec.hidden_size * spec.torch_dtype.itemsize + 5) + 8
+    """Bytes one sample of ``tokens`` adds to a shard (states (+ fp8 scales), input_ids int32, loss_mask uint8,
+    one offset)."""
+    return tokens * (spec.bytes_per_token + 5) + 8
 
 
 class SpoolClosed(RuntimeError):

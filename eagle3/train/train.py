@@ -34,7 +34,7 @@ import torch
 from eagle3 import faults
 from eagle3.store.files import file_sha256
 from eagle3.store.folder import Store
-from eagle3.store.format import StoreError, StoreMismatch
+from eagle3.store.format import FP8, StoreError, StoreMismatch, dequantize
 from eagle3.targets.layers import aux_ids
 from eagle3.targets.presets import config_hash, read_model_config
 from eagle3.train import checkpoint
@@ -202,6 +202,8 @@ class StoreSamples:
         self.verify_shard(file)
         with safe_open(str(self.store.root / file), framework="pt") as f:
             hs = f.get_slice("hidden_states")[a:b]  # [T, n_layers, H]; aux layers first, the last id last
+            if self.store.spec.fp8:  # e4m3 + a float32 scale per (token, layer) -> float32
+                hs = dequantize(hs, f.get_slice("scales")[a:b])
             x = {"sample_id": sid, "shard": file, "input_ids": f.get_slice("input_ids")[a:b].long(),
                  "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
                  "aux": hs[:, :-1].reshape(hs.shape[0], -1), "last": hs[:, -1]}
@@ -349,7 +351,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     dist, rank, world = _dist()
     if cfg.batch_samples % world:
         raise ValueError(f"batch_samples {cfg.batch_samples} must be divisible by the {world} processes")
-    if store.spec.dtype not in ("bfloat16", "float16", "float32"):
+    if store.spec.dtype not in ("bfloat16", "float16", "float32", FP8):
         raise StoreMismatch(f"store dtype {store.spec.dtype} is not a float type the trainer reads")
     samples = source if source is not None else StoreSamples(store, cfg.seed)
     if len(samples) == 0:
