@@ -123,7 +123,7 @@ class ShardFiller:
         with self.lock:
             while True:
                 for i, b in enumerate(self.free):
-                    if b.capacity >= rows:
+                    if b.capacity >= rows and b.states.dtype == self.dtype:  # kept across sessions of any dtype
                         b = self.free.pop(i)
                         b.used, b.samples, b.missing, b.sealed, b.queued = 0, [], 0, False, False
                         return b
@@ -264,13 +264,15 @@ class Capturer:
         self.thread = threading.Thread(target=self._consume, name="eagle3-capture", daemon=True)
         self.thread.start()
 
-    def start(self, mode: str, writer=None, shard_tokens: int = 8192) -> None:
-        """Begin a session in ``mode``; ``stop`` (or another start) ends it."""
+    def start(self, mode: str, writer=None, shard_tokens: int = 8192, dtype: torch.dtype | None = None) -> None:
+        """Begin a session in ``mode`` storing states as ``dtype`` (default: as before); ``stop`` (or another
+        start) ends it."""
         if mode not in self.MODES:
             raise ValueError(f"capture mode {mode!r} not in {self.MODES}")
         if mode == "store" and writer is None:
             raise ValueError("store mode needs a writer")
         self.drain()
+        self.dtype = dtype or self.dtype
         self.mode, self.stats, self.errors = mode, CaptureStats(), []
         self.filler = ShardFiller(writer, self.n_layers, self.hidden, self.dtype, shard_tokens, self.cuda,
                                   free=self.shard_buffers) if mode == "store" else None

@@ -112,7 +112,8 @@ class VLLMSession:
 
     def __init__(self, backend: VLLMBackend, store: Store | None, cfg, mode: str = "store"):
         self.backend, self.mode = backend, mode
-        open_cfg = {"mode": mode, "hidden_size": backend.spec.hidden_size, "dtype": backend.spec.dtype,
+        spec = store.spec if store is not None else backend.spec  # the store decides the states' dtype (fp8)
+        open_cfg = {"mode": mode, "hidden_size": spec.hidden_size, "dtype": spec.dtype,
                     "writer_threads": max(4, getattr(cfg, "writer_threads", 0) or 0), "slots": 4}
         if mode == "store":
             open_cfg.update(root=str(store.root), spec=store.spec.to_json(), start_index=store.next_shard_index,

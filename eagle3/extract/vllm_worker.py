@@ -102,7 +102,8 @@ class CaptureExtension:
                                  fsync=cfg["fsync"], threads=cfg.get("writer_threads", 2),
                                  writer_id=f"tp{e3['par']['tp_rank']} pid {os.getpid()}")
         e3["writer"] = writer
-        e3["capturer"].start(mode, writer, shard_tokens=cfg.get("shard_tokens") or 8192)
+        e3["capturer"].start(mode, writer, shard_tokens=cfg.get("shard_tokens") or 8192,
+                             dtype=getattr(torch, cfg.get("dtype", "bfloat16")))
         return {"rank": e3["par"]["tp_rank"], "mode": mode}
 
     def eagle3_expect(self, samples: list) -> dict:
