@@ -82,8 +82,8 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# eagle3 extraction throughput", "",
-             "| run | profile | key | tokens/s | vs plain prefill | vs baseline | regression |",
-             "|---|---|---|---:|---:|---:|---|"]
+             "| run | profile | key | tokens/s | per GPU | vs plain prefill | vs baseline | regression |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
     plain = {(r.run, r.profile, r.key.split("/")[1]): r.tokens_per_s for r in records if r.key.startswith("plain/")}
     for r in records:
         shape = r.key.split("/")[1] if "/" in r.key else ""
@@ -92,8 +92,9 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
         reg = regression(r, baselines)
         vs_plain = f"{r.tokens_per_s / p:.2f}x" if p else "-"
         vs_base = f"{r.tokens_per_s / base:.2f}x" if base else "-"
-        lines.append(f"| {r.run} | {r.profile} | {r.key} | {r.tokens_per_s:,.0f} | {vs_plain} | {vs_base} | "
-                     f"{'YES: ' + reg if reg else 'no'} |")
+        lines.append(f"| {r.run} | {r.profile} | {r.key} | {r.tokens_per_s:,.0f} | {per_gpu(r):,.0f} | {vs_plain} | "
+                     f"{vs_base} | {'YES: ' + reg if reg else 'no'} |")
+    lines += cluster_lines(records, baselines)
     where = baselines_dir or BASELINES
     if not baselines:
         lines += ["", f"**No baselines found in {where}**: regressions cannot be flagged (a `pip install .` without "
@@ -124,4 +125,85 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
     png = out / "throughput.png"
     fig.savefig(png, dpi=110)
     plt.close(fig)
+    bars(records, out / "throughput-latest.png")
     return md, png
+
+
+def per_gpu(r: Record) -> float:
+    return r.tokens_per_s / max(1, int(r.extra.get("gpus", 1) or 1))
+
+
+CLUSTER = "8xrtx6000-kimi-k2.5"  # the cluster's baseline: Kimi-K2.5 extraction on 8 GPUs
+
+
+def cluster_lines(records: list[Record], baselines: dict[str, dict]) -> list[str]:
+    """kimi-depth (Kimi's compute per token on one GPU) per GPU beside the cluster's figure per GPU."""
+    base = baselines.get(CLUSTER, {}).get("tokens_per_s", {}).get("store/extract")
+    depth = [r for r in records if "kimi-depth" in r.profile and r.key.startswith("store/")]
+    if not base or not depth:
+        return []
+    gpus = int(baselines[CLUSTER].get("gpus", 8))
+    out = ["", f"Kimi's compute per token, per GPU, against the cluster's {base:,} tok/s on {gpus} GPUs "
+               f"({base / gpus:,.0f} per GPU):"]
+    for r in depth:
+        out.append(f"- {r.run} {r.profile} {r.key}: {per_gpu(r):,.0f} tok/s per GPU = {per_gpu(r) / (base / gpus):.1f}x")
+    return out
+
+
+def bars(records: list[Record], path: Path) -> list[str]:
+    """One figure a person can read from one run: the newest run of each profile, a bar per mode for each
+    shape, each labelled with its ratio to plain prefill of the same shape. Returns the labels drawn
+    ("profile key ratio")."""
+    import matplotlib.pyplot as plt
+
+    profiles = sorted({r.profile for r in records})
+    labels: list[str] = []
+    fig, axes = plt.subplots(len(profiles), 1, figsize=(12, 4.5 * len(profiles)), squeeze=False)
+    for ax, prof in zip(axes[:, 0], profiles):
+        latest = max(r.run for r in records if r.profile == prof)
+        rs = [r for r in records if r.profile == prof and r.run == latest and "/" in r.key]
+        shapes = sorted({r.key.split("/")[1] for r in rs})
+        modes = sorted({r.key.split("/")[0] for r in rs}, key=lambda m: (m != "plain", m))
+        width = 0.8 / max(1, len(modes))
+        for i, mode in enumerate(modes):
+            for j, shape in enumerate(shapes):
+                r = next((x for x in rs if x.key == f"{mode}/{shape}"), None)
+                if r is None:
+                    continue
+                plain = next((x.tokens_per_s for x in rs if x.key == f"plain/{shape}"), None)
+                x = j + (i - (len(modes) - 1) / 2) * width
+                ax.bar(x, r.tokens_per_s, width, color=f"C{i}", label=mode if j == 0 else None)
+                if plain:
+                    ax.annotate(f"{r.tokens_per_s / plain:.2f}x", (x, r.tokens_per_s), ha="center", va="bottom",
+                                fontsize=7, rotation=90)
+                    labels.append(f"{prof} {r.key} {r.tokens_per_s / plain:.2f}x")
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels(shapes)
+        ax.set_ylabel("tokens/s (sustained)")
+        ax.set_title(f"{prof}, run {latest}: tokens/s per mode, labelled with the ratio to plain prefill")
+        ax.legend(fontsize=7, ncol=4)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return labels
+
+
+def update_baselines(history: Iterable[str | Path], folder: str | Path, margin: float = 0.15) -> list[Path]:
+    """Write each profile's newest run into FOLDER/<profile>.json as its baseline (kept: hardware, model,
+    margin and keys the run did not measure). Returns the files written."""
+    records = load_history(history)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {json.loads(p.read_text())["profile"]: p for p in sorted(folder.glob("*.json"))}  # any file name
+    written = []
+    for prof in sorted({r.profile for r in records}):
+        latest = max(r.run for r in records if r.profile == prof)
+        path = files.get(prof, folder / f"{prof}.json")
+        base = json.loads(path.read_text()) if path.exists() else {"profile": prof, "margin": margin}
+        base.setdefault("tokens_per_s", {}).update(
+            {r.key: round(r.tokens_per_s) for r in records if r.profile == prof and r.run == latest})
+        base["source"] = f"eagle3 bench report --update-baselines, run {latest}"
+        path.write_text(json.dumps(base, indent=1) + "\n")
+        written.append(path)
+    return written

@@ -278,7 +278,10 @@ def cmd_bench_report(a) -> int:
     from eagle3 import bench
 
     md, png = bench.report(a.history, a.out, baselines_dir=a.baselines)
-    print(f"wrote {md} and {png}")
+    print(f"wrote {md}, {png} and {png.with_name('throughput-latest.png')}")
+    if a.update_baselines:
+        for path in bench.update_baselines(a.history, a.baselines or bench.BASELINES):
+            print(f"baseline   {path}")
     return 0
 
 
@@ -346,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--history", nargs="+", required=True, help="benchmark JSON files or folders")
     r.add_argument("--out", required=True, help="folder for throughput.md and the PNG")
     r.add_argument("--baselines", default=None, help="folder of per-profile baseline JSON (default: bundled)")
+    r.add_argument("--update-baselines", action="store_true",
+                   help="write each profile's newest run into the baselines folder (--baselines, else the bundled one)")
     return parser
 
 

@@ -36,8 +36,8 @@ def test_report_writes_a_table_and_a_plot(tmp_path):
     _history(tmp_path, "2026-12-02T10:00", {"plain/64x512": 310000, "store/64x512": 150000})
     assert cli.main(["bench", "report", "--history", str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
     md = (tmp_path / "rep" / "throughput.md").read_text()
-    assert "| 2026-12-02T10:00 | h200-mini-kimi | store/64x512 | 150,000 | 0.48x | - | no |" in md
-    assert "| 2026-12-02T10:00 | h200-mini-kimi | plain/64x512 | 310,000 | 1.00x | 1.18x | no |" in md
+    assert "| 2026-12-02T10:00 | h200-mini-kimi | store/64x512 | 150,000 | 150,000 | 0.48x | - | no |" in md
+    assert "| 2026-12-02T10:00 | h200-mini-kimi | plain/64x512 | 310,000 | 310,000 | 1.00x | 1.18x | no |" in md
     png = (tmp_path / "rep" / "throughput.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
@@ -84,3 +84,42 @@ def test_a_non_editable_install_carries_the_baselines_and_the_bundled_data(tmp_p
     where, profiles = out.stdout.splitlines()
     assert where.startswith(str(tmp_path / "site")), out.stderr
     assert eval(profiles) == sorted(bench.load_baselines()) and len(eval(profiles)) >= 2
+
+
+def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines(tmp_path):
+    """Issue 14's report: a PNG of one run (bars per mode, labelled with the ratio to plain), kimi-depth per GPU
+    beside the cluster's 2,280 tok/s on 8 GPUs, and --update-baselines writing the newest run per profile."""
+    import shutil
+
+    def hist(run, values, profile, gpus=1):
+        data = {"datetime": run, "benchmarks": [
+            {"name": k, "stats": {"median": 1.0}, "extra_info": {"key": k, "tokens_per_s": v, "profile": profile,
+                                                                 "gpus": gpus}} for k, v in values.items()]}
+        p = tmp_path / "h" / f"{run}-{profile}.json"
+        p.parent.mkdir(exist_ok=True)
+        p.write_text(json.dumps(data))
+
+    hist("2026-12-01T10:00", {"plain/16x512": 8000, "store/16x512": 7000}, "h200-kimi-depth")
+    hist("2026-12-03T10:00", {"plain/16x512": 8000, "store/16x512": 7800}, "h200-kimi-depth")
+    hist("2026-12-03T11:00", {"store/extract": 2400}, "8xrtx6000-kimi-k2.5", gpus=8)
+    base = tmp_path / "base"
+    shutil.copytree(bench.BASELINES, base)
+    assert cli.main(["bench", "report", "--history", str(tmp_path / "h"), "--out", str(tmp_path / "r"),
+                     "--baselines", str(base), "--update-baselines"]) == 0
+    md = (tmp_path / "r" / "throughput.md").read_text()
+    assert "| 2026-12-03T10:00 | h200-kimi-depth | store/16x512 | 7,800 | 7,800 | 0.97x |" in md
+    assert "| 2026-12-03T11:00 | 8xrtx6000-kimi-k2.5 | store/extract | 2,400 | 300 | - | 1.05x | no |" in md
+    assert "against the cluster's 2,280 tok/s on 8 GPUs (285 per GPU)" in md
+    assert "- 2026-12-03T10:00 h200-kimi-depth store/16x512: 7,800 tok/s per GPU = 27.4x" in md
+    png = tmp_path / "r" / "throughput-latest.png"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    labels = bench.bars(bench.load_history([tmp_path / "h"]), tmp_path / "b.png")
+    assert labels == ["h200-kimi-depth plain/16x512 1.00x", "h200-kimi-depth store/16x512 0.97x"]  # the newest run
+    new = json.loads((base / "h200-kimi-depth.json").read_text())
+    assert new["tokens_per_s"] == {"plain/16x512": 8000, "store/16x512": 7800}  # the newest run, not the older one
+    assert sorted(p.name for p in base.iterdir()) == ["cluster-kimi-k2.5.json", "h200-kimi-depth.json",
+                                                      "h200-mini-kimi.json"]  # one file per profile
+    cluster = json.loads((base / "cluster-kimi-k2.5.json").read_text())
+    assert cluster["tokens_per_s"] == {"store/extract": 2400} and cluster["margin"] == 0.1 and "hardware" in cluster
+    assert json.loads((base / "h200-mini-kimi.json").read_text()) == json.loads(
+        (bench.BASELINES / "h200-mini-kimi.json").read_text())  # other profiles untouched
