@@ -360,6 +360,11 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     goes, through a spool of ``capacity`` bytes. ``backend`` may be passed in to reuse an engine."""
     from eagle3.extract.extract import make_backend, require_final_state, store_spec
 
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("train --online runs as one process for now (one engine, one trainer); under torchrun "
+                         "each rank would extract everything. Run it without torchrun, or extract then train with DDP")
     if len(samples) < cfg.batch_samples:
         raise ValueError(f"{len(samples)} samples, fewer than one batch of {cfg.batch_samples}")
     spec = store_spec(extract_cfg.model, extract_cfg.layer_ids, extract_cfg.dtype)

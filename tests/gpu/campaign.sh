@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU campaign (run on the GPU host, in the background). Results under /tmp/campaign.
 #   tests/gpu/campaign.sh                 contract, GPU suite, benchmarks + e2e (everything)
-#   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite new draft depth e2e aux bench report
+#   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite new draft depth online e2e aux bench report
 set -u
 OUT=/tmp/campaign
 SRC=/tmp/eagle3-src          # a private copy: the working tree may be re-synced while this runs
@@ -21,7 +21,8 @@ for s in ${@:-contract suite bench report}; do case $s in
   draft)    step draft $PT -m gpu tests/gpu -k deepseek_draft --gpu-out "$OUT/draft" ;;
   aux)      step aux $PT -m gpu tests/gpu -k "not ($NEW)" --gpu-out "$OUT/aux" ;;
   depth)    step depth $PT -m kimi_depth tests/gpu --gpu-out "$OUT/depth" ;;
-  e2e)      step e2e $PT -m e2e tests/gpu --gpu-out "$OUT/e2e" ;;
+  online)   step online $PT -m e2e tests/gpu -k online --gpu-out "$OUT/online" ;;
+  e2e)      step e2e $PT -m e2e tests/gpu -k "not online" --gpu-out "$OUT/e2e" ;;
   bench)    step bench $PT -m "benchmark or e2e" tests/gpu --gpu-out "$OUT/bench" \
                  --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds ;;
   report)   step report python3 -m eagle3.cli bench report --history "$OUT/bench/benchmark.json" --out "$OUT/bench" ;;

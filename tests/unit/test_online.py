@@ -107,8 +107,12 @@ def test_online_follows_the_offline_loss_curve_within_its_bound(setup, offline, 
     assert "extraction waited" in text and "training waited" in text and "tok/s" in text
 
 
-def test_a_spool_too_small_for_two_extraction_batches_is_refused(setup, tiny_kimi, tmp_path):
+def test_a_spool_too_small_for_two_extraction_batches_is_refused(setup, tiny_kimi, tmp_path, monkeypatch):
     samples, backend, ex = setup
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="runs as one process for now"):
+        online.run(_cfg(tmp_path / "spool", tmp_path / "run"), ex, samples, 1 << 30, backend=backend, progress=False)
+    monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(ValueError, match="cannot hold two extraction batches of 4 samples"):
         online.run(_cfg(tmp_path / "spool", tmp_path / "run"), ex, samples, _capacity(tiny_kimi, 4, 1),
                    backend=backend, extract_batch=4, progress=False)
