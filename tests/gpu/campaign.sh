@@ -23,7 +23,7 @@ for s in ${@:-contract suite bench report}; do case $s in
   depth)    step depth $PT -m kimi_depth tests/gpu --gpu-out "$OUT/depth" ;;
   online)   step online $PT -m e2e tests/gpu -k online --gpu-out "$OUT/online" ;;
   e2e)      step e2e $PT -m e2e tests/gpu -k "not online" --gpu-out "$OUT/e2e" ;;
-  bench)    step bench $PT -m "benchmark or e2e" tests/gpu --gpu-out "$OUT/bench" \
+  bench)    step bench $PT -m benchmark tests/gpu --gpu-out "$OUT/bench" \
                  --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds ;;
   report)   step report python3 -m eagle3.cli bench report --history "$OUT/bench/benchmark.json" --out "$OUT/bench" ;;
 esac; done
