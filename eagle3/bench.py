@@ -179,6 +179,7 @@ def bars(records: list[Record], path: Path) -> list[str]:
                     labels.append(f"{prof} {r.key} {r.tokens_per_s / plain:.2f}x")
         ax.set_xticks(range(len(shapes)))
         ax.set_xticklabels(shapes)
+        ax.set_ylim(0, 1.15 * max((r.tokens_per_s for r in rs), default=1))  # room for the labels
         ax.set_ylabel("tokens/s (sustained)")
         ax.set_title(f"{prof}, run {latest}: tokens/s per mode, labelled with the ratio to plain prefill")
         ax.legend(fontsize=7, ncol=4)
