@@ -3,7 +3,7 @@
 Shard store: safetensors shards of many samples + manifest.json, the commit point.
 
     STORE/manifest.json          schema, target identity, layer ids, convention, dtype, hidden size,
-                                 committed shards (file, sha256, bytes, sample ids, tokens)
+                                 committed shards (file, checksum, bytes, sample ids, tokens)
     STORE/plan.json              every sample id the extraction intends to write (for verify)
     STORE/shards/shard-NNNNNN.safetensors
         input_ids  int32 [N]        N = tokens in the shard

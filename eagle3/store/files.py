@@ -26,23 +26,51 @@ def write_chunks(f, chunks: Sequence[memoryview]) -> None:
         f.write(c)
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, read in 16 MiB chunks (what the manifest records at commit)."""
-    h = hashlib.sha256()
+try:  # xxh3_128: about 12 GB/s per core and it releases the GIL; sha256 about 1.3 GB/s (measured, session 3)
+    import xxhash  # noqa: F401
+
+    CHECKSUM = "xxh3_128"
+except ImportError:  # pragma: no cover - xxhash comes with datasets, which speculators needs
+    CHECKSUM = "sha256"
+
+
+def hasher(algo: str):
+    if algo == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    if algo == "sha256":
+        return hashlib.sha256()
+    raise StoreError(f"unknown checksum algorithm {algo!r} (this eagle3 knows xxh3_128 and sha256)")
+
+
+def file_checksum(path: Path, algo: str = CHECKSUM) -> str:
+    """"ALGO:HEX" of a file, read in 16 MiB chunks (what the manifest records at commit)."""
+    h = hasher(algo)
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             h.update(chunk)
-    return h.hexdigest()
+    return f"{algo}:{h.hexdigest()}"
+
+
+def recorded_checksum(shard: dict) -> str:
+    """A manifest entry's "ALGO:HEX" (stores written before session 3 record a bare "sha256")."""
+    return shard.get("checksum") or f"sha256:{shard['sha256']}"
+
+
+def checksum_matches(path: Path, shard: dict) -> bool:
+    recorded = recorded_checksum(shard)
+    return file_checksum(path, recorded.split(":", 1)[0]) == recorded
 
 
 def atomic_write(path: Path, chunks: Sequence[memoryview | bytes], fsync: bool = True,
                  fault: Callable[[str], None] | None = None) -> tuple[str, int]:
-    """Write to .tmp-NAME, fsync, rename over NAME, fsync the folder. Returns (sha256, bytes).
+    """Write to .tmp-NAME, fsync, rename over NAME, fsync the folder. Returns ("ALGO:HEX" checksum, bytes).
 
     On any error the temp file is removed and the destination is untouched.
     """
     tmp = path.with_name(f".tmp-{path.name}")
-    h, n = hashlib.sha256(), 0
+    h, n = hasher(CHECKSUM), 0
     views = [memoryview(c) for c in chunks]
     try:
         with open(tmp, "wb") as f:
@@ -70,7 +98,7 @@ def atomic_write(path: Path, chunks: Sequence[memoryview | bytes], fsync: bool =
                 f"folder; the store stays consistent at its last commit, and rerunning the same command resumes."
             ) from e
         raise
-    return h.hexdigest(), n
+    return f"{CHECKSUM}:{h.hexdigest()}", n
 
 
 def atomic_write_json(path: Path, obj: Any, fsync: bool = True, fault=None) -> None:

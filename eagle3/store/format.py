@@ -115,7 +115,7 @@ class StoreSpec:
 @dataclass
 class ShardInfo:
     file: str                 # relative to the store root
-    sha256: str
+    checksum: str             # "xxh3_128:HEX" (or "sha256:HEX"): files.CHECKSUM at write time
     bytes: int
     num_samples: int
     num_tokens: int

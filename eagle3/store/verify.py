@@ -1,7 +1,7 @@
 """`eagle3 verify STORE`: check every shard against the manifest and every sample's states.
 
 Findings (kind: what it means):
-  missing_file, size_mismatch, sha256_mismatch   the file is not the one committed
+  missing_file, size_mismatch, checksum_mismatch   the file is not the one committed
   bad_header        not a readable safetensors file, or tensors/metadata missing
   bad_dtype, bad_shape, bad_offsets               tensors disagree with the manifest or each other
   ids_mismatch      the shard's sample ids differ from the manifest's
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.store.files import file_sha256
+from eagle3.store.files import checksum_matches, recorded_checksum
 from eagle3.store.folder import Store, read_manifest
 from eagle3.store.format import FP8, QUARANTINE, SHARDS, dequantize
 
@@ -85,8 +85,8 @@ def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> No
         return bad("missing_file", "file is gone")
     if path.stat().st_size != shard["bytes"]:
         return bad("size_mismatch", f"{path.stat().st_size} bytes, manifest says {shard['bytes']}")
-    if deep and file_sha256(path) != shard["sha256"]:
-        return bad("sha256_mismatch", "content differs from what was committed")
+    if deep and not checksum_matches(path, shard):
+        return bad("checksum_mismatch", f"content differs from what was committed ({recorded_checksum(shard)})")
     try:
         f = safe_open(str(path), framework="pt")
         meta, keys = f.metadata() or {}, set(f.keys())

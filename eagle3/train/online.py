@@ -230,7 +230,7 @@ class SpoolSamples(StoreSamples):
         self.store, self.ids, self.seed = spool.store, list(spool.store.spec.layer_ids), seed
         self.spool, self.data, self.plan, self.producer = spool, list(data), plan, producer
         self.index = {}  # position -> (file, a, b, spool id), filled as shards arrive
-        self.sha: dict[str, str] = {}
+        self.entry: dict[str, dict] = {}  # shard file -> its manifest entry (the checksum)
         self.verified: set[str] = set()
 
     def __len__(self) -> int:
@@ -254,8 +254,8 @@ class SpoolSamples(StoreSamples):
     def get(self, i: int) -> dict:
         entry = self.spool.wait_for(i)
         self.index[i] = entry
-        if entry[0] not in self.sha:
-            self.sha[entry[0]] = next(s["sha256"] for s in self.spool.store.shards if s["file"] == entry[0])
+        if entry[0] not in self.entry:
+            self.entry[entry[0]] = next(s for s in self.spool.store.shards if s["file"] == entry[0])
         try:
             x = super().get(i)
         finally:

@@ -82,14 +82,14 @@ def one_thread():
 
 def rewrite_shards(root, edit, rehash: bool = True) -> None:
     """Edit a store's shard files in place: ``edit(shard_no, tensors, metadata)`` changes the tensors; the file
-    is rewritten in the store's byte layout and, with ``rehash``, the manifest gets its new sha256 and size (so
+    is rewritten in the store's byte layout and, with ``rehash``, the manifest gets its new checksum and size (so
     only value checks, not checksums, can see the change)."""
-    import hashlib
     import json
     from pathlib import Path
 
     from safetensors import safe_open
 
+    from eagle3.store.files import CHECKSUM, hasher
     from eagle3.store.format import safetensors_chunks
 
     root = Path(root)
@@ -102,7 +102,9 @@ def rewrite_shards(root, edit, rehash: bool = True) -> None:
         data = b"".join(bytes(c) for c in safetensors_chunks(tensors, meta))
         (root / entry["file"]).write_bytes(data)
         if rehash:
-            entry["sha256"], entry["bytes"] = hashlib.sha256(data).hexdigest(), len(data)
+            h = hasher(CHECKSUM)
+            h.update(data)
+            entry["checksum"], entry["bytes"] = f"{CHECKSUM}:{h.hexdigest()}", len(data)
     (root / "manifest.json").write_text(json.dumps(manifest))
 
 

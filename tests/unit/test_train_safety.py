@@ -68,7 +68,7 @@ def test_flipped_bytes_stop_training_with_the_checksum(store_copy, tmp_path, cap
     path.write_bytes(bytes(data))
     code = _cli_train(store_copy, tmp_path / "t")
     err = capsys.readouterr().err
-    assert code == 2 and "sha256 differs" in err and "shards/shard-000001" in err, err
+    assert code == 2 and "checksum differs" in err and "shards/shard-000001" in err, err
     assert not (tmp_path / "t" / "draft").exists()
 
 
