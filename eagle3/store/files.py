@@ -36,8 +36,11 @@ except ImportError:  # pragma: no cover - xxhash comes with datasets, which spec
 
 def hasher(algo: str):
     if algo == "xxh3_128":
-        import xxhash
-
+        try:
+            import xxhash
+        except ImportError:
+            raise StoreError("this store's shards are checksummed with xxh3_128 and the xxhash package is missing "
+                             "here: pip install xxhash") from None
         return xxhash.xxh3_128()
     if algo == "sha256":
         return hashlib.sha256()
