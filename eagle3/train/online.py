@@ -268,6 +268,14 @@ class SpoolSamples(StoreSamples):
     def resumed(self, state: dict) -> None:
         self.producer.start_once(state["samples_seen"])
 
+    def progress(self) -> dict[str, str]:
+        """Both sides, live: the extraction's tok/s, the spool's fill, and who waited for whom."""
+        p, sp = self.producer, self.spool
+        elapsed = time.perf_counter() - p.t0 if p.t0 else 0.0
+        return {"extract": f"{p.tokens / elapsed:,.0f} tok/s" if elapsed else "-",
+                "spool": f"{(sp.committed + sp.reserved) / 2**20:,.0f}/{sp.capacity / 2**20:,.0f} MiB",
+                "waits": f"extract {sp.producer_wait_s:.0f}s train {sp.consumer_wait_s:.0f}s"}
+
 
 class Producer:
     """The extraction side: a thread that extracts plan[p] for p = start... into the spool, batch by batch."""
@@ -277,7 +285,7 @@ class Producer:
                                                                                  extract_cfg, batch)
         self.thread: threading.Thread | None = None
         self.tokens = 0
-        self.seconds = 0.0
+        self.seconds = self.t0 = 0.0
 
     def start_once(self, start: int) -> None:
         if self.thread is None:
@@ -290,7 +298,7 @@ class Producer:
         from eagle3.extract.extract import open_session
 
         spec = self.spool.store.spec
-        t0 = time.perf_counter()
+        t0 = self.t0 = time.perf_counter()
         try:
             session = open_session(self.backend, self.spool.store, self.cfg, self.cfg.fault or faults.from_env())
             pending: list[int] = []  # estimates of submitted samples, in order

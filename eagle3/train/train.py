@@ -169,6 +169,10 @@ class StoreSamples:
     def wants_checkpoint(self) -> bool:
         return False
 
+    def progress(self) -> dict[str, str]:
+        """Extra fields for the progress bar (the online spool shows the extraction side)."""
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -435,7 +439,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
             tokens_this_run += tokens_run * world
             tokens_run = 0
             bar.update(1)
-            bar.set_postfix(loss=f"{state['losses'][-1]:.4f}")
+            bar.set_postfix(loss=f"{state['losses'][-1]:.4f}", **samples.progress())
             if fault:
                 fault("after_step")
             last = state["step"] == total

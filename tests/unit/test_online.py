@@ -107,6 +107,14 @@ def test_online_follows_the_offline_loss_curve_within_its_bound(setup, offline, 
     assert "extraction waited" in text and "training waited" in text and "tok/s" in text
 
 
+def test_the_progress_bar_shows_both_sides(setup, tiny_kimi, tmp_path, capsys):
+    samples, backend, ex = setup
+    online.run(_cfg(tmp_path / "spool", tmp_path / "run", max_steps=3), ex, samples, _capacity(tiny_kimi, 4),
+               backend=backend, extract_batch=4, progress=True)
+    err = capsys.readouterr().err
+    assert "loss=" in err and "extract=" in err and "tok/s" in err and "spool=" in err and "MiB" in err, err[-500:]
+
+
 def test_a_spool_too_small_for_two_extraction_batches_is_refused(setup, tiny_kimi, tmp_path, monkeypatch):
     samples, backend, ex = setup
     monkeypatch.setenv("WORLD_SIZE", "2")
