@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -368,8 +369,6 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     goes, through a spool of ``capacity`` bytes. ``backend`` may be passed in to reuse an engine."""
     from eagle3.extract.extract import make_backend, require_final_state, store_spec
 
-    import os
-
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("train --online runs as one process for now (one engine, one trainer); under torchrun "
                          "each rank would extract everything. Run it without torchrun, or extract then train with DDP")
@@ -379,7 +378,7 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     longest = max(len(s) for s in samples)
     need = 2 * (extract_batch * sample_bytes(longest, spec) + SHARD_MARGIN)
     if capacity < need:
-        raise ValueError(f"--spool-bytes {capacity:,} cannot hold two extraction batches of {extract_batch} samples "
+        raise ValueError(f"a spool of {capacity:,} bytes (--spool-mb) cannot hold two extraction batches of {extract_batch} samples "
                          f"of up to {longest} tokens ({need:,} bytes); give at least that, or a smaller --extract-batch")
     # small shards: a shard closes once it holds `longest` tokens (or a batch's samples), so the one left open
     # between two batches is smaller than a batch and the spool never waits on a shard it cannot finish
