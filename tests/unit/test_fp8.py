@@ -173,3 +173,13 @@ def test_one_engine_stores_bf16_then_fp8_then_bf16(tiny_kimi, small_data, tmp_pa
         with safe_open(str(next((out / "shards").iterdir())), framework="pt") as f:
             assert f.get_slice("hidden_states").get_dtype() == {"bfloat16": "BF16", FP8: "F8_E4M3"}[dtype]
     backend.close()
+
+
+def test_the_e2e_gpu_test_s_fp8_figures_on_cpu_stores(stores):
+    """tests/gpu/test_draft_acceptance.py reports fp8's bytes and error with this helper: checked here first."""
+    from tests.gpu.test_draft_acceptance import fp8_figures
+
+    got = fp8_figures(stores["bf16"], stores["fp8"], n=16)
+    assert got["compared"] == 16 * len(IDS)
+    assert 0.5 < got["bytes_ratio"] < 0.6  # hidden 128: (128 + 4) / 256 of the states, plus ids, masks, headers
+    assert 0.01 < got["rel_err_mean"] <= got["rel_err_max"] < 0.045
