@@ -242,11 +242,10 @@ def cmd_verify(a) -> int:
         print(line)
     ok = rep.ok
     if a.semantic:
+        from eagle3.extract.extract import check_store
         from eagle3.store.folder import read_manifest
 
         model = a.model or read_manifest(a.store)["spec"]["target"]["name_or_path"]
-        from eagle3.extract.extract import check_store
-
         result = check_store(a.store, model, a.backend, a.semantic_samples, a.device)
         print(result.line())
         ok = ok and result.ok
