@@ -361,8 +361,9 @@ def preflight(a) -> None:
         if a.resume:
             from eagle3.store import recipe
 
-            recipe.resume(a, _extract_defaults())
-            print(f"resuming: {recipe.command(a.out, recipe.from_args(a), _extract_defaults())}", file=sys.stderr)
+            defaults = _extract_defaults()
+            recipe.resume(a, defaults)
+            print(f"resuming: {recipe.command(a.out, recipe.from_args(a), defaults)}", file=sys.stderr)
         missing = [f"--{k}" for k in ("model", "data", "out") if not getattr(a, k)]
         if missing:
             raise pf.UsageError(f"extract needs {', '.join(missing)} (or --resume STORE to continue a store)")

@@ -19,7 +19,7 @@ from eagle3.store.format import (
     StoreError,
     StoreMismatch,
     StoreSpec,
-    dequantize,
+    read_states,
     shard_index,
 )
 from eagle3.store.recipe import PLAN  # plan.json: sample ids + the recorded extract options
@@ -144,14 +144,10 @@ class Store:
                 offsets = f.get_tensor("offsets").tolist()
                 sample_ids = json.loads(f.metadata()["sample_ids"])
                 input_ids, loss_mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
-                hs = f.get_slice("hidden_states")
-                sc = f.get_slice("scales") if self.spec.fp8 else None
                 col = {i: self.spec.layer_ids.index(i) for i in ids}
                 for s, sid in enumerate(sample_ids):
                     a, b = offsets[s], offsets[s + 1]
-                    rows = hs[a:b]  # [T, n_layers, H]; an fp8 store's come back dequantized, float32
-                    if sc is not None:
-                        rows = dequantize(rows, sc[a:b])
+                    rows = read_states(f, self.spec, a, b)  # [T, n_layers, H]; fp8: dequantized, float32
                     yield {"sample_id": sid, "input_ids": input_ids[a:b], "loss_mask": loss_mask[a:b],
                            "states": {i: rows[:, col[i]] for i in ids}}
 

@@ -36,6 +36,9 @@ _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"
               torch.int64: "I64", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 
 
+ST_STATE_DTYPES = {_ST_DTYPES[t]: name for name, t in _DTYPES.items()}  # safetensors dtype -> store dtype name
+
+
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., H] -> (e4m3 [..., H], scale float32 [...]): each row scaled so its largest |value| is FP8_MAX.
     An all-zero row gets scale 0 (and dequantizes to zeros)."""
@@ -50,6 +53,13 @@ def dequantize(states: torch.Tensor, scales: torch.Tensor | None, dtype: torch.d
     if scales is None:
         return states.to(dtype)
     return (states.float() * scales.float().unsqueeze(-1)).to(dtype)
+
+
+def read_states(f, spec: "StoreSpec", a: int | None = None, b: int | None = None) -> torch.Tensor:
+    """Rows a:b of an open shard's hidden_states [T, n_layers, H]: as stored, or for an fp8 store dequantized
+    with its scales to float32. The one place a reader undoes the store's encoding."""
+    rows = f.get_slice("hidden_states")[a:b]
+    return dequantize(rows, f.get_slice("scales")[a:b]) if spec.fp8 else rows
 
 
 class StoreError(RuntimeError):

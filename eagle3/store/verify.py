@@ -28,9 +28,7 @@ import torch
 
 from eagle3.store.files import checksum_matches, recorded_checksum
 from eagle3.store.folder import Store, read_manifest
-from eagle3.store.format import FP8, QUARANTINE, SHARDS, dequantize
-
-_ST = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": FP8}
+from eagle3.store.format import QUARANTINE, SHARDS, ST_STATE_DTYPES, read_states
 
 
 @dataclass
@@ -111,7 +109,7 @@ def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> No
     want = [n_tok, len(spec.layer_ids), spec.hidden_size]
     if sl.get_shape() != want:
         return bad("bad_shape", f"hidden_states shape {sl.get_shape()}, expected {want}")
-    if _ST.get(sl.get_dtype()) != spec.dtype:
+    if ST_STATE_DTYPES.get(sl.get_dtype()) != spec.dtype:
         return bad("bad_dtype", f"hidden_states is {sl.get_dtype()}, manifest says {spec.dtype}")
     if spec.fp8:
         if "scales" not in keys:
@@ -124,9 +122,7 @@ def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> No
     if not deep:
         rep.samples += len(sample_ids)
         return
-    hs = f.get_tensor("hidden_states")  # [N, n_layers, H]
-    if spec.fp8:
-        hs = dequantize(hs, f.get_tensor("scales"))
+    hs = read_states(f, spec)  # [N, n_layers, H]
     for s, sid in enumerate(sample_ids):
         a, b = offsets[s], offsets[s + 1]
         rows = [hs[a:b, k] for k in range(len(spec.layer_ids))]

@@ -34,7 +34,7 @@ import torch
 from eagle3 import faults
 from eagle3.store.files import checksum_matches
 from eagle3.store.folder import Store
-from eagle3.store.format import FP8, StoreError, StoreMismatch, dequantize
+from eagle3.store.format import FP8, StoreError, StoreMismatch, read_states
 from eagle3.targets.layers import aux_ids
 from eagle3.targets.presets import config_hash, read_model_config
 from eagle3.train import checkpoint
@@ -205,9 +205,7 @@ class StoreSamples:
         file, a, b, sid = self.index[i]
         self.verify_shard(file)
         with safe_open(str(self.store.root / file), framework="pt") as f:
-            hs = f.get_slice("hidden_states")[a:b]  # [T, n_layers, H]; aux layers first, the last id last
-            if self.store.spec.fp8:  # e4m3 + a float32 scale per (token, layer) -> float32
-                hs = dequantize(hs, f.get_slice("scales")[a:b])
+            hs = read_states(f, self.store.spec, a, b)  # [T, n_layers, H]; aux layers first, the last id last
             x = {"sample_id": sid, "shard": file, "input_ids": f.get_slice("input_ids")[a:b].long(),
                  "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
                  "aux": hs[:, :-1].reshape(hs.shape[0], -1), "last": hs[:, -1]}

@@ -267,3 +267,13 @@ def test_shards_are_checksummed_with_xxh3_and_stores_that_recorded_sha256_still_
     assert verify.verify(store).ok
     _flip_byte(store)
     assert set(verify.verify(store).kinds()) == {"checksum_mismatch"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_stores_of_every_state_dtype_verify(tiny_kimi, small_data, tmp_path, dtype):
+    """verify reads the dtype name from the format's own table (bf16 and fp8 are covered elsewhere)."""
+    out = tmp_path / "s"
+    extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(out), dtype=dtype, selfcheck=0, writer_threads=0,
+                                      data=DataConfig([str(small_data)], max_len=96, max_samples=6)), progress=False)
+    rep = verify.verify(out)
+    assert rep.ok and rep.samples == 6, rep.lines()
