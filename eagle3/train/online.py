@@ -228,11 +228,10 @@ class SpoolSamples(StoreSamples):
     """train()'s sample source for online training: position p is read from the spool when it arrives."""
 
     def __init__(self, spool: Spool, data: Sequence[Sample], plan: list[int], producer: "Producer", seed: int):
-        self.store, self.ids, self.seed = spool.store, list(spool.store.spec.layer_ids), seed
+        super().__init__(spool.store, seed, index_shards=False)
         self.spool, self.data, self.plan, self.producer = spool, list(data), plan, producer
         self.index = {}  # position -> (file, a, b, spool id), filled as shards arrive
-        self.entry: dict[str, dict] = {}  # shard file -> its manifest entry (the checksum)
-        self.verified: set[str] = set()
+        self.entry = {}  # filled as shards are read: a shard freed on resume may give its file name to a new one
 
     def __len__(self) -> int:
         return len(self.data)

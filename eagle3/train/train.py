@@ -134,14 +134,15 @@ class StoreSamples:
     samples is read (about 12 GB/s of hashing per core, once per shard per run), and every sample's
     states are checked finite. A bad one raises BadData naming store, shard, sample and the fix."""
 
-    def __init__(self, store: Store, seed: int = 0):
+    def __init__(self, store: Store, seed: int = 0, index_shards: bool = True):
+        """``index_shards=False``: start with an empty index (the online spool fills it as shards arrive)."""
         from safetensors import safe_open
 
         self.store, self.ids, self.seed = store, list(store.spec.layer_ids), seed
         self.index: list[tuple[str, int, int, str]] = []
-        self.entry = {s["file"]: s for s in store.shards}
+        self.entry = {s["file"]: s for s in store.shards}  # shard file -> its manifest entry (the checksum)
         self.verified: set[str] = set()
-        for shard in store.shards:
+        for shard in store.shards if index_shards else ():
             with safe_open(str(store.root / shard["file"]), framework="pt") as f:
                 off = f.get_tensor("offsets").tolist()
                 sids = json.loads(f.metadata()["sample_ids"])
