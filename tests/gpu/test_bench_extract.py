@@ -14,6 +14,9 @@ committed), so a writer's drain overlaps the next batch's prefill as in a long r
     hf             the transformers reference (bf16) on the same GPU: information only
     disk           what the store's writers can get from the disk: 4 threads writing shard-sized files,
                    fsynced and into the page cache
+The host has 63 GB of free disk and a 64x512 run of 32 batches is 60 GB of states (57,344 B/token): the store and
+vllm_ehs modes delete their oldest committed (closed) files once more than DISK_WINDOW bytes are on disk, as a
+trainer consuming a spool would. A deleted page-cache file may never reach the disk (both non-fsync modes alike).
 Every record's extra_info holds tokens_per_s; the last test computes the ratios, checks the acceptance targets
 and the profile's baselines, and writes bench_summary.json. Written in session 3, NOT YET RUN ON A GPU (the
 one-batch-per-round version it replaces is what results/h200-vllm0.26.0/ measured).
@@ -46,8 +49,16 @@ IDS = [f"{b}x{t}" for b, t in SHAPES]
 BATCHES = int(os.environ.get("EAGLE3_BENCH_BATCHES", "32"))
 WARMUP = 2
 WRITERS = 4  # the store's writer threads on the owner rank (VLLMSession: max(4, writer_threads))
+DISK_WINDOW = 8 << 30  # bytes of committed states kept on disk during a run (see the docstring)
 RESULTS: dict[str, float] = {}
 _PROMPTS: dict[tuple[int, int], list] = {}
+_REPORT = {}
+
+
+@pytest.fixture(autouse=True)
+def _report_as_measured(report):
+    """Each figure goes into report.json when measured: a campaign cut short still has what it measured."""
+    _REPORT["put"] = report
 
 
 def batches(target, b: int, t: int) -> list[list]:
@@ -81,6 +92,8 @@ def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start
     tokens = BATCHES * b * t
     tps = tokens / out["seconds"]
     RESULTS[key] = tps
+    _REPORT["put"](f"sustained[{key}]", {"tokens_per_s": round(tps), "seconds": round(out["seconds"], 2),
+                                          "batches": BATCHES, **extra})
     free, total = torch.cuda.mem_get_info()
     benchmark.extra_info.update(key=key, tokens_per_s=round(tps), profile=_profile(target), mode=key.split("/")[0],
                                 batches=BATCHES, seconds=round(out["seconds"], 2), gpus=target.tp,
@@ -96,6 +109,27 @@ def _vllm_version() -> str:
     import vllm
 
     return vllm.__version__
+
+
+class _Window:
+    """Committed files in order; the oldest are unlinked once more than DISK_WINDOW bytes are kept."""
+
+    def __init__(self, before_delete=lambda path: None):
+        self.before_delete = before_delete
+        self.clear()
+
+    def clear(self) -> None:
+        self.files: list[tuple[str, int]] = []
+        self.kept = 0
+
+    def add(self, path: str, size: int) -> None:
+        self.files.append((path, size))
+        self.kept += size
+        while self.kept > DISK_WINDOW and len(self.files) > 1:
+            old, n = self.files.pop(0)
+            self.before_delete(old)
+            os.unlink(old)
+            self.kept -= n
 
 
 def _common_engine_args(target) -> dict:
@@ -145,24 +179,36 @@ def test_vllm_extract_hidden_states(benchmark, target, ehs_llm, shape):
     llm, out = ehs_llm
     b, t = shape
     paths: list[str] = []
+    file_bytes = t * target.profile.bytes_per_token  # hidden_states [t, 4, H] bf16 (+ a small header)
+    window = _Window(before_delete=_wait_written)
 
     def start():
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True, exist_ok=True)
         paths.clear()
+        window.clear()
 
     def run_batch(batch):
-        paths.extend(o.kv_transfer_params["hidden_states_path"] for o in _generate(llm, batch))
+        new = [o.kv_transfer_params["hidden_states_path"] for o in _generate(llm, batch)]
+        paths.extend(new)
+        for p in new:
+            window.add(p, file_bytes)
 
-    def finish():  # the connector holds an exclusive lock on PATH.lock until PATH is written
+    def finish():
         for p in paths:
-            if os.path.exists(p + ".lock"):
-                with open(p + ".lock") as f:
-                    fcntl.flock(f, fcntl.LOCK_SH)
-        assert all(os.path.exists(p) for p in paths)
+            _wait_written(p)
+        kept = [p for p, _ in window.files]
+        assert kept and all(os.path.exists(p) for p in kept)
 
     sustained(benchmark, target, f"vllm_ehs/{b}x{t}", run_batch, finish, start,
               bytes_per_token=target.profile.bytes_per_token)
+
+
+def _wait_written(path: str) -> None:
+    """The connector holds an exclusive lock on PATH.lock until PATH is written."""
+    if os.path.exists(path + ".lock"):
+        with open(path + ".lock") as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
 
 
 class _Loop:
@@ -174,8 +220,10 @@ class _Loop:
         self.dtype = FP8 if mode == "store_fp8" else "bfloat16"
         self.mode = "store" if mode.startswith("store") else mode
         self.session = self.store = None
+        self.window = _Window()
 
     def start(self):
+        self.window.clear()
         cfg = extract.ExtractConfig(model=str(self.target.path), out=str(self.root), writer_threads=WRITERS,
                                     fsync=self.fsync)
         if self.mode == "store":
@@ -186,14 +234,17 @@ class _Loop:
         self.session = VLLMSession(self.backend, self.store, cfg, mode=self.mode)
 
     def run_batch(self, batch):
-        infos = self.session.submit(batch)
-        if self.store is not None:
-            self.store.commit(infos, fsync=self.fsync)
+        self._commit(self.session.submit(batch))
 
     def finish(self):
-        infos = self.session.finish()
-        if self.store is not None:
-            self.store.commit(infos, fsync=self.fsync)
+        self._commit(self.session.finish())
+
+    def _commit(self, infos):
+        if self.store is None:
+            return
+        self.store.commit(infos, fsync=self.fsync)
+        for info in infos:
+            self.window.add(str(self.root / info.file), info.bytes)
 
 
 @pytest.mark.parametrize("mode", ["count", "host", "store", "store_nofsync", "store_fp8"])
@@ -205,6 +256,7 @@ def test_eagle3_aux_capture(benchmark, target, engines, tmp_path, shape, mode):
     sustained(benchmark, target, f"{mode}/{b}x{t}", loop.run_batch, loop.finish, loop.start, bytes_per_token=bpt)
     if loop.store is not None:
         assert len(loop.store.done_ids) == BATCHES * b
+        shutil.rmtree(tmp_path / "store")  # up to DISK_WINDOW bytes: 15 such tests would fill the disk
 
 
 def test_eagle3_hooks_capture(benchmark, target, engines, tmp_path):
