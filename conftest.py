@@ -42,8 +42,15 @@ def _selects_positively(markexpr: str, name: str) -> bool:
     return name in expr.split() and f"not {name}" not in " ".join(expr.split())
 
 
+CPU_TEST_TIMEOUT_S = 300
+
+
 def pytest_collection_modifyitems(config, items):
     markexpr = config.getoption("-m") or ""
+    if config.pluginmanager.hasplugin("timeout"):
+        for item in items:
+            if "gpu" not in item.keywords and item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(CPU_TEST_TIMEOUT_S))
     for opt_in in ("benchmark", "e2e", "kimi_depth"):
         if not _mentions(markexpr, opt_in):
             dropped = [i for i in items if opt_in in i.keywords]

@@ -166,13 +166,15 @@ def bars(records: list[Record], path: Path) -> list[str]:
         modes = sorted({r.key.split("/")[0] for r in rs}, key=lambda m: (m != "plain", m))
         width = 0.8 / max(1, len(modes))
         for i, mode in enumerate(modes):
+            named = False  # the legend names a mode at its first bar, whichever shape that is
             for j, shape in enumerate(shapes):
                 r = next((x for x in rs if x.key == f"{mode}/{shape}"), None)
                 if r is None:
                     continue
                 plain = next((x.tokens_per_s for x in rs if x.key == f"plain/{shape}"), None)
                 x = j + (i - (len(modes) - 1) / 2) * width
-                ax.bar(x, r.tokens_per_s, width, color=f"C{i}", label=mode if j == 0 else None)
+                ax.bar(x, r.tokens_per_s, width, color=f"C{i}", label=None if named else mode)
+                named = True
                 if plain:
                     ax.annotate(f"{r.tokens_per_s / plain:.2f}x", (x, r.tokens_per_s), ha="center", va="bottom",
                                 fontsize=7, rotation=90)
@@ -182,7 +184,8 @@ def bars(records: list[Record], path: Path) -> list[str]:
         ax.set_ylim(0, 1.15 * max((r.tokens_per_s for r in rs), default=1))  # room for the labels
         ax.set_ylabel("tokens/s (sustained)")
         ax.set_title(f"{prof}, run {latest}: tokens/s per mode, labelled with the ratio to plain prefill")
-        ax.legend(fontsize=7, ncol=4)
+        legend = ax.legend(fontsize=7, ncol=4)
+        labels += [f"{prof} legend {t.get_text()}" for t in legend.get_texts()]
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

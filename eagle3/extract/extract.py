@@ -240,21 +240,22 @@ def check_store(root: str | Path, model: str | Path, backend: str = "hf", sample
     return selfcheck.compare(head, selfcheck.last_states(got, store.spec.layer_ids[-1]), tops)
 
 
-def open_session(backend, store: Store, cfg: ExtractConfig, fault=None):
+def open_session(backend, store: Store, cfg: ExtractConfig, fault=None, seal_each_batch: bool = False):
     """The backend's writing session into ``store``: vLLM's ranks write shards themselves; the hf backend's
-    states come back here and go to a ShardWriter."""
+    states come back here and go to a ShardWriter. ``submit(batch)`` returns the shards finished so far;
+    with ``seal_each_batch`` it cuts the open shard and waits for it: every sample of the batch is in them."""
     if hasattr(backend, "open_session"):
-        return backend.open_session(store, cfg, fault)
-    return _LocalSession(backend, store, cfg, fault)
+        return backend.open_session(store, cfg, fault, seal_each_batch=seal_each_batch)
+    return _LocalSession(backend, store, cfg, fault, seal_each_batch)
 
 
 class _LocalSession:
     """In-process capture (hf backend): states come back here and go to a ShardWriter."""
 
-    def __init__(self, backend, store: Store, cfg: ExtractConfig, fault):
+    def __init__(self, backend, store: Store, cfg: ExtractConfig, fault, seal_each_batch: bool = False):
         from eagle3.store.writer import ShardWriter
 
-        self.backend, self.fault = backend, fault
+        self.backend, self.fault, self.seal_each_batch = backend, fault, seal_each_batch
         self.writer = ShardWriter(store.root, store.spec, store.next_shard_index,
                                   shard_tokens(store.spec, cfg.shard_tokens),
                                   cfg.shard_samples, cfg.fsync, threads=cfg.writer_threads, fault=fault)
@@ -265,7 +266,7 @@ class _LocalSession:
             self.fault("after_batch")
         for s, st in zip(batch, states):
             self.writer.add(s.sample_id, torch.tensor(s.input_ids), torch.tensor(s.loss_mask), st)
-        return self.writer.take_done()
+        return self.writer.flush() if self.seal_each_batch else self.writer.take_done()
 
     def finish(self):
         try:

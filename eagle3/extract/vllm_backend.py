@@ -94,8 +94,9 @@ class VLLMBackend:
             raise RuntimeError(f"ranks set {sorted(counts)} RMSNorm weights to 1; expected the same non-zero count")
         return counts.pop()
 
-    def open_session(self, store: Store, cfg, fault=None, mode: str = "store") -> "VLLMSession":
-        return VLLMSession(self, store, cfg, mode)
+    def open_session(self, store: Store, cfg, fault=None, mode: str = "store",
+                     seal_each_batch: bool = False) -> "VLLMSession":
+        return VLLMSession(self, store, cfg, mode, seal_each_batch)
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
@@ -108,10 +109,14 @@ class VLLMBackend:
 
 
 class VLLMSession:
-    """One extraction run over an open store: announce, generate, collect, commit."""
+    """One extraction run over an open store: announce, generate, collect, commit. A batch's shards are reported
+    by a later submit or by finish (the copies of its last steps overlap the next prefill), unless
+    ``seal_each_batch``: then submit returns once every sample of the batch is in a written shard (online
+    training's spool reserves room per batch, and its trainer must not wait on a shard still open)."""
 
-    def __init__(self, backend: VLLMBackend, store: Store | None, cfg, mode: str = "store"):
-        self.backend, self.mode = backend, mode
+    def __init__(self, backend: VLLMBackend, store: Store | None, cfg, mode: str = "store",
+                 seal_each_batch: bool = False):
+        self.backend, self.mode, self.seal_each_batch = backend, mode, seal_each_batch
         spec = store.spec if store is not None else backend.spec  # the store decides the states' dtype (fp8)
         open_cfg = {"mode": mode, "hidden_size": spec.hidden_size, "dtype": spec.dtype,
                     "writer_threads": max(4, getattr(cfg, "writer_threads", 0) or 0), "slots": 4}
@@ -126,13 +131,13 @@ class VLLMSession:
         self.backend.call("eagle3_expect", [(s.sample_id, list(s.input_ids), list(s.loss_mask)) for s in batch],
                           keys=frozenset({"rank", "announced"}))
         self.backend.generate_prefill([s.input_ids for s in batch])
-        return self._collect("eagle3_collect", expected_tokens=sum(len(s) for s in batch))
+        return self._collect("eagle3_collect", sum(len(s) for s in batch), False, self.seal_each_batch)
 
     def finish(self) -> list[ShardInfo]:
-        return self._collect("eagle3_close", expected_tokens=None)
+        return self._collect("eagle3_close", None)
 
-    def _collect(self, method: str, expected_tokens: int | None) -> list[ShardInfo]:
-        records = self.backend.call(method, keys=COLLECT_KEYS)
+    def _collect(self, method: str, expected_tokens: int | None, *args) -> list[ShardInfo]:
+        records = self.backend.call(method, *args, keys=COLLECT_KEYS)
         errors = [f"rank {r['rank']}: {e}" for r in records for e in r["errors"]]
         if errors:
             raise StoreError("capture failed: " + "; ".join(errors[:5]))

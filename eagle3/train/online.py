@@ -94,6 +94,7 @@ class Spool:
         self.entries: dict[int, tuple[str, int, int, str]] = {}  # position -> (file, row a, row b, spool id)
         self.unread: dict[str, set[int]] = {}                     # file -> positions not read yet
         self.committed = self.reserved = self.peak = self.peak_files = 0
+        self.shards = 0  # shards committed in this run
         self.failed: BaseException | None = None
         self.closed = self.producer_waiting = self.done = False
         self.waiting_for = 0
@@ -142,6 +143,7 @@ class Spool:
             for info in infos:
                 self._index({"file": info.file, "sample_ids": info.sample_ids})
                 self.committed += info.bytes
+            self.shards += len(infos)
             self.reserved = max(0, self.reserved - released)
             if self.committed + self.reserved > self.capacity:
                 raise StoreError(f"spool {self.store.root}: {self.committed + self.reserved} bytes committed and "
@@ -169,11 +171,14 @@ class Spool:
                                      f"{type(self.failed).__name__}: {self.failed}") from self.failed
                 if self.done:
                     raise StoreError(f"spool {self.store.root}: the extraction finished without position {pos}")
-                if self.producer_waiting and self.reserved == 0 and self.committed + self.waiting_for > self.capacity:
-                    # only reading frees room, and the reader is here: nothing will ever move
+                if self.producer_waiting:
+                    # the producer waits for room, which only reading frees, and the reader waits for a position
+                    # only the producer's next commit brings: nothing will ever move
                     raise StoreError(
-                        f"spool {self.store.root} is full ({self.committed:,} of {self.capacity:,} bytes) of shards "
-                        f"the trainer is not reading, and it waits for position {pos}: a bug, not a setting "
+                        f"spool {self.store.root} has no room for the next extraction batch ({self.committed:,} "
+                        f"committed + {self.reserved:,} reserved + {self.waiting_for:,} asked > {self.capacity:,} "
+                        f"bytes) and the trainer waits for position {pos}, which no committed shard holds: a bug, "
+                        f"not a setting "
                         f"(positions held: {min(self.entries, default=None)}..{max(self.entries, default=None)})")
                 self.cond.wait(0.5)
         self.consumer_wait_s += time.perf_counter() - t0
@@ -300,7 +305,8 @@ class Producer:
         spec = self.spool.store.spec
         t0 = self.t0 = time.perf_counter()
         try:
-            session = open_session(self.backend, self.spool.store, self.cfg, self.cfg.fault or faults.from_env())
+            session = open_session(self.backend, self.spool.store, self.cfg, self.cfg.fault or faults.from_env(),
+                                   seal_each_batch=True)
             pending: list[int] = []  # estimates of submitted samples, in order
             for a in range(first, len(self.plan), self.batch):
                 batch = [self._sample(p) for p in range(a, min(a + self.batch, len(self.plan)))]
@@ -345,6 +351,7 @@ class OnlineResult:
     peak_bytes: int          # committed + reserved, from the spool's accounting
     peak_files_bytes: int    # the shards folder, measured on the file system
     extracted_tokens: int
+    shards: int              # shards committed to the spool in this run (one per extraction batch)
     extract_seconds: float
     producer_wait_s: float   # the extraction waited for room in the spool (training limits)
     trainer_wait_s: float    # training waited for states (extraction limits)
@@ -354,7 +361,8 @@ class OnlineResult:
         ex = self.extracted_tokens / self.extract_seconds if self.extract_seconds else 0.0
         limit = "training" if self.producer_wait_s > self.trainer_wait_s else "extraction"
         return self.train.lines() + ([f"check      {self.selfcheck}"] if self.selfcheck else []) + [
-            f"online     extracted {self.extracted_tokens:,} tokens this run at {ex:,.0f} tok/s; spool {self.spool} "
+            f"online     extracted {self.extracted_tokens:,} tokens this run at {ex:,.0f} tok/s into {self.shards:,} "
+            f"shards; spool {self.spool} "
             f"peak {self.peak_bytes / 2**20:,.1f} MiB (files {self.peak_files_bytes / 2**20:,.1f} MiB) of "
             f"{self.capacity / 2**20:,.1f} MiB",
             f"limits     {limit}: extraction waited {self.producer_wait_s:.1f} s for room, training waited "
@@ -379,10 +387,9 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     if capacity < need:
         raise ValueError(f"a spool of {capacity:,} bytes (--spool-mb) cannot hold two extraction batches of {extract_batch} samples "
                          f"of up to {longest} tokens ({need:,} bytes); give at least that, or a smaller --extract-batch")
-    # small shards: a shard closes once it holds `longest` tokens (or a batch's samples), so the one left open
-    # between two batches is smaller than a batch and the spool never waits on a shard it cannot finish
-    extract_cfg = dataclasses.replace(extract_cfg, out=str(cfg.store), shard_samples=extract_batch,
-                                      shard_tokens=longest, writer_threads=0)
+    # one shard per extraction batch, sealed and written before the next batch is submitted: no shard is left
+    # open between batches, so the trainer never waits on one that needs the next batch's room to finish
+    extract_cfg = dataclasses.replace(extract_cfg, out=str(cfg.store), shard_samples=extract_batch, writer_threads=0)
     _check_same_run(Path(cfg.store), samples, cfg)
     spool = Spool(cfg.store, spec, capacity, fsync=extract_cfg.fsync)
     plan = training_order(len(samples), cfg.batch_samples, cfg.epochs, cfg.seed, cfg.max_steps)
@@ -402,7 +409,7 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     if spool.failed is not None:
         raise spool.failed
     out = OnlineResult(result, str(spool.store.root), capacity, spool.peak, spool.peak_files, producer.tokens,
-                       producer.seconds, spool.producer_wait_s, spool.consumer_wait_s, check)
+                       spool.shards, producer.seconds, spool.producer_wait_s, spool.consumer_wait_s, check)
     if result.samples_seen >= len(plan):
         shutil.rmtree(spool.store.root / SHARDS, ignore_errors=True)  # everything was learned from
     return out

@@ -7,11 +7,17 @@ store's size; both drafts are served with k = 3 on the same held-out prompts.
   differ only by the engine's batch composition, a few bf16 ulps of the states);
 - tokens/s of the whole online run against extraction + training offline, in the same process;
 - the spool's peak bytes (its own accounting and the files), below its capacity.
-NOT YET RUN ON A GPU (written in session 3, when no device time was left).
+Session 4 on the H200: the first run stopped at the test's own spool size (smaller than two extraction batches of
+64); the second ran 13 min without finishing before the device time ran out, unseen inside (pytest held the
+output). Then found on CPU: on the vLLM path a batch's last shard stayed open (or unreported) until the next batch,
+so the online spool was cut at the longest sample (one fsynced shard and two manifest rewrites per ~1 sample) and
+a tight spool could wait forever. Now one sealed shard per extraction batch; each phase's time goes to report.json
+as it ends, and every thread's stack to online-stacks.txt every 120 s, so a slow or stuck run says where it is.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import time
 
 import pytest
@@ -29,8 +35,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 MAX_GAP = 0.05
 
 
-def test_online_training_matches_extract_then_train(tmp_path, report):
+def test_online_training_matches_extract_then_train(tmp_path, report, gpu_out):
     from eagle3.extract.vllm_backend import VLLMBackend
+
+    stacks = open(gpu_out / "online-stacks.txt", "w")  # noqa: SIM115 - written until the dumps are cancelled
+    faulthandler.dump_traceback_later(120, repeat=True, file=stacks)
+    phases = {}
+
+    def phase(name, t0):
+        phases[name] = round(time.perf_counter() - t0, 1)
+        report("online_phases_s", phases)
 
     target = tmp_path / "target"
     learnable.make_target(target, steps=1500)
@@ -45,30 +59,39 @@ def test_online_training_matches_extract_then_train(tmp_path, report):
             return TrainConfig(store=str(store), out=str(out), device="cuda", batch_samples=32, epochs=2, lr=3e-3,
                                warmup_steps=20, draft_vocab_size=512, ttt_steps=3, seed=0, checkpoint_minutes=0)
 
+        phases["engine_start"] = round(backend.start_seconds, 1)
         t0 = time.perf_counter()
         extract.run(ex, samples=samples, backend=backend, progress=False)
+        phase("offline_extract", t0)
         off = train(tcfg(tmp_path / "store", tmp_path / "offline"), progress=False)
         offline_s = time.perf_counter() - t0
+        phase("offline_extract_and_train", t0)
         store_bytes = sum(p.stat().st_size for p in (tmp_path / "store" / "shards").iterdir())
         capacity = store_bytes // 8
         t0 = time.perf_counter()
         on = online.run(tcfg(tmp_path / "spool", tmp_path / "online"), ex, samples, capacity, backend=backend,
-                        extract_batch=64, progress=False)
+                        extract_batch=32, progress=False)
         online_s = time.perf_counter() - t0
+        phase("online", t0)
+        report("online_lines", on.lines())
     finally:
         backend.close()
     tokens = off.tokens_seen
     runs = {}
     for name, run in (("offline", off), ("online", on.train)):
+        t0 = time.perf_counter()
         runs[name] = evaluate.run(evaluate.EvalConfig(target=str(target), draft=run.draft, out=str(tmp_path / f"eval-{name}"),
                                                       k=3, max_tokens=64, num_prompts=64, gpu_memory_utilization=0.3,
                                                       shifted=False, baseline=False))
+        phase(f"eval_{name}", t0)
+    faulthandler.cancel_dump_traceback_later()
+    stacks.close()
     acc = {k: r.draft.acceptance_length for k, r in runs.items()}
     summary = {"acceptance": {k: round(v, 3) for k, v in acc.items()},
                "loss_last": {"offline": off.losses[-1], "online": on.train.losses[-1]},
                "tok_per_s": {"extract_then_train": round(tokens / offline_s), "online": round(tokens / online_s)},
                "spool": {"capacity": capacity, "store_bytes": store_bytes, "peak": on.peak_bytes,
-                         "peak_files": on.peak_files_bytes},
+                         "peak_files": on.peak_files_bytes, "shards": on.shards},
                "waits_s": {"extraction_for_room": round(on.producer_wait_s, 1),
                            "training_for_states": round(on.trainer_wait_s, 1)}}
     report("online_summary", summary)

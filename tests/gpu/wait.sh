@@ -9,4 +9,5 @@ latest=$(ls -t "$C"/*.log 2>/dev/null | head -1); echo "== tail of $latest"; tai
 if [ -n "${OUT:-}" ]; then
   tar czf "$OUT/campaign.tgz" -C /tmp --exclude='*.safetensors' campaign 2>/dev/null
   for d in suite draft aux depth online e2e bench; do [ -f "$C/$d/report.json" ] && cp "$C/$d/report.json" "$OUT/$d-report.json"; done
+  [ -f "$C/online/online-stacks.txt" ] && cp "$C/online/online-stacks.txt" "$OUT/" || true
 fi

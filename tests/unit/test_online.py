@@ -13,6 +13,7 @@
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -97,6 +98,9 @@ def test_online_follows_the_offline_loss_curve_within_its_bound(setup, offline, 
                          extract_batch=batch, progress=False)
     assert res.train.losses == offline.losses  # step by step, exactly
     assert res.train.steps == offline.steps == 12 and res.train.samples_seen == 96
+    # one shard per extraction batch: cutting shards at the longest sample's tokens gave ~1 sample per shard, each
+    # with its file fsync and two manifest rewrites (commit, free)
+    assert res.shards == -(-len(online.training_order(len(samples), 8, 2, 3)) // batch)
     assert 0 < res.peak_bytes <= cap and 0 < res.peak_files_bytes <= cap and fs.peak <= cap, (res, fs.peak)
     assert res.producer_wait_s > 0, "the capacity never bound: the test shows nothing"
     assert res.peak_bytes > cap // 2
@@ -219,3 +223,32 @@ def test_resume_keeps_the_shards_that_continue_the_checkpoint_and_frees_the_rest
     assert again.unread[first] == {3}  # position 2 was learned from: reading 3 frees the shard
     again.read(3)
     assert first not in {sh["file"] for sh in again.store.shards}
+
+
+def test_a_spool_that_can_never_move_is_reported_not_hung(tiny_kimi, tmp_path):
+    """The producer waits for room (only reading frees it) while the trainer waits for a position no committed
+    shard holds (only the producer's next commit brings it). Reserved bytes of samples the backend has not
+    reported do not make it movable: the trainer raises at once instead of waiting forever."""
+    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    spool = online.Spool(tmp_path / "spool", spec, capacity=1000, fsync=False)
+    spool.reserve(600)  # a batch submitted, its shard not reported yet
+    blocked = threading.Thread(target=lambda: pytest.raises(online.SpoolClosed, spool.reserve, 600), daemon=True)
+    blocked.start()
+    while not spool.producer_waiting:
+        time.sleep(0.01)
+    raised = []
+
+    def trainer():
+        try:
+            spool.wait_for(0)
+        except Exception as e:  # noqa: BLE001 - inspected below
+            raised.append(e)
+
+    reader = threading.Thread(target=trainer, daemon=True)
+    reader.start()
+    reader.join(timeout=2)
+    spool.close()
+    assert not reader.is_alive(), "the trainer waits forever"
+    assert re.search("no room for the next extraction batch .* 600 reserved .* position 0", str(raised[0]))
+    blocked.join(timeout=5)
+    assert not blocked.is_alive()
