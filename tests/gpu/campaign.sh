@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU campaign (run on the GPU host, in the background). Results under /tmp/campaign.
 #   tests/gpu/campaign.sh                 contract, GPU suite, benchmarks + e2e (everything)
-#   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite new draft depth online e2e aux bench report
+#   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite new draft depth online e2e fp8 aux
+#                                         bench benchkd report
 set -u
 OUT=/tmp/campaign
 SRC=/tmp/eagle3-src          # a private copy: the working tree may be re-synced while this runs
-rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/suite" && cp -r . "$SRC" && cd "$SRC"
+rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" && cp -r . "$SRC" && cd "$SRC"
 export PYTHONPATH="$SRC:/tmp/site:/tmp/gpu:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python3 -m eagle3.cli doctor > "$OUT/doctor.txt" 2>&1
@@ -23,8 +24,12 @@ for s in ${@:-contract suite bench report}; do case $s in
   depth)    step depth $PT -m kimi_depth tests/gpu --gpu-out "$OUT/depth" ;;
   online)   step online $PT -m e2e tests/gpu -k online --gpu-out "$OUT/online" ;;
   e2e)      step e2e $PT -m e2e tests/gpu -k "not online" --gpu-out "$OUT/e2e" ;;
+  fp8)      step fp8 $PT -m e2e tests/gpu -k fp8 --gpu-out "$OUT/fp8" ;;
   bench)    step bench $PT -m benchmark tests/gpu --gpu-out "$OUT/bench" \
                  --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds ;;
-  report)   step report python3 -m eagle3.cli bench report --history "$OUT/bench/benchmark.json" --out "$OUT/bench" ;;
+  benchkd)  EAGLE3_BENCH_BATCHES=${EAGLE3_BENCH_BATCHES:-8} EAGLE3_BENCH_MODES=${EAGLE3_BENCH_MODES:-"plain count store disk d2h"} \
+            step benchkd $PT -m benchmark tests/gpu --target-profile kimi-depth --gpu-out "$OUT/benchkd" \
+                 --benchmark-json="$OUT/benchkd/benchmark.json" --benchmark-columns=median,rounds ;;
+  report)   step report python3 -m eagle3.cli bench report --history $(ls "$OUT"/bench*/benchmark.json) --out "$OUT/bench" ;;
 esac; done
 echo DONE > "$OUT/DONE"

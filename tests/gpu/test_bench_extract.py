@@ -142,31 +142,64 @@ class _Window:
 
 def _common_engine_args(target) -> dict:
     return dict(model=str(target.path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=8192,
-                max_num_batched_tokens=16384, skip_tokenizer_init=True, gpu_memory_utilization=0.14,
+                max_num_batched_tokens=16384, skip_tokenizer_init=True, load_format=target.load_format,
+                gpu_memory_utilization=0.14 if target.local else 0.85,
                 kernel_config={"enable_flashinfer_autotune": False}, tensor_parallel_size=target.tp)
 
 
+class _Live:
+    """The engines of this module. A local target (mini-Kimi) keeps each one for the session, side by side; a
+    target that fills the GPU (kimi-depth, 61 GB; a real model) runs one engine at a time: asking for another
+    shuts the others down first, eagle3's capture engines (the `engines` fixture) included."""
+
+    def __init__(self, target, engines):
+        self.target, self.engines, self.llms = target, engines, {}
+
+    def llm(self, name: str, make):
+        if name not in self.llms:
+            self._only_one()
+            self.llms[name] = make()
+        return self.llms[name]
+
+    def backend(self, strategy: str):
+        if strategy not in self.engines.cache:
+            self._only_one()
+        return self.engines.get(strategy)
+
+    def _only_one(self):
+        if self.target.local:
+            return
+        self.close()
+        self.engines.close()
+
+    def close(self):
+        for llm, _ in self.llms.values():
+            llm.llm_engine.engine_core.shutdown()
+        self.llms.clear()
+
+
 @pytest.fixture(scope="module")
-def plain_llm(target):
+def live(target, engines):
+    lv = _Live(target, engines)
+    yield lv
+    lv.close()
+
+
+def _plain_llm(target):
     import vllm
 
-    llm = vllm.LLM(**_common_engine_args(target))
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+    return vllm.LLM(**_common_engine_args(target)), None
 
 
-@pytest.fixture(scope="module")
-def ehs_llm(target, tmp_path_factory):
+def _ehs_llm(target, out):
     import vllm
 
-    out = tmp_path_factory.mktemp("ehs")
     llm = vllm.LLM(**_common_engine_args(target), speculative_config={
         "method": "extract_hidden_states", "num_speculative_tokens": 1,
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(target.profile.layer_ids)}}},
         kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                             "kv_connector_extra_config": {"shared_storage_path": str(out)}})
-    yield llm, out
-    llm.llm_engine.engine_core.shutdown()
+    return llm, out
 
 
 def _generate(llm, samples):
@@ -177,17 +210,17 @@ def _generate(llm, samples):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
-def test_plain_prefill(benchmark, target, shape, request):
+def test_plain_prefill(benchmark, target, shape, live):
     wanted("plain")
-    plain_llm = request.getfixturevalue("plain_llm")
+    plain_llm, _ = live.llm("plain", lambda: _plain_llm(target))
     b, t = shape
     sustained(benchmark, target, f"plain/{b}x{t}", lambda batch: _generate(plain_llm, batch))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
-def test_vllm_extract_hidden_states(benchmark, target, shape, request):
+def test_vllm_extract_hidden_states(benchmark, target, shape, live, tmp_path_factory):
     wanted("vllm_ehs")
-    llm, out = request.getfixturevalue("ehs_llm")
+    llm, out = live.llm("vllm_ehs", lambda: _ehs_llm(target, tmp_path_factory.mktemp("ehs")))
     b, t = shape
     paths: list[str] = []
     file_bytes = t * target.profile.bytes_per_token  # hidden_states [t, 4, H] bf16 (+ a small header)
@@ -260,10 +293,10 @@ class _Loop:
 
 @pytest.mark.parametrize("mode", ["count", "host", "store", "store_nofsync", "store_fp8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
-def test_eagle3_aux_capture(benchmark, target, engines, tmp_path, shape, mode):
+def test_eagle3_aux_capture(benchmark, target, live, tmp_path, shape, mode):
     wanted(mode)
     b, t = shape
-    loop = _Loop(engines.get("aux"), target, mode, tmp_path / "store")
+    loop = _Loop(live.backend("aux"), target, mode, tmp_path / "store")
     bpt = target.profile.bytes_per_token // (2 if mode == "store_fp8" else 1)
     sustained(benchmark, target, f"{mode}/{b}x{t}", loop.run_batch, loop.finish, loop.start, bytes_per_token=bpt)
     if loop.store is not None:
@@ -271,9 +304,9 @@ def test_eagle3_aux_capture(benchmark, target, engines, tmp_path, shape, mode):
         shutil.rmtree(tmp_path / "store")  # up to DISK_WINDOW bytes: 15 such tests would fill the disk
 
 
-def test_eagle3_hooks_capture(benchmark, target, engines, tmp_path):
+def test_eagle3_hooks_capture(benchmark, target, live, tmp_path):
     wanted("hooks_host")
-    loop = _Loop(engines.get("hooks"), target, "host", tmp_path)
+    loop = _Loop(live.backend("hooks"), target, "host", tmp_path)
     sustained(benchmark, target, "hooks_host/64x512", loop.run_batch, loop.finish, loop.start)
 
 
