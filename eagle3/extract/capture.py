@@ -185,9 +185,9 @@ class ShardFiller:
             if ready:
                 b.queued = True
                 self.in_writer += 1
+                self.completed += len(b.samples)  # under the lock: the consumer and the forward both get here
         if not ready:
             return
-        self.completed += len(b.samples)
 
         def build(b=b):
             offsets = shard_offsets([n for _, n in b.samples])
@@ -261,6 +261,7 @@ class Capturer:
         self.stream = torch.cuda.Stream() if self.cuda else None
         self.queue: queue.Queue = queue.Queue()
         self.errors: list[str] = []
+        self.errors_lock = threading.Lock()  # the consumer reports while a collect may be taking them
         self.thread = threading.Thread(target=self._consume, name="eagle3-capture", daemon=True)
         self.thread.start()
 
@@ -367,7 +368,7 @@ class Capturer:
                 for buf, rows in arrivals:
                     self.filler.arrived(buf, rows)
             except Exception as e:  # noqa: BLE001 - reported through errors
-                self.errors.append(f"{type(e).__name__}: {e}")
+                self.add_error(f"{type(e).__name__}: {e}")
             finally:
                 self.queue.task_done()
 
@@ -375,9 +376,14 @@ class Capturer:
         """Wait until every step handed over so far is on the host (and complete shards are queued)."""
         self.queue.join()
 
+    def add_error(self, message: str) -> None:
+        with self.errors_lock:
+            self.errors.append(message)
+
     def take_errors(self) -> list[str]:
-        errors = self.errors + (self.filler.errors if self.filler else [])
-        self.errors = []
+        with self.errors_lock:
+            errors, self.errors = self.errors, []
+        errors += self.filler.errors if self.filler else []
         if self.filler:
             self.filler.errors = []
         return errors

@@ -83,7 +83,7 @@ class CaptureExtension:
                 cap.on_step(layers, layout)
         except Exception as e:  # noqa: BLE001
             log.exception("capture failed in a forward step")
-            cap.errors.append(f"capture step: {type(e).__name__}: {e}")
+            cap.add_error(f"capture step: {type(e).__name__}: {e}")
 
     def eagle3_open(self, cfg: dict) -> dict:
         """Start a session. cfg: mode (store | host | count), hidden_size, dtype, and for store: root,

@@ -339,3 +339,34 @@ def test_a_batch_returns_while_its_copies_are_still_in_flight(fake, tiny_kimi, t
     for sid, ref in hf_store.items():
         for i in IDS:
             assert torch.equal(got[sid]["states"][i], ref["states"][i]), (sid, i)
+
+
+def test_a_copy_that_fails_after_its_batch_returned_is_reported_by_finish(fake, tiny_kimi, tmp_path, monkeypatch):
+    """With batches no longer waiting for their copies, a copy that fails on the host side after submit() returned
+    must still stop the run: finish() raises with it, and no shard holding the failed rows is written."""
+    import threading
+
+    from eagle3.extract import capture
+
+    gate = threading.Event()
+    consume = capture.Capturer._consume
+
+    def held_back(self):
+        gate.wait()
+        consume(self)
+
+    def broken(self, buf, rows):
+        raise OSError("pinned buffer lost")
+
+    monkeypatch.setattr(capture.Capturer, "_consume", held_back)
+    monkeypatch.setattr(capture.ShardFiller, "arrived", broken)
+    out = tmp_path / "s"
+    cfg = _cfg(tiny_kimi, out, backend="vllm", capture="aux")
+    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    store = Store.open(out, spec, create=True)
+    session = extract.open_session(extract.make_backend(cfg, spec), store, cfg)
+    assert session.submit(_samples()[:4]) == []
+    gate.set()
+    with pytest.raises(StoreError, match="OSError: pinned buffer lost"):
+        session.finish()
+    assert not list((out / "shards").iterdir())
