@@ -258,6 +258,8 @@ class Capturer:
         self.mode, self.filler = "count", None
         self.shard_buffers: list[ShardBuffer] = []  # kept across sessions: pinning memory is slow
         self.pool = PinnedPool(slots, pin=self.cuda)
+        # steps handed to the consumer and not yet on the host: each holds its staged copy on the device
+        self.in_flight = threading.Semaphore(slots)
         self.stream = torch.cuda.Stream() if self.cuda else None
         self.queue: queue.Queue = queue.Queue()
         self.errors: list[str] = []
@@ -292,6 +294,14 @@ class Capturer:
             if t.shape[0] < n:
                 raise CaptureError(f"captured {t.shape[0]} rows but the step has {n} tokens (sequence-parallel "
                                    "shards? use --capture aux)")
+        self.in_flight.acquire()  # released by the consumer once the step's copies are on the host
+        try:
+            self._stage_and_copy(layers, layout, n)
+        except BaseException:
+            self.in_flight.release()
+            raise
+
+    def _stage_and_copy(self, layers: Sequence[torch.Tensor], layout: StepLayout, n: int) -> None:
         staged = torch.stack([t[:n] for t in layers], dim=1)  # [n, n_layers, H], compute stream
         scales = None
         if self.dtype == torch.float8_e4m3fn:  # quantized on the device: half the bytes cross to the host
@@ -370,6 +380,8 @@ class Capturer:
             except Exception as e:  # noqa: BLE001 - reported through errors
                 self.add_error(f"{type(e).__name__}: {e}")
             finally:
+                if item is not None:
+                    self.in_flight.release()
                 self.queue.task_done()
 
     def drain(self) -> None:

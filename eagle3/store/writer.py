@@ -114,8 +114,9 @@ class ShardWriter:
 
     def submit(self, build: Callable[[], tuple[dict, list[str]]], on_done: Callable[[], None] | None = None) -> None:
         """Queue one shard: build() -> (tensors, sample_ids) runs in the writer; on_done() after the write."""
-        index = self.next_index
-        self.next_index += 1
+        with self._lock:  # the capture's consumer thread and the forward both hand over shards
+            index = self.next_index
+            self.next_index += 1
         if self._queue is None:
             self._write(shard_name(index), build, on_done)
         else:

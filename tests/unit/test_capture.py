@@ -130,3 +130,53 @@ def test_a_skipped_prefix_and_an_unannounced_request_are_reported(tmp_path):
     assert "matches no announced sample" in errors
     assert cap.filler.outstanding() == ["s0"]
     cap.close()
+
+
+def test_steps_in_flight_are_bounded_so_device_memory_cannot_pile_up(tmp_path):
+    """Each step's staged copy [n, n_layers, H] lives on the device until the host has it. Batches no longer wait
+    for their copies, so without a bound a host slower than the GPU would pile staged steps up on the device
+    across batches (Kimi: 0.9 GB per 16k-token step). With the consumer held back, the forward blocks at
+    ``slots`` steps in flight and resumes when one completes; every row still arrives."""
+    import threading
+
+    from eagle3.extract import capture
+
+    gate = threading.Event()
+    consume = Capturer._consume
+
+    def held_back(self):
+        gate.wait()
+        consume(self)
+
+    writer = ShardWriter(tmp_path, SPEC, 0, fsync=False)
+    orig = Capturer._consume
+    Capturer._consume = held_back
+    try:
+        cap = capture.Capturer(N_LAYERS, H, torch.float32, slots=2)
+    finally:
+        Capturer._consume = orig
+    cap.start("store", writer, shard_tokens=64)
+    prompts = [[i + 1] * 4 for i in range(3)]
+    cap.filler.announce([Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(4, dtype=torch.uint8))
+                         for i, p in enumerate(prompts)])
+    steps = []
+
+    def forward():
+        for i, p in enumerate(prompts):
+            layout = StepLayout([f"r{i}"], [0, 4], [0], [p])
+            cap.on_step([_states(p)[k] for k in range(N_LAYERS)], layout)
+            steps.append(i)
+
+    fwd = threading.Thread(target=forward, daemon=True)
+    fwd.start()
+    fwd.join(timeout=2)
+    try:
+        assert steps == [0, 1] and fwd.is_alive(), "the third step did not wait for a free slot"
+    finally:
+        gate.set()
+    fwd.join(timeout=10)
+    assert steps == [0, 1, 2]
+    cap.drain()
+    cap.filler.seal()
+    assert sum(i.num_samples for i in writer.flush()) == 3 and cap.take_errors() == []
+    cap.close()

@@ -317,6 +317,7 @@ def test_a_batch_returns_while_its_copies_are_still_in_flight(fake, tiny_kimi, t
         consume(self)
 
     monkeypatch.setattr(capture.Capturer, "_consume", held_back)
+    fake.token_budget = 1024  # the batch (896 tokens) in one step: within the steps allowed in flight (4)
     out = tmp_path / "s"
     cfg = _cfg(tiny_kimi, out, backend="vllm", capture="aux")
     spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
