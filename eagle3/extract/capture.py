@@ -99,6 +99,8 @@ class ShardFiller:
         self.writer, self.n_layers, self.hidden, self.dtype = writer, n_layers, hidden, dtype
         self.capacity, self.pin = capacity, pin
         self.free: list[ShardBuffer] = free if free is not None else []  # pinned buffers, reused
+        # buffers of another dtype (an earlier session's) are let go: kept, they would count against max_buffers
+        self.free[:] = [b for b in self.free if b.states.dtype == dtype]
         self.open: ShardBuffer | None = None
         self.where: dict[str, Placement] = {}  # request id -> its rows
         self.recomputed = 0  # rows seen again after a preemption (not copied twice)
@@ -123,7 +125,7 @@ class ShardFiller:
         with self.lock:
             while True:
                 for i, b in enumerate(self.free):
-                    if b.capacity >= rows and b.states.dtype == self.dtype:  # kept across sessions of any dtype
+                    if b.capacity >= rows and b.states.dtype == self.dtype:
                         b = self.free.pop(i)
                         b.used, b.samples, b.missing, b.sealed, b.queued = 0, [], 0, False, False
                         return b

@@ -180,3 +180,35 @@ def test_steps_in_flight_are_bounded_so_device_memory_cannot_pile_up(tmp_path):
     cap.filler.seal()
     assert sum(i.num_samples for i in writer.flush()) == 3 and cap.take_errors() == []
     cap.close()
+
+
+def test_pinned_buffers_of_another_dtype_neither_count_nor_stay(tmp_path):
+    """The capturer keeps its pinned shard buffers across sessions (pinning is slow). A session storing another
+    dtype (the benchmark: bf16 stores, then fp8) cannot use them; counted against the 8-buffer limit they left it
+    one shard in the writer at a time (the H200's fp8 store: 0.71x its disk limit where bf16 reached 0.90x)."""
+    import threading
+
+    from eagle3.extract.capture import ShardBuffer, ShardFiller
+
+    class HoldingWriter:  # keeps every shard (a slow disk)
+        def __init__(self):
+            self.held = []
+
+        def submit(self, build, on_done):
+            self.held.append(on_done)
+
+    old = [ShardBuffer(torch.empty(8, dtype=torch.int32), torch.empty(8, dtype=torch.uint8),
+                       torch.empty(8, N_LAYERS, H, dtype=torch.float32)) for _ in range(2)]
+    writer = HoldingWriter()
+    f = ShardFiller(writer, N_LAYERS, H, torch.bfloat16, capacity=8, pin=False, free=old, max_buffers=2)
+    prompts = [[i + 1] * 8 for i in range(2)]
+    f.announce([Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(8, dtype=torch.uint8))
+                for i, p in enumerate(prompts)])
+    first = f.reserve("r0", prompts[0], 0)
+    f.arrived(first.buf, 8)
+    second = threading.Thread(target=f.reserve, args=("r1", prompts[1], 0), daemon=True)
+    second.start()  # seals the first shard (now in the writer) and needs a second buffer
+    second.join(timeout=2)
+    assert not second.is_alive(), "the second bf16 shard waited for the writer: the float32 buffers were counted"
+    assert len(writer.held) == 1 and all(b.states.dtype == torch.bfloat16 for b in [first.buf, f.open])
+    assert old == []  # the float32 buffers were let go, not kept pinned beside the new ones
