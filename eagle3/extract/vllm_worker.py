@@ -122,7 +122,8 @@ class CaptureExtension:
         or by close. ``seal`` (online training): wait for the copies, close the open shard and wait for the writer,
         so every sample of the batch is in a reported shard. ``final``: the same, at the end of a session."""
         e3, cap = self._e3, self._e3["capturer"]
-        if final or seal:
+        whole = final or seal  # every sample announced so far must be in a reported shard
+        if whole:
             cap.drain()
         errors = cap.take_errors()
         if cap.filler is not None:
@@ -137,9 +138,9 @@ class CaptureExtension:
         shards = []
         if e3["writer"] is not None:
             try:
-                if final or seal:
+                if whole:
                     cap.filler.seal()  # every copy has arrived (drained above): the shard goes to the writer now
-                shards = [vars(i) for i in (e3["writer"].flush() if final or seal else e3["writer"].take_done())]
+                shards = [vars(i) for i in (e3["writer"].flush() if whole else e3["writer"].take_done())]
             except Exception as ex:  # noqa: BLE001 - a failed shard write is reported, not raised here
                 errors.append(f"shard writer: {type(ex).__name__}: {ex}")
         writer = e3["writer"]
@@ -177,8 +178,6 @@ class CaptureExtension:
         kimi-depth profile came back equal to 1e-6. With unit norms each layer's update is a few percent.
         The final norm keeps its weights: with a unit weight RMSNorm is idempotent, and the self-check could not
         tell a post-norm state from the pre-norm one (seen on the H200)."""
-        import torch
-
         model = compat.get_model(self)
         final = compat.final_norm_module(model)
         n = 0

@@ -19,8 +19,8 @@ The host has 63 GB of free disk and a 64x512 run of 32 batches is 60 GB of state
 vllm_ehs modes delete their oldest committed (closed) files once more than DISK_WINDOW bytes are on disk, as a
 trainer consuming a spool would. A deleted page-cache file may never reach the disk (both non-fsync modes alike).
 Every record's extra_info holds tokens_per_s; the last test computes the ratios, checks the acceptance targets
-and the profile's baselines, and writes bench_summary.json. Written in session 3, NOT YET RUN ON A GPU (the
-one-batch-per-round version it replaces is what results/h200-vllm0.26.0/ measured).
+and the profile's baselines, and writes bench_summary.json. Run on the H200 in session 4 on mini-Kimi
+(results/h200-vllm0.26.0-session4/); the kimi-depth profile and the changes after that run are not yet run.
 """
 
 from __future__ import annotations

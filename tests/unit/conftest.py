@@ -129,3 +129,21 @@ def run_forked(fn) -> tuple[bool, int]:
     if os.WIFSIGNALED(status):
         return os.WTERMSIG(status) == signal.SIGKILL, -1
     return False, os.WEXITSTATUS(status)
+
+
+def hold_back_capture_consumer(monkeypatch):
+    """Capturers made after this call keep every step handed to their consumer thread until the returned event
+    is set: the copies stay "in flight" for as long as a test needs."""
+    import threading
+
+    from eagle3.extract.capture import Capturer
+
+    gate = threading.Event()
+    consume = Capturer._consume
+
+    def held_back(self):
+        gate.wait()
+        consume(self)
+
+    monkeypatch.setattr(Capturer, "_consume", held_back)
+    return gate

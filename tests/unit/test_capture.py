@@ -11,6 +11,8 @@ from eagle3.store.folder import Store
 from eagle3.store.format import StoreSpec
 from eagle3.store.writer import ShardWriter
 
+from .conftest import hold_back_capture_consumer
+
 H, N_LAYERS = 8, 3
 SPEC = StoreSpec(target={"config_hash": "x"}, layer_ids=(1, 2, 3), hidden_size=H, dtype="float32")
 
@@ -132,29 +134,16 @@ def test_a_skipped_prefix_and_an_unannounced_request_are_reported(tmp_path):
     cap.close()
 
 
-def test_steps_in_flight_are_bounded_so_device_memory_cannot_pile_up(tmp_path):
+def test_steps_in_flight_are_bounded_so_device_memory_cannot_pile_up(tmp_path, monkeypatch):
     """Each step's staged copy [n, n_layers, H] lives on the device until the host has it. Batches no longer wait
     for their copies, so without a bound a host slower than the GPU would pile staged steps up on the device
     across batches (Kimi: 0.9 GB per 16k-token step). With the consumer held back, the forward blocks at
     ``slots`` steps in flight and resumes when one completes; every row still arrives."""
     import threading
 
-    from eagle3.extract import capture
-
-    gate = threading.Event()
-    consume = Capturer._consume
-
-    def held_back(self):
-        gate.wait()
-        consume(self)
-
+    gate = hold_back_capture_consumer(monkeypatch)
     writer = ShardWriter(tmp_path, SPEC, 0, fsync=False)
-    orig = Capturer._consume
-    Capturer._consume = held_back
-    try:
-        cap = capture.Capturer(N_LAYERS, H, torch.float32, slots=2)
-    finally:
-        Capturer._consume = orig
+    cap = Capturer(N_LAYERS, H, torch.float32, slots=2)
     cap.start("store", writer, shard_tokens=64)
     prompts = [[i + 1] * 4 for i in range(3)]
     cap.filler.announce([Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(4, dtype=torch.uint8))

@@ -16,6 +16,7 @@ from eagle3.store.folder import Store
 from eagle3.store.format import StoreError
 
 from . import fake_vllm
+from .conftest import hold_back_capture_consumer
 from .oracle import layerwise_states
 
 IDS = (2, 4, 5, 8)
@@ -307,16 +308,7 @@ def test_a_batch_returns_while_its_copies_are_still_in_flight(fake, tiny_kimi, t
     returns, and finish() collects every shard, equal to the reference."""
     import threading
 
-    from eagle3.extract import capture
-
-    gate = threading.Event()
-    consume = capture.Capturer._consume
-
-    def held_back(self):
-        gate.wait()
-        consume(self)
-
-    monkeypatch.setattr(capture.Capturer, "_consume", held_back)
+    gate = hold_back_capture_consumer(monkeypatch)
     fake.token_budget = 1024  # the batch (896 tokens) in one step: within the steps allowed in flight (4)
     out = tmp_path / "s"
     cfg = _cfg(tiny_kimi, out, backend="vllm", capture="aux")
@@ -345,21 +337,12 @@ def test_a_batch_returns_while_its_copies_are_still_in_flight(fake, tiny_kimi, t
 def test_a_copy_that_fails_after_its_batch_returned_is_reported_by_finish(fake, tiny_kimi, tmp_path, monkeypatch):
     """With batches no longer waiting for their copies, a copy that fails on the host side after submit() returned
     must still stop the run: finish() raises with it, and no shard holding the failed rows is written."""
-    import threading
-
     from eagle3.extract import capture
-
-    gate = threading.Event()
-    consume = capture.Capturer._consume
-
-    def held_back(self):
-        gate.wait()
-        consume(self)
 
     def broken(self, buf, rows):
         raise OSError("pinned buffer lost")
 
-    monkeypatch.setattr(capture.Capturer, "_consume", held_back)
+    gate = hold_back_capture_consumer(monkeypatch)
     monkeypatch.setattr(capture.ShardFiller, "arrived", broken)
     out = tmp_path / "s"
     cfg = _cfg(tiny_kimi, out, backend="vllm", capture="aux")
