@@ -3,6 +3,9 @@
 #   tests/gpu/campaign.sh                 contract, GPU suite, benchmarks + e2e (everything)
 #   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite new draft depth online e2e fp8 aux
 #                                         bench benchkd report
+#   tests/gpu/campaign.sh online:660 bench  STEP:SECONDS stops that step (SIGINT, then SIGKILL 30 s later) after SECONDS
+#   BENCH_SHAPES=64x512 BENCH_MODES="plain host" (mini-Kimi), BENCHKD_SHAPES / _MODES / _BATCHES (kimi-depth; by
+#   default 8 batches of plain count store disk d2h) narrow the benchmarks (tests/gpu/test_bench_extract.py)
 set -u
 OUT=/tmp/campaign
 SRC=/tmp/eagle3-src          # a private copy: the working tree may be re-synced while this runs
@@ -10,12 +13,15 @@ rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" && cp -r . "$
 export PYTHONPATH="$SRC:/tmp/site:/tmp/gpu:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python3 -m eagle3.cli doctor > "$OUT/doctor.txt" 2>&1
-step() { local name=$1; shift; local t0=$(date +%s); echo "$name started $(date +%T)" >> "$OUT/steps.txt"
-         "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+LIMIT=0
+step() { local name=$1; shift; local t0=$(date +%s); echo "$name started $(date +%T) limit=${LIMIT}s" >> "$OUT/steps.txt"
+         if [ "$LIMIT" -gt 0 ]; then timeout -s INT -k 30 "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
+         else "$@" > "$OUT/$name.log" 2>&1; fi; local rc=$?
          echo "$name rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$OUT/steps.txt"; }
 PT="python3 -m pytest -p no:cacheprovider -v -rA --durations=25"
 NEW="deepseek_draft or preemption or selfcheck_passes or (hf_reference and hooks) or indexing"
-for s in ${@:-contract suite bench report}; do case $s in
+for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" != "$arg" ] && LIMIT=${arg#*:}
+  case $s in
   contract) step contract $PT tests/unit/test_vllm_contract.py ;;
   suite)    step suite $PT -m gpu tests/gpu --gpu-out "$OUT/suite" ;;
   new)      step new $PT -m gpu tests/gpu -k "$NEW" --gpu-out "$OUT/suite" ;;
@@ -25,9 +31,9 @@ for s in ${@:-contract suite bench report}; do case $s in
   online)   step online $PT -m e2e tests/gpu -k online --gpu-out "$OUT/online" ;;
   e2e)      step e2e $PT -m e2e tests/gpu -k "not online" --gpu-out "$OUT/e2e" ;;
   fp8)      step fp8 $PT -m e2e tests/gpu -k fp8 --gpu-out "$OUT/fp8" ;;
-  bench)    step bench $PT -m benchmark tests/gpu --gpu-out "$OUT/bench" \
+  bench)    EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} step bench $PT -m benchmark tests/gpu --gpu-out "$OUT/bench" \
                  --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds ;;
-  benchkd)  EAGLE3_BENCH_BATCHES=${EAGLE3_BENCH_BATCHES:-8} EAGLE3_BENCH_MODES=${EAGLE3_BENCH_MODES:-"plain count store disk d2h"} \
+  benchkd)  EAGLE3_BENCH_SHAPES=${BENCHKD_SHAPES:-} EAGLE3_BENCH_BATCHES=${BENCHKD_BATCHES:-8} EAGLE3_BENCH_MODES=${BENCHKD_MODES:-"plain count store disk d2h"} \
             step benchkd $PT -m benchmark tests/gpu --target-profile kimi-depth --gpu-out "$OUT/benchkd" \
                  --benchmark-json="$OUT/benchkd/benchmark.json" --benchmark-columns=median,rounds ;;
   report)   step report python3 -m eagle3.cli bench report --history $(ls "$OUT"/bench*/benchmark.json) --out "$OUT/bench" ;;

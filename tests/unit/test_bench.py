@@ -154,3 +154,21 @@ def test_the_gpu_benchmark_s_acceptance_on_the_session_4_h200_figures(tmp_path, 
     assert "fsynced store / min(prefill, parallel fsync bandwidth / bytes per token) 0.10x (< 0.9)" in failures
     _, failures = gb.acceptance(measured, "kimi-depth", 57344, "h200-kimi-depth", {})
     assert len(failures) == 3 and all("fsynced store / plain prefill 0.1" in f for f in failures)  # every shape
+
+
+def test_the_gpu_benchmark_s_acceptance_with_one_shape(monkeypatch):
+    """EAGLE3_BENCH_SHAPES=64x512 (a shorter campaign): the other shapes have no ratios; mini-Kimi's targets still
+    apply; kimi-depth's cover the shapes measured; a run without 64x512 fails mini-Kimi as not measured."""
+    from tests.gpu import test_bench_extract as gb
+
+    measured = json.loads((Path(__file__).parents[2] / "results/h200-vllm0.26.0-session4/bench_summary.json")
+                          .read_text())["tokens_per_s"]
+    monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
+    one = {k: v for k, v in measured.items() if "/" not in k or k.endswith("/64x512")}
+    summary, failures = gb.acceptance(one, "mini-kimi", 57344, "h200-mini-kimi", {})
+    assert sorted(summary["ratios"]) == ["64x512"] and len(failures) == 2
+    _, failures = gb.acceptance(one, "kimi-depth", 57344, "h200-kimi-depth", {})
+    assert len(failures) == 1 and failures[0].startswith("kimi-depth 64x512: fsynced store / plain prefill 0.1")
+    other = {k: v for k, v in measured.items() if not k.endswith("/64x512")}
+    _, failures = gb.acceptance(other, "mini-kimi", 57344, "h200-mini-kimi", {})
+    assert failures == ["mini-Kimi's targets: 64x512 not measured (EAGLE3_BENCH_SHAPES)"]
