@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -243,9 +244,21 @@ class PinnedPool:
 
 @dataclass
 class CaptureStats:
+    """Counts, and where a step's time goes (seconds, summed over the session's steps): ``wait_s`` the forward
+    blocked on a free slot or pinned buffer (the host copies are behind: back-pressure), ``stage_s`` the forward
+    spent in the capture (waits included), ``copy_s`` the side stream spent copying to the host (GPU time, CUDA
+    events; 0 on CPU): bytes_to_host / copy_s is the device-to-host bandwidth the copies got."""
+
     steps: int = 0
     tokens: int = 0
     bytes_to_host: int = 0
+    wait_s: float = 0.0
+    stage_s: float = 0.0
+    copy_s: float = 0.0
+
+    def timing(self) -> dict:
+        return {"steps": self.steps, "bytes_to_host": self.bytes_to_host, "wait_s": round(self.wait_s, 4),
+                "stage_s": round(self.stage_s, 4), "copy_s": round(self.copy_s, 4)}
 
 
 class Capturer:
@@ -296,12 +309,16 @@ class Capturer:
             if t.shape[0] < n:
                 raise CaptureError(f"captured {t.shape[0]} rows but the step has {n} tokens (sequence-parallel "
                                    "shards? use --capture aux)")
+        t0 = time.perf_counter()
         self.in_flight.acquire()  # released by the consumer once the step's copies are on the host
+        self.stats.wait_s += time.perf_counter() - t0
         try:
             self._stage_and_copy(layers, layout, n)
         except BaseException:
             self.in_flight.release()
             raise
+        finally:
+            self.stats.stage_s += time.perf_counter() - t0
 
     def _stage_and_copy(self, layers: Sequence[torch.Tensor], layout: StepLayout, n: int) -> None:
         staged = torch.stack([t[:n] for t in layers], dim=1)  # [n, n_layers, H], compute stream
@@ -313,7 +330,9 @@ class Capturer:
         host = []
         if self.mode == "host":
             for src in (staged,) if scales is None else (staged, scales):
+                t0 = time.perf_counter()
                 buf, view = self.pool.get(tuple(src.shape), src.dtype)
+                self.stats.wait_s += time.perf_counter() - t0
                 host.append(buf)
                 copies.append((view, src))
         else:
@@ -348,23 +367,25 @@ class Capturer:
                 if place.filled >= place.length:
                     del f.where[req]
                     f.done.add(req)
-        event = None
+        event = begun = None
         if staged.is_cuda:
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
+                begun = torch.cuda.Event(enable_timing=True)
+                begun.record(self.stream)  # reached once the stage is computed: the copies' own time follows
                 for dst, src in copies:
                     dst.copy_(src, non_blocking=True)
                 staged.record_stream(self.stream)
                 if scales is not None:
                     scales.record_stream(self.stream)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(self.stream)
         else:
             for dst, src in copies:
                 dst.copy_(src)
         self.stats.bytes_to_host += staged.numel() * staged.element_size() + (
             0 if scales is None else scales.numel() * scales.element_size())
-        self.queue.put((event, arrivals, host))
+        self.queue.put((begun, event, arrivals, host))
 
     def _consume(self) -> None:
         while True:
@@ -372,9 +393,10 @@ class Capturer:
             try:
                 if item is None:
                     return
-                event, arrivals, host = item
+                begun, event, arrivals, host = item
                 if event is not None:
                     event.synchronize()
+                    self.stats.copy_s += begun.elapsed_time(event) / 1e3
                 for buf in host:
                     self.pool.put(buf)
                 for buf, rows in arrivals:

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 SETUP_KEYS = frozenset({"rank", "tp_rank", "tp_size", "owner", "num_layers", "layer_ids", "strategy"})
 COLLECT_KEYS = frozenset({"rank", "owner", "steps", "tokens", "completed", "shards", "errors", "recomputed",
-                          "writer", "files_written"})
+                          "writer", "files_written", "timing"})
 
 
 class VLLMBackend:
@@ -126,6 +126,7 @@ class VLLMSession:
         backend.call("eagle3_open", open_cfg, keys=frozenset({"rank", "mode"}))
         self.tokens = 0  # prompt tokens the engine computed so far in this session
         self.recomputed = 0  # prompt rows the engine computed again after preempting their request
+        self.capture_timing: dict = {}  # the owner's CaptureStats.timing() at the last collect (this session)
 
     def submit(self, batch: Sequence[Sample]) -> list[ShardInfo]:
         self.backend.call("eagle3_expect", [(s.sample_id, list(s.input_ids), list(s.loss_mask)) for s in batch],
@@ -156,5 +157,6 @@ class VLLMSession:
             log.info("preemption: the engine recomputed %d prompt rows so far (captured once each)",
                      owner["recomputed"])
         self.recomputed = owner["recomputed"]
+        self.capture_timing = owner["timing"]
         log.debug("%s: %d shards from the owner, %d samples completed", method, len(owner["shards"]), owner["completed"])
         return [ShardInfo(**s) for s in owner["shards"]]

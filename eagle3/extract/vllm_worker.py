@@ -148,7 +148,7 @@ class CaptureExtension:
                 "tokens": cap.stats.tokens, "bytes_to_host": cap.stats.bytes_to_host,
                 "completed": cap.filler.completed if cap.filler else 0, "shards": shards, "errors": errors,
                 "recomputed": cap.filler.recomputed if cap.filler else 0, "writer": writer is not None,
-                "files_written": list(writer.written) if writer is not None else []}
+                "files_written": list(writer.written) if writer is not None else [], "timing": cap.stats.timing()}
 
     def eagle3_close(self) -> dict:
         """Seal and write the open shard, wait for every write; returns the last shards."""

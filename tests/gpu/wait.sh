@@ -5,6 +5,7 @@ while [ ! -f "$C/DONE" ] && [ "$t" -lt "$limit" ]; do sleep 10; t=$((t + 10)); d
 echo "waited ${t}s; finished: $([ -f "$C/DONE" ] && echo yes || echo no)"
 cat "$C/steps.txt" 2>/dev/null
 for f in "$C"/*.log; do echo "== $f"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error" "$f" | tail -30 | cut -c1-400; done
+grep -h -A12 "^FAILED-NOW" "$C"/*.log 2>/dev/null | cut -c1-300 | tail -60  # failures' reasons as they happened
 for d in online benchkd fp8; do  # what these long steps measured so far (report.json is written as they go)
   [ -f "$C/$d/report.json" ] && { echo "== $d/report.json"; head -c 1500 "$C/$d/report.json"; echo; }
 done

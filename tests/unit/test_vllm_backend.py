@@ -237,8 +237,14 @@ def test_benchmark_sinks_run_repeatedly_without_leaking_buffers(fake, tiny_kimi,
         assert session.tokens == sum(len(s) for s in _samples())
     cap = fake.last.workers[0]._e3["capturer"]
     assert cap.pool.sem._value == 4  # every pinned slot came back
+    timing = session.capture_timing  # the owner's, as the benchmark reports it beside each figure
+    assert timing["steps"] == cap.stats.steps > 0 and timing["copy_s"] == 0.0  # no CUDA events on CPU
+    assert 0 <= timing["wait_s"] <= timing["stage_s"]
     if mode == "host":
-        assert cap.stats.bytes_to_host == session.tokens * len(IDS) * 128 * 4  # float32 rows in the fake
+        assert cap.stats.bytes_to_host == timing["bytes_to_host"] == session.tokens * len(IDS) * 128 * 4  # float32
+        assert timing["stage_s"] > 0
+    else:
+        assert timing["bytes_to_host"] == 0 and timing["stage_s"] == 0.0  # count returns before any capture
 
 
 def test_a_capture_error_is_reported_not_raised_inside_the_forward(fake, tiny_kimi, tmp_path, monkeypatch):
