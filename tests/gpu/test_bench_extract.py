@@ -461,6 +461,11 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
             return summary, ["mini-Kimi's targets: 64x512 not measured (EAGLE3_BENCH_SHAPES)"]
         r = ratios["64x512"]
         need(r, "host/plain", 0.90, "null sink / plain prefill")
+        d2h, plain = results.get("d2h_bytes_per_s"), results.get("plain/64x512")
+        if failures and failures[-1].startswith("null sink") and d2h and plain and d2h / bpt < 0.90 * plain:
+            failures[-1] += (f": unreachable on this host, whose device-to-host copies ({d2h / 1e9:.1f} GB/s) carry "
+                             f"{d2h / bpt:,.0f} tok/s = {d2h / bpt / plain:.2f}x plain; host/limit_d2h "
+                             f"{r['host/limit_d2h']:.2f}x")
         need(r, "store/limit_fsync", 0.90, "fsynced store / min(prefill, parallel fsync bandwidth / bytes per token)")
         need(r, "store_nofsync/vllm_ehs", 1.0, "page-cache store / vLLM's extract_hidden_states")
     return summary, failures

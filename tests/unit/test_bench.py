@@ -172,3 +172,20 @@ def test_the_gpu_benchmark_s_acceptance_with_one_shape(monkeypatch):
     other = {k: v for k, v in measured.items() if not k.endswith("/64x512")}
     _, failures = gb.acceptance(other, "mini-kimi", 57344, "h200-mini-kimi", {})
     assert failures == ["mini-Kimi's targets: 64x512 not measured (EAGLE3_BENCH_SHAPES)"]
+
+
+def test_a_null_sink_below_target_says_when_the_device_to_host_copies_cannot_carry_it(monkeypatch):
+    """host >= 0.90 x plain needs plain x 57,344 B/token across PCIe: when the measured d2h bandwidth cannot carry
+    0.90 x plain, the failure says so, with the host's ratio to that limit; when it can, the failure is plain."""
+    from tests.gpu import test_bench_extract as gb
+
+    measured = json.loads((Path(__file__).parents[2] / "results/h200-vllm0.26.0-session4/bench_summary.json")
+                          .read_text())["tokens_per_s"]
+    monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
+    slow = dict(measured, d2h_bytes_per_s=13.2e9)  # 230,190 tok/s = 0.72x plain 319,051
+    _, failures = gb.acceptance(slow, "mini-kimi", 57344, "h200-mini-kimi", {})
+    assert failures[0] == ("null sink / plain prefill 0.72x (< 0.9): unreachable on this host, whose device-to-host "
+                           "copies (13.2 GB/s) carry 230,190 tok/s = 0.72x plain; host/limit_d2h 1.00x")
+    fast = dict(measured, d2h_bytes_per_s=50e9)
+    _, failures = gb.acceptance(fast, "mini-kimi", 57344, "h200-mini-kimi", {})
+    assert failures[0] == "null sink / plain prefill 0.72x (< 0.9)"
