@@ -55,7 +55,7 @@ def dequantize(states: torch.Tensor, scales: torch.Tensor | None, dtype: torch.d
     return (states.float() * scales.float().unsqueeze(-1)).to(dtype)
 
 
-def read_states(f, spec: "StoreSpec", a: int | None = None, b: int | None = None) -> torch.Tensor:
+def read_states(f, spec: StoreSpec, a: int | None = None, b: int | None = None) -> torch.Tensor:
     """Rows a:b of an open shard's hidden_states [T, n_layers, H]: as stored, or for an fp8 store dequantized
     with its scales to float32. The one place a reader undoes the store's encoding."""
     rows = f.get_slice("hidden_states")[a:b]

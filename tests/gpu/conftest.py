@@ -24,13 +24,13 @@ from eagle3.targets import presets, tiny
 from eagle3.targets.presets import TargetProfile
 
 
-
 def pytest_runtest_logreport(report):
     """A failure's reason in the log as it happens (the campaign polls the log; pytest prints failures only at
     the end of a run, which a time limit or the lease's end may never reach)."""
     if report.failed:
         tail = "\n".join(report.longreprtext.splitlines()[-25:])
         print(f"\nFAILED-NOW {report.nodeid} ({report.when}):\n{tail}\n", file=sys.__stderr__, flush=True)
+
 
 @dataclass
 class TargetUnderTest:

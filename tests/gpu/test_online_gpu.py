@@ -13,6 +13,8 @@ output). Then found on CPU: on the vLLM path a batch's last shard stayed open (o
 so the online spool was cut at the longest sample (one fsynced shard and two manifest rewrites per ~1 sample) and
 a tight spool could wait forever. Now one sealed shard per extraction batch; each phase's time goes to report.json
 as it ends, and every thread's stack to online-stacks.txt every 120 s, so a slow or stuck run says where it is.
+Session 5 on the H200: PASSED in 522 s (acceptance 3.586 online and offline, 3,267 vs 3,327 tok/s, spool peak
+67.6 of 67.7 MB; results/h200-vllm0.26.0-session5/).
 """
 
 from __future__ import annotations

@@ -189,3 +189,22 @@ def test_a_null_sink_below_target_says_when_the_device_to_host_copies_cannot_car
     fast = dict(measured, d2h_bytes_per_s=50e9)
     _, failures = gb.acceptance(fast, "mini-kimi", 57344, "h200-mini-kimi", {})
     assert failures[0] == "null sink / plain prefill 0.72x (< 0.9)"
+    no_host = {k: v for k, v in slow.items() if not k.startswith("host/")}  # d2h and plain measured, host not
+    _, failures = gb.acceptance(no_host, "mini-kimi", 57344, "h200-mini-kimi", {})
+    assert failures[0] == "null sink / plain prefill: not measured (host/plain; EAGLE3_BENCH_MODES)"
+
+
+def test_the_benchmark_s_shapes_are_all_of_them_unless_narrowed(monkeypatch):
+    """EAGLE3_BENCH_SHAPES unset: every shape in ALL_SHAPES; set: only those named, in ALL_SHAPES' order."""
+    import importlib
+
+    from tests.gpu import test_bench_extract as gb
+
+    try:
+        monkeypatch.delenv("EAGLE3_BENCH_SHAPES", raising=False)
+        assert importlib.reload(gb).SHAPES == gb.ALL_SHAPES == [(16, 512), (64, 512), (8, 4096)]
+        monkeypatch.setenv("EAGLE3_BENCH_SHAPES", "64x512 8x4096")
+        assert importlib.reload(gb).SHAPES == [(64, 512), (8, 4096)] and gb.IDS == ["64x512", "8x4096"]
+    finally:
+        monkeypatch.delenv("EAGLE3_BENCH_SHAPES", raising=False)
+        importlib.reload(gb)
