@@ -271,27 +271,32 @@ class Capturer:
         self.cuda = torch.cuda.is_available()
         self.stats = CaptureStats()
         self.mode, self.filler = "count", None
+        self.copy_from = "consumer"  # who issues the device-to-host copies: "consumer" or "forward" (see _issue)
         self.shard_buffers: list[ShardBuffer] = []  # kept across sessions: pinning memory is slow
         self.pool = PinnedPool(slots, pin=self.cuda)
         # steps handed to the consumer and not yet on the host: each holds its staged copy on the device
         self.in_flight = threading.Semaphore(slots)
         self.stream = torch.cuda.Stream() if self.cuda else None
+        self.device = torch.cuda.current_device() if self.cuda else None  # the consumer thread issues copies here
         self.queue: queue.Queue = queue.Queue()
         self.errors: list[str] = []
         self.errors_lock = threading.Lock()  # the consumer reports while a collect may be taking them
         self.thread = threading.Thread(target=self._consume, name="eagle3-capture", daemon=True)
         self.thread.start()
 
-    def start(self, mode: str, writer=None, shard_tokens: int = 8192, dtype: torch.dtype | None = None) -> None:
+    def start(self, mode: str, writer=None, shard_tokens: int = 8192, dtype: torch.dtype | None = None,
+              copy_from: str = "consumer") -> None:
         """Begin a session in ``mode`` storing states as ``dtype`` (default: as before); ``stop`` (or another
         start) ends it."""
         if mode not in self.MODES:
             raise ValueError(f"capture mode {mode!r} not in {self.MODES}")
+        if copy_from not in ("consumer", "forward"):
+            raise ValueError(f"copy_from {copy_from!r} is neither 'consumer' nor 'forward'")
         if mode == "store" and writer is None:
             raise ValueError("store mode needs a writer")
         self.drain()
         self.dtype = dtype or self.dtype
-        self.mode, self.stats, self.errors = mode, CaptureStats(), []
+        self.mode, self.stats, self.errors, self.copy_from = mode, CaptureStats(), [], copy_from
         self.filler = ShardFiller(writer, self.n_layers, self.hidden, self.dtype, shard_tokens, self.cuda,
                                   free=self.shard_buffers) if mode == "store" else None
 
@@ -367,33 +372,57 @@ class Capturer:
                 if place.filled >= place.length:
                     del f.where[req]
                     f.done.add(req)
-        event = begun = None
+        ready = None
         if staged.is_cuda:
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                begun = torch.cuda.Event(enable_timing=True)
-                begun.record(self.stream)  # reached once the stage is computed: the copies' own time follows
-                for dst, src in copies:
-                    dst.copy_(src, non_blocking=True)
-                staged.record_stream(self.stream)
-                if scales is not None:
-                    scales.record_stream(self.stream)
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(self.stream)
-        else:
-            for dst, src in copies:
-                dst.copy_(src)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())  # the stage is computed
         self.stats.bytes_to_host += staged.numel() * staged.element_size() + (
             0 if scales is None else scales.numel() * scales.element_size())
-        self.queue.put((begun, event, arrivals, host))
+        # The consumer issues the copies once the stage is computed, not the forward now: a device-to-host copy
+        # issued here would sit ahead of the engine's own small copies of this step (sampled-token counts, on
+        # other streams), which its next step waits for, in the copy engine's queue (session 6 on the H200: the
+        # null sink lost ~the copies' time, 1.3 s per 60 GB, with the forward never waiting on the capture).
+        sources = [t for t in (staged, scales) if t is not None]
+        if self.copy_from == "forward":  # as before session 6 (kept to measure the difference in one run)
+            self.queue.put((None, self._issue(ready, sources, copies, wait=False), arrivals, host))
+        else:
+            self.queue.put((ready, (sources, copies), arrivals, host))
+
+    def _issue(self, ready, sources: list, copies: list, wait: bool = True) -> tuple:
+        """Copy the step's rows to the host on the side stream; returns the (begun, done) timing events."""
+        if ready is None:  # CPU
+            for dst, src in copies:
+                dst.copy_(src)
+            return None, None
+        if wait:
+            ready.synchronize()  # the engine has issued this step's own copies by now
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            begun = torch.cuda.Event(enable_timing=True)
+            begun.record(self.stream)
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+            for src in sources:
+                src.record_stream(self.stream)  # freed below, still read by the side stream
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(self.stream)
+        return begun, event
 
     def _consume(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)
         while True:
             item = self.queue.get()
             try:
                 if item is None:
                     return
-                begun, event, arrivals, host = item
+                ready, work, arrivals, host = item
+                item = ()  # not None (released below), and holding no tensor
+                if ready is not None or self.copy_from == "consumer":
+                    with torch.inference_mode():  # the buffers and views were made under it (in the forward)
+                        work = self._issue(ready, *work)
+                begun, event = work
+                work = None  # the staged rows (their use by the side stream is recorded) may be freed
                 if event is not None:
                     event.synchronize()
                     self.stats.copy_s += begun.elapsed_time(event) / 1e3

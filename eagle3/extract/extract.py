@@ -16,6 +16,7 @@ import torch
 
 from eagle3 import faults
 from eagle3.data.conversations import DataConfig, Sample, load_samples
+from eagle3.store.committer import BackgroundCommitter
 from eagle3.store.folder import Store, read_manifest
 from eagle3.store.format import StoreError, StoreSpec, shard_tokens
 from eagle3.targets.layers import default_layer_ids, validate_layer_ids
@@ -149,23 +150,24 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
     t0 = time.perf_counter()
     written_tokens = written_bytes = 0
     bar = _progress(progress, total=sum(len(s) for s in todo), unit="tok", desc=f"extract ({cfg.backend})")
+    committer = BackgroundCommitter(store, fsync=cfg.fsync, fault=fault)  # overlaps the next batch
     try:
         session = open_session(backend, store, cfg, fault)
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start : start + cfg.batch_size]
             infos = session.submit(batch)
-            store.commit(infos, fsync=cfg.fsync, fault=fault)
-            if fault:
-                fault("after_commit")
+            committer.commit(infos)
             written_tokens += sum(i.num_tokens for i in infos)
             written_bytes += sum(i.bytes for i in infos)
             bar.update(sum(len(s) for s in batch))
         infos = session.finish()
-        store.commit(infos, fsync=cfg.fsync, fault=fault)
+        committer.commit(infos)
+        committer.close()
         recomputed = getattr(session, "recomputed", 0)
         written_tokens += sum(i.num_tokens for i in infos)
         written_bytes += sum(i.bytes for i in infos)
     finally:
+        committer.close(raise_errors=False)  # a failing loop: what was queued is committed, its error stands
         bar.close()
         if own_backend:
             backend.close()

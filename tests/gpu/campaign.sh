@@ -35,6 +35,7 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   online)   step online $PT -m e2e tests/gpu -k online --gpu-out "$OUT/online" ;;
   e2e)      step e2e $PT -m e2e tests/gpu -k "not online" --gpu-out "$OUT/e2e" ;;
   fp8)      step fp8 $PT -m e2e tests/gpu -k fp8 --gpu-out "$OUT/fp8" ;;
+  probe)    step probe python3 tests/gpu/probe_d2h_interference.py ;;
   bench)    EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} step bench $PT -m benchmark tests/gpu --gpu-out "$OUT/bench" \
                  --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds ;;
   benchkd)  EAGLE3_BENCH_SHAPES=${BENCHKD_SHAPES:-} EAGLE3_BENCH_BATCHES=${BENCHKD_BATCHES:-8} EAGLE3_BENCH_MODES=${BENCHKD_MODES:-"plain count store disk d2h"} \

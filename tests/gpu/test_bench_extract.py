@@ -7,9 +7,12 @@ committed), so a writer's drain overlaps the next batch's prefill as in a long r
     vllm_ehs       vLLM's own extract_hidden_states + ExampleHiddenStatesConnector (every file closed)
     count          eagle3 aux capture, nothing copied out (the capture path's own overhead)
     host           eagle3 aux capture, states copied to pinned host memory and dropped (the null sink)
+    host_forward   the same with the copies issued by the forward, as before session 6 (for the comparison)
     store          eagle3 aux capture into the shard store, fsynced and committed (extract.run's loop)
     store_nofsync  the same into the page cache
     store_fp8      the fsynced store with --state-dtype fp8 (quantized before the copy to the host)
+    store_loopcommit the fsynced store committed in the loop, as before session 6 (its manifest fsync, which on
+                   ext4 waits for the writers' dirty data, idled the GPU between batches: 0.85x vs 0.98x)
     hooks_host     eagle3 hooks capture (eager mode) into the null sink
     hf             the transformers reference (bf16) on the same GPU: information only
     disk           what the store's writers can get from the disk: 4 threads writing shard-sized files,
@@ -21,11 +24,15 @@ trainer consuming a spool would. A deleted page-cache file may never reach the d
 Every record's extra_info holds tokens_per_s; the last test computes the ratios, checks the acceptance targets
 and the profile's baselines, and writes bench_summary.json. Each eagle3 figure also reports where its capture
 time went (capture_timing: back-pressure wait, time in the capture, the copies' GPU time and bandwidth).
-Run on the H200 in session 4 on mini-Kimi (results/h200-vllm0.26.0-session4/); session 5 (64x512 only) measured
-plain 298,165, vllm_ehs 134,496, count 277,032 and host 212,426 tok/s before its time limit cut the store modes.
-The host figures of sessions 4-5 (hooks 234k, aux 212-230k, whatever the compute) point at a fixed device-to-host
-bandwidth near 13 GB/s (x 57,344 B/token): hence d2h and capture_timing, measured first. Not yet run: kimi-depth
-(its plain engine failed three times in session 5, reason not captured), capture_timing, the reordering.
+Each store figure reports the main loop's time per phase (loop_timing: submit, commit, finish).
+Session 6 on the H200 (mini-Kimi 64x512; results/h200-vllm0.26.0-session6/): d2h 55 GB/s, so the "13 GB/s
+limit" read of sessions 4-5 was wrong. In one run: plain 326,360; host 269,139 (0.82x) with the copies issued by
+the capture's consumer vs 230,510 (0.71x) issued by the forward (tests/gpu/probe_d2h_interference.py: a big
+device-to-host copy delays the engine's small one behind it by ~the copy's time; chunks and stream priority do
+not help); the fsynced store 31,186 tok/s committed in the loop (25.5 of 33.6 s in commit: 0.85x of the fsync
+limit) vs 35,948 (0.98x) committed by a thread, now extract.run's BackgroundCommitter. Another run, same host:
+store_nofsync 178,414 vs vllm_ehs 180,664 (0.99x; its commits were still in the loop, 1.6 s). Not yet measured:
+kimi-depth (its plain engine failed three times in session 5; session 6's lease was lost mid-run).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from eagle3 import bench
 from eagle3.data.conversations import random_samples
 from eagle3.extract import extract
 from eagle3.extract.vllm_backend import VLLMSession
+from eagle3.store.committer import BackgroundCommitter
 from eagle3.store.folder import Store
 from eagle3.store.format import FP8, SHARD_BYTES, StoreSpec
 
@@ -322,15 +330,20 @@ def _wait_written(path: str) -> None:
 
 
 class _Loop:
-    """eagle3's production loop (extract.run's): one session, submit + commit per batch, finish + commit."""
+    """eagle3's production loop (extract.run's): one session, submit per batch with a BackgroundCommitter
+    committing behind it, finish; the clock stops once every shard is committed."""
 
     def __init__(self, backend, target, mode: str, root: Path):
         self.backend, self.target, self.root = backend, target, root
         self.fsync = mode != "store_nofsync"
         self.dtype = FP8 if mode == "store_fp8" else "bfloat16"
-        self.mode = "store" if mode.startswith("store") else mode
-        self.session = self.store = None
+        # store_loopcommit / host_forward: as before session 6 (commits in the loop; copies issued by the forward)
+        self.in_loop = mode == "store_loopcommit"
+        self.copy_from = "forward" if mode == "host_forward" else "consumer"
+        self.mode = "store" if mode.startswith("store") else "host" if mode == "host_forward" else mode
+        self.session = self.store = self.committer = None
         self.window = _Window()
+        self.timing = {"submit_s": 0.0, "commit_s": 0.0, "finish_s": 0.0}  # the main loop's time, per phase
 
     def start(self):
         self.window.clear()
@@ -341,23 +354,44 @@ class _Loop:
             spec = self.backend.spec
             spec = StoreSpec(spec.target, spec.layer_ids, spec.hidden_size, self.dtype, spec.convention)
             self.store = Store.open(self.root, spec, create=True, fsync=self.fsync)
-        self.session = VLLMSession(self.backend, self.store, cfg, mode=self.mode)
+            self.committer = None if self.in_loop else BackgroundCommitter(self, fsync=self.fsync)
+        self.session = VLLMSession(self.backend, self.store, cfg, mode=self.mode, copy_from=self.copy_from)
+        self.timing = dict.fromkeys(self.timing, 0.0)
 
     def run_batch(self, batch):
-        self._commit(self.session.submit(batch))
+        t0 = time.perf_counter()
+        infos = self.session.submit(batch)
+        self.timing["submit_s"] += time.perf_counter() - t0
+        self._commit(infos)
 
     def finish(self):
-        self._commit(self.session.finish())
+        t0 = time.perf_counter()
+        infos = self.session.finish()
+        self.timing["finish_s"] += time.perf_counter() - t0
+        self._commit(infos)
+        if self.committer is not None:
+            t0 = time.perf_counter()
+            self.committer.close()
+            self.timing["commit_s"] += time.perf_counter() - t0
 
     def _commit(self, infos):
         if self.store is None:
             return
-        self.store.commit(infos, fsync=self.fsync)
+        t0 = time.perf_counter()
+        if self.committer is not None:
+            self.committer.commit(infos)
+        else:
+            self.commit(infos, self.fsync)
+        self.timing["commit_s"] += time.perf_counter() - t0
+
+    def commit(self, infos, fsync=True, fault=None):  # the committer's store: commit, then trim the window
+        self.store.commit(infos, fsync=fsync, fault=fault)
         for info in infos:
             self.window.add(str(self.root / info.file), info.bytes)
 
 
-@pytest.mark.parametrize("mode", ["count", "host", "store", "store_nofsync", "store_fp8"])
+@pytest.mark.parametrize("mode", ["count", "host", "host_forward", "store", "store_loopcommit", "store_nofsync",
+                                  "store_fp8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_eagle3_aux_capture(benchmark, target, live, tmp_path, shape, mode):
     wanted(mode)
@@ -366,6 +400,7 @@ def test_eagle3_aux_capture(benchmark, target, live, tmp_path, shape, mode):
     bpt = target.profile.bytes_per_token // (2 if mode == "store_fp8" else 1)
     sustained(benchmark, target, f"{mode}/{b}x{t}", loop.run_batch, loop.finish, loop.start, bytes_per_token=bpt)
     _report_capture_timing(benchmark, f"{mode}/{b}x{t}", loop.session.capture_timing)
+    _REPORT["put"](f"loop_timing[{mode}/{b}x{t}]", {k: round(v, 3) for k, v in loop.timing.items()})
     if loop.store is not None:
         assert len(loop.store.done_ids) == BATCHES * b
         shutil.rmtree(tmp_path / "store")  # up to DISK_WINDOW bytes: 15 such tests would fill the disk
@@ -427,7 +462,7 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
     for b, t in ALL_SHAPES:
         s = f"{b}x{t}"
         got = {m: results.get(f"{m}/{s}") for m in ("plain", "count", "host", "store", "store_fp8", "store_nofsync",
-                                                     "vllm_ehs")}
+                                                     "vllm_ehs", "store_loopcommit", "host_forward")}
         plain = got["plain"]
         limit = {k: v and plain and min(plain, v / bpt) for k, v in disk.items()}
         d2h = results.get("d2h_bytes_per_s")
@@ -435,6 +470,8 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
             "count/plain": over(got["count"], plain), "host/plain": over(got["host"], plain),
             "store/plain": over(got["store"], plain), "store/limit_fsync": over(got["store"], limit["fsync"]),
             "store_fp8/plain": over(got["store_fp8"], plain),
+            "store_loopcommit/limit_fsync": over(got["store_loopcommit"], limit["fsync"]),  # information
+            "host_forward/plain": over(got["host_forward"], plain),  # information
             "store_nofsync/vllm_ehs": over(got["store_nofsync"], got["vllm_ehs"]),
             "vllm_ehs/plain": over(got["vllm_ehs"], plain),
             "host/limit_d2h": over(got["host"], d2h and plain and min(plain, d2h / bpt)),  # information

@@ -1,0 +1,95 @@
+"""Does a big device-to-host copy on a side stream delay the engine's small output copy?
+
+A stand-alone probe (torch only, no vLLM; ~30 s on an H200): `python3 tests/gpu/probe_d2h_interference.py`.
+Each "step" is compute on the default stream (matmuls, ~step_ms) followed by a small non-blocking D2H copy of
+"sampled tokens" on another stream that the host waits for before the next step, as vLLM's runner does
+(async_output_copy_stream). Beside it, the capture's copy of the step's states (bytes_per_step, pinned host
+memory, its own stream) is issued whole or in chunks. If whole copies cost ~copy time per step and chunked ones
+do not, the small copy queues behind the big one in the copy engine. Prints one JSON line per variant.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+import time
+
+import torch
+
+
+def run(steps: int, mats: int, copy_bytes: int, chunk: int | None, host: torch.Tensor, priority: int = 0,
+        consumer: bool = False, launches: int = 0) -> dict:
+    """``consumer``: a thread waits for each copy (event.synchronize), as the capture's consumer does;
+    ``launches``: tiny kernels per step, so the step needs the GIL (a thread holding it would show)."""
+    dev = torch.device("cuda")
+    small = torch.zeros(16, device=dev)
+    waits: queue.Queue = queue.Queue()
+
+    def consume():
+        while (e := waits.get()) is not None:
+            e.synchronize()
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    state = torch.empty(copy_bytes // 2, device=dev, dtype=torch.bfloat16)
+    out_stream, cap_stream = torch.cuda.Stream(), torch.cuda.Stream(priority=priority)
+    tokens_host = torch.empty(1024, dtype=torch.int64, pin_memory=True)
+    copy_ms = []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        x = a
+        for _ in range(mats):
+            x = torch.mm(a, x) * 1e-3
+        for _ in range(launches):
+            small.add_(1)
+        state[: x.numel()].copy_(x.flatten()[: state.numel()])  # the step's states, written by the forward
+        tokens = x[0, :1024].to(torch.int64)
+        if copy_bytes:
+            cap_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(cap_stream):
+                b, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                b.record()
+                n = state.numel()
+                step = n if chunk is None else chunk // 2
+                for s in range(0, n, step):
+                    host[s : s + step].copy_(state[s : s + step], non_blocking=True)
+                e.record()
+                state.record_stream(cap_stream)
+            copy_ms.append((b, e))
+            if consumer:
+                waits.put(e)
+        out_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(out_stream):
+            tokens_host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        done.synchronize()  # the scheduler needs the sampled tokens before the next step
+    waits.put(None)
+    thread.join()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    copy_s = sum(b.elapsed_time(e) for b, e in copy_ms) / 1e3
+    return {"chunk_MB": chunk and chunk >> 20, "copy_MB_per_step": copy_bytes >> 20, "steps": steps,
+            "ms_per_step": round(seconds / steps * 1e3, 2), "copy_ms_per_step": round(copy_s / steps * 1e3, 2),
+            "priority": priority, "consumer": consumer, "launches": launches}
+
+
+def main() -> None:
+    steps, mats = 40, int(sys.argv[1]) if len(sys.argv) > 1 else 40
+    copy_bytes = 16384 * 4 * 7168 * 2  # one 16,384-token step of mini-Kimi's four layers, bf16 (0.94 GB)
+    host = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, pin_memory=True)
+    run(5, mats, copy_bytes, None, host)  # warm-up
+    for copy, chunk, prio in [(0, None, 0), (copy_bytes, None, 0), (copy_bytes, 256 << 20, 0),
+                              (copy_bytes, 64 << 20, 0), (copy_bytes, 16 << 20, 0), (copy_bytes, 4 << 20, 0),
+                              (copy_bytes, None, -1), (0, None, 0)]:
+        print(json.dumps(run(steps, mats, copy, chunk, host, prio)), flush=True)
+    for copy, consumer in [(0, False), (copy_bytes, False), (copy_bytes, True), (0, False)]:  # the GIL question
+        print(json.dumps(run(steps, mats // 2, copy, None, host, consumer=consumer, launches=3000)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
