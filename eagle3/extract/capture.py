@@ -383,10 +383,10 @@ class Capturer:
         # other streams), which its next step waits for, in the copy engine's queue (session 6 on the H200: the
         # null sink lost ~the copies' time, 1.3 s per 60 GB, with the forward never waiting on the capture).
         sources = [t for t in (staged, scales) if t is not None]
+        issued = None  # the copies' (begun, done) events once issued
         if self.copy_from == "forward":  # as before session 6 (kept to measure the difference in one run)
-            self.queue.put((None, self._issue(ready, sources, copies, wait=False), arrivals, host))
-        else:
-            self.queue.put((ready, (sources, copies), arrivals, host))
+            issued, sources, copies = self._issue(ready, sources, copies, wait=False), [], []
+        self.queue.put((ready, sources, copies, issued, arrivals, host))
 
     def _issue(self, ready, sources: list, copies: list, wait: bool = True) -> tuple:
         """Copy the step's rows to the host on the side stream; returns the (begun, done) timing events."""
@@ -416,13 +416,13 @@ class Capturer:
             try:
                 if item is None:
                     return
-                ready, work, arrivals, host = item
+                ready, sources, copies, issued, arrivals, host = item
                 item = ()  # not None (released below), and holding no tensor
-                if ready is not None or self.copy_from == "consumer":
+                if issued is None:
                     with torch.inference_mode():  # the buffers and views were made under it (in the forward)
-                        work = self._issue(ready, *work)
-                begun, event = work
-                work = None  # the staged rows (their use by the side stream is recorded) may be freed
+                        issued = self._issue(ready, sources, copies)
+                sources = copies = None  # the staged rows (their use by the side stream is recorded) may be freed
+                begun, event = issued
                 if event is not None:
                     event.synchronize()
                     self.stats.copy_s += begun.elapsed_time(event) / 1e3
