@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -255,10 +255,14 @@ class CaptureStats:
     wait_s: float = 0.0
     stage_s: float = 0.0
     copy_s: float = 0.0
+    step_tokens: Counter = field(default_factory=Counter)  # tokens in a step -> steps of that size
 
     def timing(self) -> dict:
+        """``step_tokens``: the 8 commonest step sizes, e.g. {"16384": 64, "64": 32}: a batch's prompts in full
+        token-budget steps, and any further steps the engine ran for it."""
         return {"steps": self.steps, "bytes_to_host": self.bytes_to_host, "wait_s": round(self.wait_s, 4),
-                "stage_s": round(self.stage_s, 4), "copy_s": round(self.copy_s, 4)}
+                "stage_s": round(self.stage_s, 4), "copy_s": round(self.copy_s, 4),
+                "step_tokens": {str(n): k for n, k in self.step_tokens.most_common(8)}}
 
 
 class Capturer:
@@ -308,6 +312,7 @@ class Capturer:
         n = layout.num_tokens
         self.stats.steps += 1
         self.stats.tokens += n
+        self.stats.step_tokens[n] += 1
         if self.mode == "count" or n == 0:
             return
         for t in layers:

@@ -115,11 +115,11 @@ class VLLMSession:
     training's spool reserves room per batch, and its trainer must not wait on a shard still open)."""
 
     def __init__(self, backend: VLLMBackend, store: Store | None, cfg, mode: str = "store",
-                 seal_each_batch: bool = False, copy_from: str = "consumer"):
+                 seal_each_batch: bool = False, copy_from: str = "consumer", slots: int = 4):
         self.backend, self.mode, self.seal_each_batch = backend, mode, seal_each_batch
         spec = store.spec if store is not None else backend.spec  # the store decides the states' dtype (fp8)
         open_cfg = {"mode": mode, "hidden_size": spec.hidden_size, "dtype": spec.dtype,
-                    "writer_threads": max(4, getattr(cfg, "writer_threads", 0) or 0), "slots": 4,
+                    "writer_threads": max(4, getattr(cfg, "writer_threads", 0) or 0), "slots": slots,
                     "copy_from": copy_from}  # "forward": the pre-session-6 copies (benchmark comparison only)
         if mode == "store":
             open_cfg.update(root=str(store.root), spec=store.spec.to_json(), start_index=store.next_shard_index,
@@ -128,12 +128,20 @@ class VLLMSession:
         self.tokens = 0  # prompt tokens the engine computed so far in this session
         self.recomputed = 0  # prompt rows the engine computed again after preempting their request
         self.capture_timing: dict = {}  # the owner's CaptureStats.timing() at the last collect (this session)
+        # the driver's seconds per phase of submit (the engine idles during the two RPCs: none in plain prefill)
+        self.phase_s = {"expect_s": 0.0, "generate_s": 0.0, "collect_s": 0.0}
 
     def submit(self, batch: Sequence[Sample]) -> list[ShardInfo]:
+        t0 = time.perf_counter()
         self.backend.call("eagle3_expect", [(s.sample_id, list(s.input_ids), list(s.loss_mask)) for s in batch],
                           keys=frozenset({"rank", "announced"}))
+        t1 = time.perf_counter()
         self.backend.generate_prefill([s.input_ids for s in batch])
-        return self._collect("eagle3_collect", sum(len(s) for s in batch), False, self.seal_each_batch)
+        t2 = time.perf_counter()
+        infos = self._collect("eagle3_collect", sum(len(s) for s in batch), False, self.seal_each_batch)
+        for k, dt in (("expect_s", t1 - t0), ("generate_s", t2 - t1), ("collect_s", time.perf_counter() - t2)):
+            self.phase_s[k] += dt
+        return infos
 
     def finish(self) -> list[ShardInfo]:
         return self._collect("eagle3_close", None)

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The GPU campaign (run on the GPU host, in the background). Results under /tmp/campaign.
 #   tests/gpu/campaign.sh                 contract, GPU suite, benchmarks + e2e (everything)
-#   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite new draft depth online e2e fp8 aux
+#   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite copies new draft depth online e2e fp8 aux
 #                                         bench benchkd report
 #   tests/gpu/campaign.sh online:660 bench  STEP:SECONDS stops that step (SIGINT, then SIGKILL 30 s later) after SECONDS
 #   BENCH_SHAPES=64x512 BENCH_MODES="plain host" (mini-Kimi), BENCHKD_SHAPES / _MODES / _BATCHES (kimi-depth; by
-#   default 8 batches of plain count store disk d2h) narrow the benchmarks (tests/gpu/test_bench_extract.py)
+#   default 32 batches of plain count host store disk, ~14 min at 64x512) narrow the benchmarks (tests/gpu/test_bench_extract.py)
 set -u
 OUT=/tmp/campaign
 SRC=/tmp/eagle3-src          # a private copy: the working tree may be re-synced while this runs
 rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" && cp -r . "$SRC" && cd "$SRC"
 export PYTHONPATH="$SRC:/tmp/site:/tmp/gpu:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+{ nproc; free -g; sysctl vm.dirty_ratio vm.dirty_background_ratio vm.dirty_bytes vm.dirty_background_bytes \
+    vm.dirty_expire_centisecs; df -h /tmp; findmnt -T /tmp; } > "$OUT/host.txt" 2>&1  # what the page cache may hold
 python3 -m eagle3.cli doctor > "$OUT/doctor.txt" 2>&1
 LIMIT=0
 gpu_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1; }
@@ -23,12 +25,14 @@ step() { local name=$1; shift; local t0=$(date +%s); settle; echo "$name started
          else "$@" > "$OUT/$name.log" 2>&1; fi; local rc=$?
          echo "$name rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$OUT/steps.txt"; }
 PT="python3 -m pytest -p no:cacheprovider -v -rA --durations=25"
+COPIES="hf_reference or indexing or training_states or preemption"  # the capture's copies, value-checked (~4 min)
 NEW="deepseek_draft or preemption or selfcheck_passes or (hf_reference and hooks) or indexing"
 for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" != "$arg" ] && LIMIT=${arg#*:}
   case $s in
   contract) step contract $PT tests/unit/test_vllm_contract.py ;;
   suite)    step suite $PT -m gpu tests/gpu --gpu-out "$OUT/suite" ;;
   new)      step new $PT -m gpu tests/gpu -k "$NEW" --gpu-out "$OUT/suite" ;;
+  copies)   step copies $PT -m gpu tests/gpu -k "$COPIES" --gpu-out "$OUT/copies" ;;
   draft)    step draft $PT -m gpu tests/gpu -k deepseek_draft --gpu-out "$OUT/draft" ;;
   aux)      step aux $PT -m gpu tests/gpu -k "not ($NEW)" --gpu-out "$OUT/aux" ;;
   depth)    step depth $PT -m kimi_depth tests/gpu --gpu-out "$OUT/depth" ;;
@@ -38,7 +42,7 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   probe)    step probe python3 tests/gpu/probe_d2h_interference.py ;;
   bench)    EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} step bench $PT -m benchmark tests/gpu --gpu-out "$OUT/bench" \
                  --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds ;;
-  benchkd)  EAGLE3_BENCH_SHAPES=${BENCHKD_SHAPES:-} EAGLE3_BENCH_BATCHES=${BENCHKD_BATCHES:-8} EAGLE3_BENCH_MODES=${BENCHKD_MODES:-"plain count store disk d2h"} \
+  benchkd)  EAGLE3_BENCH_SHAPES=${BENCHKD_SHAPES:-} EAGLE3_BENCH_BATCHES=${BENCHKD_BATCHES:-32} EAGLE3_BENCH_MODES=${BENCHKD_MODES:-"plain count host store disk"} \
             step benchkd $PT -m benchmark tests/gpu --target-profile kimi-depth --gpu-out "$OUT/benchkd" \
                  --benchmark-json="$OUT/benchkd/benchmark.json" --benchmark-columns=median,rounds ;;
   report)   step report python3 -m eagle3.cli bench report --history $(ls "$OUT"/bench*/benchmark.json) --out "$OUT/bench" ;;

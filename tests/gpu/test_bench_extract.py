@@ -8,6 +8,7 @@ committed), so a writer's drain overlaps the next batch's prefill as in a long r
     count          eagle3 aux capture, nothing copied out (the capture path's own overhead)
     host           eagle3 aux capture, states copied to pinned host memory and dropped (the null sink)
     host_forward   the same with the copies issued by the forward, as before session 6 (for the comparison)
+    host_slots8    the null sink with 8 steps in flight instead of 4 (information: does back-pressure cost?)
     store          eagle3 aux capture into the shard store, fsynced and committed (extract.run's loop)
     store_nofsync  the same into the page cache
     store_fp8      the fsynced store with --state-dtype fp8 (quantized before the copy to the host)
@@ -19,12 +20,15 @@ committed), so a writer's drain overlaps the next batch's prefill as in a long r
                    fsynced and into the page cache
     d2h            device-to-pinned-host copy bandwidth on one side stream (the null sink's limit)
 The host has 63 GB of free disk and a 64x512 run of 32 batches is 60 GB of states (57,344 B/token): the store and
-vllm_ehs modes delete their oldest committed (closed) files once more than DISK_WINDOW bytes are on disk, as a
-trainer consuming a spool would. A deleted page-cache file may never reach the disk (both non-fsync modes alike).
+vllm_ehs modes delete their oldest committed (closed) files once more than DISK_WINDOW bytes are on disk, from a
+thread the loop never waits for, as a trainer consuming a spool would. A deleted page-cache file may never reach
+the disk (both non-fsync modes alike).
 Every record's extra_info holds tokens_per_s; the last test computes the ratios, checks the acceptance targets
 and the profile's baselines, and writes bench_summary.json. Each eagle3 figure also reports where its capture
 time went (capture_timing: back-pressure wait, time in the capture, the copies' GPU time and bandwidth).
-Each store figure reports the main loop's time per phase (loop_timing: submit, commit, finish).
+Each store figure reports the main loop's time per phase (loop_timing: submit split into expect/generate/collect,
+commit, finish; the committer's manifest writes and the window's unlinks) and every figure the page cache's peak
+dirty and writeback sizes (dirty_max_GB, writeback_max_GB).
 Session 6 on the H200 (mini-Kimi 64x512; results/h200-vllm0.26.0-session6/): d2h 55 GB/s, so the "13 GB/s
 limit" read of sessions 4-5 was wrong. In one run: plain 326,360; host 269,139 (0.82x) with the copies issued by
 the capture's consumer vs 230,510 (0.71x) issued by the forward (tests/gpu/probe_d2h_interference.py: a big
@@ -40,9 +44,11 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import queue
 import shutil
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -112,7 +118,9 @@ def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start
         finish()
         out["seconds"] = time.perf_counter() - t0
 
-    benchmark.pedantic(loop, rounds=1, iterations=1)
+    with _PageCache() as cache:
+        benchmark.pedantic(loop, rounds=1, iterations=1)
+    extra = dict(extra, **cache.peaks)
     tokens = BATCHES * b * t
     tps = tokens / out["seconds"]
     RESULTS[key] = tps
@@ -122,6 +130,36 @@ def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start
     benchmark.extra_info.update(key=key, tokens_per_s=round(tps), profile=_profile(target), mode=key.split("/")[0],
                                 batches=BATCHES, seconds=round(out["seconds"], 2), gpus=target.tp,
                                 gpu_mem_used_gib=round((total - free) / 2**30, 1), vllm=_vllm_version(), **extra)
+
+
+class _PageCache:
+    """The largest dirty and under-writeback page-cache sizes (GB, /proc/meminfo every 0.25 s) while a figure is
+    measured: a page-cache mode whose files reach the kernel's dirty limits is written back to the disk, and an
+    unlink of a file under writeback waits for it (the session-7 suspect for store_nofsync's 0.37x vllm_ehs)."""
+
+    def __init__(self, meminfo: str = "/proc/meminfo"):
+        self.meminfo = meminfo
+
+    def __enter__(self):
+        self.peaks = {"dirty_max_GB": 0.0, "writeback_max_GB": 0.0}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+    def _sample(self):
+        fields = {"Dirty:": "dirty_max_GB", "Writeback:": "writeback_max_GB"}
+        while not self.stop.wait(0.25):
+            with open(self.meminfo) as f:
+                for line in f:
+                    name, kb, *_ = line.split()
+                    if name in fields:
+                        key = fields[name]
+                        self.peaks[key] = max(self.peaks[key], round(int(kb) * 1024 / 1e9, 2))
 
 
 def _profile(target) -> str:
@@ -136,24 +174,49 @@ def _vllm_version() -> str:
 
 
 class _Window:
-    """Committed files in order; the oldest are unlinked once more than DISK_WINDOW bytes are kept."""
+    """Committed (closed) files in order; a thread unlinks the oldest once more than DISK_WINDOW bytes are kept, as
+    a trainer consuming a spool would from its own process: the timed loop never waits for an unlink (on ext4 an
+    unlink of a file under writeback waits for the disk). ``drain`` waits for the thread (before reading or
+    removing the folder); ``unlink_s`` is its busy time."""
 
     def __init__(self, before_delete=lambda path: None):
         self.before_delete = before_delete
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, name="bench-window", daemon=True).start()
         self.clear()
 
     def clear(self) -> None:
-        self.files: list[tuple[str, int]] = []
-        self.kept = 0
+        self.drain()
+        self.files: deque[tuple[str, int]] = deque()
+        self.kept, self.unlink_s = 0, 0.0
 
     def add(self, path: str, size: int) -> None:
-        self.files.append((path, size))
-        self.kept += size
-        while self.kept > DISK_WINDOW and len(self.files) > 1:
-            old, n = self.files.pop(0)
-            self.before_delete(old)
-            os.unlink(old)
-            self.kept -= n
+        self.queue.put((path, size))
+
+    def drain(self) -> None:
+        self.queue.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def _run(self) -> None:
+        while True:
+            path, size = self.queue.get()
+            try:
+                self.files.append((path, size))
+                self.kept += size
+                t0 = time.perf_counter()
+                while self.kept > DISK_WINDOW and len(self.files) > 1:
+                    old, n = self.files.popleft()
+                    self.before_delete(old)
+                    os.unlink(old)
+                    self.kept -= n
+                self.unlink_s += time.perf_counter() - t0
+            except BaseException as e:  # noqa: BLE001 - raised by drain, in the test's thread
+                self.error = e
+            finally:
+                self.queue.task_done()
 
 
 def _common_engine_args(target) -> dict:
@@ -301,10 +364,10 @@ def test_vllm_extract_hidden_states(benchmark, target, shape, live, tmp_path_fac
     window = _Window(before_delete=_wait_written)
 
     def start():
+        window.clear()  # the previous pass's unlinks are done before its folder goes
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True, exist_ok=True)
         paths.clear()
-        window.clear()
 
     def run_batch(batch):
         new = [o.kv_transfer_params["hidden_states_path"] for o in _generate(llm, batch)]
@@ -315,11 +378,13 @@ def test_vllm_extract_hidden_states(benchmark, target, shape, live, tmp_path_fac
     def finish():
         for p in paths:
             _wait_written(p)
-        kept = [p for p, _ in window.files]
-        assert kept and all(os.path.exists(p) for p in kept)
 
     sustained(benchmark, target, f"vllm_ehs/{b}x{t}", run_batch, finish, start,
               bytes_per_token=target.profile.bytes_per_token)
+    window.drain()
+    kept = [p for p, _ in window.files]
+    assert kept and all(os.path.exists(p) for p in kept)
+    _REPORT["put"](f"loop_timing[vllm_ehs/{b}x{t}]", {"unlink_s": round(window.unlink_s, 3)})
 
 
 def _wait_written(path: str) -> None:
@@ -340,10 +405,13 @@ class _Loop:
         # store_loopcommit / host_forward: as before session 6 (commits in the loop; copies issued by the forward)
         self.in_loop = mode == "store_loopcommit"
         self.copy_from = "forward" if mode == "host_forward" else "consumer"
-        self.mode = "store" if mode.startswith("store") else "host" if mode == "host_forward" else mode
+        self.slots = 8 if mode == "host_slots8" else 4  # steps in flight (staged on the device, pinned on the host)
+        self.mode = "store" if mode.startswith("store") else "host" if mode.startswith("host") else mode
         self.session = self.store = self.committer = None
         self.window = _Window()
-        self.timing = {"submit_s": 0.0, "commit_s": 0.0, "finish_s": 0.0}  # the main loop's time, per phase
+        # the main loop's time per phase; at finish the session's expect/generate/collect split of submit_s and
+        # the committer's manifest writes and their time (its thread); unlink_s: the window's thread (see drain)
+        self.timing = {"submit_s": 0.0, "commit_s": 0.0, "finish_s": 0.0}
 
     def start(self):
         self.window.clear()
@@ -355,8 +423,13 @@ class _Loop:
             spec = StoreSpec(spec.target, spec.layer_ids, spec.hidden_size, self.dtype, spec.convention)
             self.store = Store.open(self.root, spec, create=True, fsync=self.fsync)
             self.committer = None if self.in_loop else BackgroundCommitter(self, fsync=self.fsync)
-        self.session = VLLMSession(self.backend, self.store, cfg, mode=self.mode, copy_from=self.copy_from)
+        self.session = VLLMSession(self.backend, self.store, cfg, mode=self.mode, copy_from=self.copy_from,
+                                   slots=self.slots)
         self.timing = dict.fromkeys(self.timing, 0.0)
+
+    def drain(self):  # after the clock: the window's unlinks (as a consumer would make them) are done
+        self.window.drain()
+        self.timing["unlink_s"] = self.window.unlink_s
 
     def run_batch(self, batch):
         t0 = time.perf_counter()
@@ -373,6 +446,8 @@ class _Loop:
             t0 = time.perf_counter()
             self.committer.close()
             self.timing["commit_s"] += time.perf_counter() - t0
+            self.timing.update({f"committer_{k}": v for k, v in self.committer.stats.items()})
+        self.timing.update(self.session.phase_s)
 
     def _commit(self, infos):
         if self.store is None:
@@ -384,14 +459,14 @@ class _Loop:
             self.commit(infos, self.fsync)
         self.timing["commit_s"] += time.perf_counter() - t0
 
-    def commit(self, infos, fsync=True, fault=None):  # the committer's store: commit, then trim the window
+    def commit(self, infos, fsync=True, fault=None):  # the committer's store: commit, then hand to the window
         self.store.commit(infos, fsync=fsync, fault=fault)
         for info in infos:
             self.window.add(str(self.root / info.file), info.bytes)
 
 
-@pytest.mark.parametrize("mode", ["count", "host", "host_forward", "store", "store_loopcommit", "store_nofsync",
-                                  "store_fp8"])
+@pytest.mark.parametrize("mode", ["count", "host", "host_forward", "host_slots8", "store", "store_loopcommit",
+                                  "store_nofsync", "store_fp8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_eagle3_aux_capture(benchmark, target, live, tmp_path, shape, mode):
     wanted(mode)
@@ -399,6 +474,7 @@ def test_eagle3_aux_capture(benchmark, target, live, tmp_path, shape, mode):
     loop = _Loop(live.backend("aux"), target, mode, tmp_path / "store")
     bpt = target.profile.bytes_per_token // (2 if mode == "store_fp8" else 1)
     sustained(benchmark, target, f"{mode}/{b}x{t}", loop.run_batch, loop.finish, loop.start, bytes_per_token=bpt)
+    loop.drain()
     _report_capture_timing(benchmark, f"{mode}/{b}x{t}", loop.session.capture_timing)
     _REPORT["put"](f"loop_timing[{mode}/{b}x{t}]", {k: round(v, 3) for k, v in loop.timing.items()})
     if loop.store is not None:
@@ -462,7 +538,7 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
     for b, t in ALL_SHAPES:
         s = f"{b}x{t}"
         got = {m: results.get(f"{m}/{s}") for m in ("plain", "count", "host", "store", "store_fp8", "store_nofsync",
-                                                     "vllm_ehs", "store_loopcommit", "host_forward")}
+                                                     "vllm_ehs", "store_loopcommit", "host_forward", "host_slots8")}
         plain = got["plain"]
         limit = {k: v and plain and min(plain, v / bpt) for k, v in disk.items()}
         d2h = results.get("d2h_bytes_per_s")
@@ -472,6 +548,7 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
             "store_fp8/plain": over(got["store_fp8"], plain),
             "store_loopcommit/limit_fsync": over(got["store_loopcommit"], limit["fsync"]),  # information
             "host_forward/plain": over(got["host_forward"], plain),  # information
+            "host_slots8/plain": over(got["host_slots8"], plain),  # information
             "store_nofsync/vllm_ehs": over(got["store_nofsync"], got["vllm_ehs"]),
             "vllm_ehs/plain": over(got["vllm_ehs"], plain),
             "host/limit_d2h": over(got["host"], d2h and plain and min(plain, d2h / bpt)),  # information

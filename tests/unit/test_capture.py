@@ -244,3 +244,14 @@ def test_the_forward_issues_no_copy_to_the_host(tmp_path, monkeypatch, copy_from
     with pytest.raises(ValueError, match="copy_from"):
         cap.start("host", copy_from="engine")
     cap.close()
+
+
+def test_the_timing_counts_steps_by_their_size():
+    """How the engine cut a batch into steps (sessions 6-7: the aux engine ran 96 steps for 32 batches of 64x512,
+    where a 16,384-token budget needs 2 a batch): the step sizes say which steps are extra."""
+    cap = Capturer(N_LAYERS, H, torch.float32)
+    for n in [16, 16, 2, 16, 16, 2, 5]:
+        rows = [list(range(n))]
+        cap.on_step([_states(rows[0])[k] for k in range(N_LAYERS)], StepLayout(["r"], [0, n], [0], rows))
+    assert cap.stats.timing()["step_tokens"] == {"16": 4, "2": 2, "5": 1}
+    cap.close()

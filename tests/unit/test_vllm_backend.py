@@ -247,6 +247,37 @@ def test_benchmark_sinks_run_repeatedly_without_leaking_buffers(fake, tiny_kimi,
         assert timing["bytes_to_host"] == 0 and timing["stage_s"] == 0.0  # count returns before any capture
 
 
+def test_the_session_times_each_phase_of_submit(fake, tiny_kimi, tmp_path, monkeypatch):
+    """Where a batch's time goes on the driver: announcing it, the engine's generate, collecting shards. The two
+    RPCs idle the engine (plain prefill has neither): the benchmark reports them beside each figure."""
+    import time
+
+    from eagle3.extract.vllm_backend import VLLMBackend, VLLMSession
+
+    cfg = _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="aux")
+    backend = extract.make_backend(cfg, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
+    real_call, real_generate = VLLMBackend.call, VLLMBackend.generate_prefill
+    delays = {"eagle3_expect": 0.05, "eagle3_collect": 0.15}
+
+    def slow_call(self, method, *args, keys=frozenset()):
+        time.sleep(delays.get(method, 0))
+        return real_call(self, method, *args, keys=keys)
+
+    def slow_generate(self, token_lists):
+        time.sleep(0.3)
+        return real_generate(self, token_lists)
+
+    monkeypatch.setattr(VLLMBackend, "call", slow_call)
+    monkeypatch.setattr(VLLMBackend, "generate_prefill", slow_generate)
+    session = VLLMSession(backend, None, cfg, mode="count")
+    for _ in range(2):
+        session.submit(_samples()[:3])
+    got = session.phase_s
+    assert set(got) == {"expect_s", "generate_s", "collect_s"}
+    for key, each in (("expect_s", 0.05), ("generate_s", 0.3), ("collect_s", 0.15)):
+        assert 2 * each <= got[key] < 2 * each + 0.25, (key, got)
+
+
 def test_a_capture_error_is_reported_not_raised_inside_the_forward(fake, tiny_kimi, tmp_path, monkeypatch):
     from eagle3.extract import capture
 
@@ -360,3 +391,81 @@ def test_a_copy_that_fails_after_its_batch_returned_is_reported_by_finish(fake, 
     with pytest.raises(StoreError, match="OSError: pinned buffer lost"):
         session.finish()
     assert not list((out / "shards").iterdir())
+
+
+@pytest.mark.parametrize("mode", ["store", "store_nofsync", "host_slots8"])
+def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went(fake, tiny_kimi, tmp_path,
+                                                                                 hf_store, mode):
+    """tests/gpu/test_bench_extract's production loop otherwise runs only on the GPU host, where a slip costs a
+    lease: every batch committed with the reference's states, the window trimmed, the time split reported."""
+    from types import SimpleNamespace
+
+    from tests.gpu import test_bench_extract as gb
+
+    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    backend = extract.make_backend(_cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture="aux"), spec)
+    loop = gb._Loop(backend, SimpleNamespace(path=tiny_kimi), mode, tmp_path / "store")
+    loop.start()
+    samples = _samples()
+    for i in range(0, len(samples), 5):
+        loop.run_batch(samples[i : i + 5])
+    loop.finish()
+    loop.drain()
+    timing = loop.timing
+    assert {"submit_s", "commit_s", "finish_s", "unlink_s", "expect_s", "generate_s", "collect_s"} <= set(timing)
+    assert timing["expect_s"] + timing["generate_s"] + timing["collect_s"] <= timing["submit_s"] + 1e-6
+    assert timing["generate_s"] > 0
+    if mode == "host_slots8":
+        assert loop.store is None and fake.last.workers[0]._e3["capturer"].pool.sem._value == 8
+        return
+    assert timing["committer_batches"] >= 1 and 1 <= timing["committer_commits"] <= timing["committer_batches"]
+    got = _read(tmp_path / "store")
+    assert got.keys() == hf_store.keys()
+    for sid, ref in hf_store.items():
+        for i in IDS:
+            assert torch.equal(got[sid]["states"][i], ref["states"][i]), (sid, i)
+
+
+def test_the_page_cache_sampler_reports_dirty_and_writeback_peaks(tmp_path):
+    import time
+
+    from tests.gpu import test_bench_extract as gb
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 131072000 kB\nDirty: 1000000 kB\nWriteback: 0 kB\n")
+    with gb._PageCache(str(meminfo)) as cache:
+        time.sleep(0.4)
+        meminfo.write_text("MemTotal: 131072000 kB\nDirty: 3000000 kB\nWriteback: 500000 kB\nWritebackTmp: 9 kB\n")
+        time.sleep(0.4)
+        meminfo.write_text("MemTotal: 131072000 kB\nDirty: 2000000 kB\nWriteback: 0 kB\n")
+        time.sleep(0.4)
+    assert cache.peaks == {"dirty_max_GB": 3.07, "writeback_max_GB": 0.51}  # kB of 1024 bytes, GB of 1e9
+    assert not cache.thread.is_alive()
+
+
+def test_the_benchmark_window_unlinks_the_oldest_files_without_holding_the_loop(tmp_path, monkeypatch):
+    """The bench's stand-in for a trainer consuming the spool: beyond DISK_WINDOW bytes the oldest closed files go,
+    from its own thread (an unlink of a file under writeback waits for the disk; the loop must not)."""
+    import threading
+
+    from tests.gpu import test_bench_extract as gb
+
+    monkeypatch.setattr(gb, "DISK_WINDOW", 20)  # kept: at most 20 bytes
+    release = threading.Event()
+    window = gb._Window(before_delete=lambda path: release.wait(5))
+    paths = []
+    for i in range(5):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(b"x" * 10)
+    t = threading.Thread(target=lambda: [window.add(str(p), 10) for p in paths])
+    t.start()
+    t.join(2)
+    assert not t.is_alive(), "adding a file waited for an unlink"
+    release.set()
+    window.drain()
+    assert [p.exists() for p in paths] == [False, False, False, True, True] and window.kept == 20
+    for name in ("never-written", "f0", "f1"):  # the missing file is the oldest by then: its unlink fails
+        window.add(str(tmp_path / name), 10)
+    with pytest.raises(FileNotFoundError):
+        window.drain()
+    window.drain()  # raised once
