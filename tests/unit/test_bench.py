@@ -208,3 +208,24 @@ def test_the_benchmark_s_shapes_are_all_of_them_unless_narrowed(monkeypatch):
     finally:
         monkeypatch.delenv("EAGLE3_BENCH_SHAPES", raising=False)
         importlib.reload(gb)
+
+
+def test_a_null_sink_below_target_says_when_the_capture_engine_itself_is_below(monkeypatch):
+    """Session 7 on the H200: host 0.82x plain, count (the same engine, nothing copied) 0.85x: the failure says the
+    engine is the limit, and how plain fares without async scheduling (what vLLM allows that engine) if measured."""
+    from tests.gpu import test_bench_extract as gb
+
+    measured = json.loads((Path(__file__).parents[2] / "results/h200-vllm0.26.0-session7/bench_summary.json")
+                          .read_text())["tokens_per_s"]
+    monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
+    _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {})
+    assert failures[0] == ("null sink / plain prefill 0.82x (< 0.9): the capture's engine with nothing copied (count) "
+                           "reaches 0.85x plain")
+    with_sync = dict(measured, **{"plain_sync/64x512": 250000.0})
+    summary, failures = gb.acceptance(with_sync, "mini-kimi", 57344, "h200-mini-kimi", {})
+    assert failures[0].endswith("reaches 0.85x plain; plain without async scheduling (which vLLM 0.26 refuses "
+                                "extract_hidden_states engines) 0.87x; host/plain_sync 0.95x")
+    assert round(summary["ratios"]["64x512"]["count/plain_sync"], 3) == 0.970
+    fine = dict(measured, **{"count/64x512": 0.95 * measured["plain/64x512"]})  # the engine is not the limit
+    _, failures = gb.acceptance(fine, "mini-kimi", 57344, "h200-mini-kimi", {})
+    assert failures[0] == "null sink / plain prefill 0.82x (< 0.9)"
