@@ -353,7 +353,12 @@ class Capturer:
                     continue
                 if req in f.done:
                     continue  # a decode step after the prompt: nothing to capture
-                place = f.where.get(req) or f.reserve(req, layout.prompts[i] or (), c)
+                prompt = layout.prompts[i]
+                if req not in f.where and prompt is not None and c >= len(prompt):
+                    # rows past the prompt of a request already captured (async scheduling ran this step before
+                    # the request's end was seen; it may come after the batch's collect forgot the request)
+                    continue
+                place = f.where.get(req) or f.reserve(req, prompt or (), c)
                 if place is None:
                     f.done.add(req)
                     continue

@@ -53,7 +53,14 @@ def support_verdict(version: str | None) -> str:
 # ----------------------------------------------------------------------------- engine side (driver)
 
 WORKER_EXTENSION = "eagle3.extract.vllm_worker.CaptureExtension"
-STRATEGIES = ("hooks", "aux")
+# hooks: forward hooks on the decoder layers (eager mode); aux: vLLM's extract_hidden_states speculative method
+# (compiled, CUDA graphs, but no async scheduling: vLLM 0.26 refuses it to that method); direct: the model's
+# EAGLE-3 aux outputs in a plain engine (compiled, CUDA graphs, async scheduling; experimental, see DIRECT_KEY)
+STRATEGIES = ("hooks", "aux", "direct")
+# direct: the layer ids ride in the engine's hf config (hf_overrides, so they belong to that engine only); the
+# worker extension's import wraps the V1 runner so that, when this key is set and no speculative method is, the
+# model returns its aux layers' states and each step's go to the capture (patch_runner_for_direct_capture)
+DIRECT_KEY = "eagle3_direct_capture_layer_ids"
 
 
 def engine_fields() -> set[str]:
@@ -77,7 +84,7 @@ def pick_strategy(requested: str) -> str:
     if requested == "auto":
         return "aux" if supports_aux_capture() else "hooks"
     if requested not in STRATEGIES:
-        raise ValueError(f"capture strategy {requested!r}: use auto, hooks or aux")
+        raise ValueError(f"capture strategy {requested!r}: use auto, {', '.join(STRATEGIES)}")
     if requested == "aux" and not supports_aux_capture():
         raise ValueError(f"vLLM {installed_version()} has no extract_hidden_states method: use --capture hooks")
     return requested
@@ -102,8 +109,9 @@ def engine_kwargs(model: str, *, strategy: str, layer_ids: tuple[int, ...], tp: 
                   max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """LLM(**kwargs) for extraction. Prefix caching off: it skips computing shared prefixes, whose states
-    would then be missing. Async scheduling off: the capture reads the runner's batch layout of the step
-    it is in. Hooks need eager mode; the aux path keeps torch.compile and CUDA graphs."""
+    would then be missing. Async scheduling off (but for direct): the capture reads the runner's batch layout
+    of the step it is in, written before that step's forward in either case. Hooks need eager mode; the aux
+    and direct paths keep torch.compile and CUDA graphs."""
     kw: dict[str, Any] = dict(
         model=model, tensor_parallel_size=tp, dtype=dtype, enable_prefix_caching=False, async_scheduling=False,
         worker_extension_cls=WORKER_EXTENSION, gpu_memory_utilization=gpu_memory_utilization,
@@ -123,6 +131,9 @@ def engine_kwargs(model: str, *, strategy: str, layer_ids: tuple[int, ...], tp: 
             "method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
         }
+    elif strategy == "direct":  # a plain engine: vLLM schedules the next step while the GPU runs this one
+        kw["hf_overrides"] = {DIRECT_KEY: list(layer_ids)}
+        kw["async_scheduling"] = True
     kw.update(extra or {})
     known = engine_fields()
     dropped = sorted(k for k in kw if k not in known and k != "model")
@@ -213,6 +224,64 @@ def step_layout(runner):
     computed = batch.num_computed_tokens_cpu[:n].tolist()
     prompts = [runner.requests[r].prompt_token_ids for r in req_ids]
     return StepLayout(req_ids, starts, computed, prompts)
+
+
+def patch_runner_for_direct_capture(runner_cls) -> bool:
+    """Wrap the V1 runner class (once) for the direct strategy: at load, a model whose hf config carries DIRECT_KEY
+    in an engine without a speculative method returns its aux layers' states as EAGLE-3 targets do (the runner
+    unpacks (hidden, aux) and, with no drafter, drops aux); each real step's ``_model_forward`` then hands them
+    to ``runner._eagle3_direct`` (the capture's on_step, set by the worker extension) before returning.
+    Dummy, profile and CUDA-graph capture runs call the model, not _model_forward: they are never captured."""
+    if getattr(runner_cls, "_eagle3_direct_patched", False):
+        return True
+    setup, forward = (getattr(runner_cls, n, None) for n in ("_setup_eagle3_aux_hidden_state_outputs",
+                                                               "_model_forward"))
+    if setup is None or forward is None:
+        return False
+
+    def setup_aux(self):
+        layers = getattr(self.model_config.hf_config, DIRECT_KEY, None)
+        if layers and self.speculative_config is None:
+            self.use_aux_hidden_state_outputs = True
+            self.model.set_aux_hidden_state_layers(tuple(int(i) for i in layers))
+            self._eagle3_direct_layers = [int(i) for i in layers]
+            return None
+        return setup(self)
+
+    def model_forward(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        on_aux = getattr(self, "_eagle3_direct", None)
+        if on_aux is not None and isinstance(out, tuple):
+            on_aux(list(out[1]))  # [n_layers] x [>= n_tok, H]: the step's aux states, before the next step's
+        return out
+
+    runner_cls._setup_eagle3_aux_hidden_state_outputs = setup_aux
+    runner_cls._model_forward = model_forward
+    runner_cls._eagle3_direct_patched = True
+    return True
+
+
+def install_direct_capture() -> bool:
+    """Called when the worker extension is imported: in a vLLM worker that is before the runner loads the model."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception:  # noqa: BLE001 - no vLLM (CPU CI), or one without the V1 runner: direct is unavailable
+        return False
+    return patch_runner_for_direct_capture(GPUModelRunner)
+
+
+def attach_direct_capture(runner, layer_ids, on_aux) -> None:
+    """The worker extension's setup for the direct strategy: the runner must have loaded the model with the aux
+    outputs (the engine was started with engine_kwargs(strategy="direct") and the patch was in place)."""
+    got = getattr(runner, "_eagle3_direct_layers", None)
+    if not getattr(runner, "use_aux_hidden_state_outputs", False) or got is None:
+        raise RuntimeError("the direct capture needs an engine started with engine_kwargs(strategy='direct') and "
+                           "eagle3's worker extension imported before the model loaded; this runner returns no aux "
+                           "states (use --capture aux)")
+    if list(got) != list(layer_ids):
+        raise RuntimeError(f"the engine returns the states of layer ids {list(got)}, the capture wants "
+                           f"{list(layer_ids)}: start the engine with the capture's layer ids")
+    runner._eagle3_direct = on_aux
 
 
 def patch_drafter(runner, on_aux) -> None:

@@ -17,6 +17,9 @@ from eagle3.extract.capture import Announced, Capturer
 from eagle3.targets.layers import hook_layer_index, validate_layer_ids
 
 log = logging.getLogger("eagle3.worker")
+# vLLM resolves the worker extension before it builds the model runner: the direct strategy's runner wrapper
+# must be in place by then (it does nothing to engines started without DIRECT_KEY)
+compat.install_direct_capture()
 
 
 def configure_worker_logging(level: str | None = None) -> None:
@@ -53,6 +56,8 @@ class CaptureExtension:
                 layer = layers[hook_layer_index(layer_id)]
                 handles.append(layer.register_forward_hook(self._e3_hook(k == len(ids) - 1)))
             self._e3["handles"] = handles
+        elif cfg["strategy"] == "direct":
+            compat.attach_direct_capture(runner, ids, self._e3_on_step)
         else:
             compat.patch_drafter(runner, self._e3_on_step)
         hidden = int(getattr(model.config, "hidden_size", 0) or 0) if hasattr(model, "config") else 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU campaign (run on the GPU host, in the background). Results under /tmp/campaign.
 #   tests/gpu/campaign.sh                 contract, GPU suite, benchmarks + e2e (everything)
-#   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite copies new draft depth online e2e fp8 aux
+#   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite direct copies new draft depth online e2e fp8 aux
 #                                         bench benchkd report
 #   tests/gpu/campaign.sh online:660 bench  STEP:SECONDS stops that step (SIGINT, then SIGKILL 30 s later) after SECONDS
 #   BENCH_SHAPES=64x512 BENCH_MODES="plain host" (mini-Kimi), BENCHKD_SHAPES / _MODES / _BATCHES (kimi-depth; by
@@ -32,6 +32,8 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   contract) step contract $PT tests/unit/test_vllm_contract.py ;;
   suite)    step suite $PT -m gpu tests/gpu --gpu-out "$OUT/suite" ;;
   new)      step new $PT -m gpu tests/gpu -k "$NEW" --gpu-out "$OUT/suite" ;;
+  direct)   step direct $PT tests/unit/test_vllm_contract.py tests/gpu -m "not benchmark and not e2e and not kimi_depth" \
+                 -k direct --gpu-out "$OUT/direct" ;;  # the experimental direct capture: its contract and states
   copies)   step copies $PT -m gpu tests/gpu -k "$COPIES" --gpu-out "$OUT/copies" ;;
   draft)    step draft $PT -m gpu tests/gpu -k deepseek_draft --gpu-out "$OUT/draft" ;;
   aux)      step aux $PT -m gpu tests/gpu -k "not ($NEW)" --gpu-out "$OUT/aux" ;;

@@ -10,6 +10,9 @@ committed), so a writer's drain overlaps the next batch's prefill as in a long r
     host           eagle3 aux capture, states copied to pinned host memory and dropped (the null sink)
     host_forward   the same with the copies issued by the forward, as before session 6 (for the comparison)
     host_slots8    the null sink with 8 steps in flight instead of 4 (information: does back-pressure cost?)
+    count_direct, host_direct, store_direct
+                   count, host and store with the experimental direct capture (a plain engine whose model returns
+                   the aux states: async scheduling kept; information until the GPU suite has checked its states)
     store          eagle3 aux capture into the shard store, fsynced and committed (extract.run's loop)
     store_nofsync  the same into the page cache
     store_fp8      the fsynced store with --state-dtype fp8 (quantized before the copy to the host)
@@ -471,12 +474,13 @@ class _Loop:
 
 
 @pytest.mark.parametrize("mode", ["count", "host", "host_forward", "host_slots8", "store", "store_loopcommit",
-                                  "store_nofsync", "store_fp8"])
+                                  "store_nofsync", "store_fp8", "count_direct", "host_direct", "store_direct"])
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_eagle3_aux_capture(benchmark, target, live, tmp_path, shape, mode):
     wanted(mode)
     b, t = shape
-    loop = _Loop(live.backend("aux"), target, mode, tmp_path / "store")
+    strategy = "direct" if mode.endswith("_direct") else "aux"
+    loop = _Loop(live.backend(strategy), target, mode.removesuffix("_direct"), tmp_path / "store")
     bpt = target.profile.bytes_per_token // (2 if mode == "store_fp8" else 1)
     sustained(benchmark, target, f"{mode}/{b}x{t}", loop.run_batch, loop.finish, loop.start, bytes_per_token=bpt)
     loop.drain()
@@ -544,7 +548,7 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
         s = f"{b}x{t}"
         got = {m: results.get(f"{m}/{s}") for m in ("plain", "count", "host", "store", "store_fp8", "store_nofsync",
                                                      "vllm_ehs", "store_loopcommit", "host_forward", "host_slots8",
-                                                     "plain_sync")}
+                                                     "plain_sync", "count_direct", "host_direct", "store_direct")}
         plain = got["plain"]
         limit = {k: v and plain and min(plain, v / bpt) for k, v in disk.items()}
         d2h = results.get("d2h_bytes_per_s")
@@ -559,6 +563,10 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
             "plain_sync/plain": over(got["plain_sync"], plain),
             "count/plain_sync": over(got["count"], got["plain_sync"]),
             "host/plain_sync": over(got["host"], got["plain_sync"]),
+            # information: the experimental direct capture (plain engine, async scheduling)
+            "count_direct/plain": over(got["count_direct"], plain),
+            "host_direct/plain": over(got["host_direct"], plain),
+            "store_direct/limit_fsync": over(got["store_direct"], limit["fsync"]),
             "store_nofsync/vllm_ehs": over(got["store_nofsync"], got["vllm_ehs"]),
             "vllm_ehs/plain": over(got["vllm_ehs"], plain),
             "host/limit_d2h": over(got["host"], d2h and plain and min(plain, d2h / bpt)),  # information

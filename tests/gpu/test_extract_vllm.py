@@ -62,7 +62,7 @@ def test_every_sample_yields_the_profile_layer_shapes(target, engines, tmp_path,
 LENGTHS = [512, 37, 200, 129, 5, 300]
 
 
-@pytest.mark.parametrize("strategy", ["hooks", "aux"])
+@pytest.mark.parametrize("strategy", ["hooks", "aux", "direct"])
 @pytest.mark.parametrize("batch_size", [1, 6])
 def test_vllm_states_equal_the_hf_reference(target, engines, hf_reference, tmp_path, report, strategy, batch_size):
     ids = target.profile.layer_ids

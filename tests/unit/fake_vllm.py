@@ -3,12 +3,14 @@
 It has exactly the surface vllm_compat relies on (tests/unit/test_vllm_contract.py checks the real
 vLLM has the same): LLM(**engine args) with collective_rpc / generate, workers mixing in the
 worker extension, a V1-style model runner (input_batch.req_ids / num_reqs / num_computed_tokens_cpu,
-query_start_loc.np, requests[id].prompt_token_ids, drafter.propose), decoder layers returning
-(hidden, residual), and parallel_state. Steps are scheduled with chunked prefill under a token budget;
-the "forward" replays the states of a reference model, split as hidden + residual. With ``preempt`` > 0
-it preempts running requests mid-prefill as vLLM does when the KV cache is full: the request leaves the
-batch and the runner, its computed tokens are reset to 0, and it is recomputed later under the same id
-(again in chunks). ``preemptions`` counts them.
+query_start_loc.np, requests[id].prompt_token_ids, drafter.propose; for the direct strategy
+model_config.hf_config, speculative_config, load_model -> _setup_eagle3_aux_hidden_state_outputs and a
+_model_forward returning (hidden, aux) once use_aux_hidden_state_outputs is set, as vLLM's V1 runner does),
+decoder layers returning (hidden, residual), and parallel_state. Steps are scheduled with chunked prefill under
+a token budget; the "forward" replays the states of a reference model, split as hidden + residual. With
+``preempt`` > 0 it preempts running requests mid-prefill as vLLM does when the KV cache is full: the request
+leaves the batch and the runner, its computed tokens are reset to 0, and it is recomputed later under the same
+id (again in chunks). ``preemptions`` counts them.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class EngineArgs:
     max_num_seqs: int | None = None
     enforce_eager: bool = False
     speculative_config: dict | None = None
+    hf_overrides: dict | None = None
 
 
 class SpeculativeConfig:
@@ -71,6 +74,10 @@ class _Model(torch.nn.Module):
         self.model = torch.nn.Module()
         self.model.layers = torch.nn.ModuleList([_Layer() for _ in range(n_layers)])
         self.config = types.SimpleNamespace(hidden_size=hidden)
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+
+    def set_aux_hidden_state_layers(self, layers):  # vLLM's SupportsEagle3
+        self.aux_hidden_state_layers = tuple(layers)
 
 
 class _Buffer:
@@ -99,15 +106,38 @@ class _Drafter:
 
 
 class _Runner:
-    def __init__(self, model):
+    """vLLM's V1 GPUModelRunner, as far as the capture reads it. ``install`` also registers this class as
+    vllm.v1.worker.gpu_model_runner.GPUModelRunner, which the worker extension's import wraps (direct)."""
+
+    def __init__(self, model, hf_config, speculative_config):
         self.model = model
+        self.model_config = types.SimpleNamespace(hf_config=hf_config)
+        self.speculative_config = speculative_config
+        self.use_aux_hidden_state_outputs = speculative_config is not None  # extract_hidden_states sets it
         self.input_batch = _InputBatch()
         self.query_start_loc = _Buffer(1025)
         self.requests: dict[str, types.SimpleNamespace] = {}
-        self.drafter = _Drafter()
+        self.drafter = _Drafter() if speculative_config is not None else None
 
     def get_model(self):
         return self.model
+
+    def load_model(self):
+        self._setup_eagle3_aux_hidden_state_outputs()
+
+    def _setup_eagle3_aux_hidden_state_outputs(self):
+        if not self.use_aux_hidden_state_outputs:
+            return
+        layers = self.speculative_config["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+        self.model.set_aux_hidden_state_layers(tuple(layers))
+
+    def _model_forward(self, input_ids=None, positions=None, **kwargs):
+        """The step's rows of every layer id, [L + 1, n_tok + pad, H] (``self.step_rows``, set by the engine):
+        the last hidden state, and with aux outputs on, each aux layer's (padded, as CUDA graphs pad)."""
+        rows = self.step_rows
+        if not self.use_aux_hidden_state_outputs:
+            return rows[-1]
+        return rows[-1], [rows[i] for i in self.model.aux_hidden_state_layers]
 
 
 class FakeLLM:
@@ -127,13 +157,17 @@ class FakeLLM:
         self.kw = kw
         self.tp = kw.get("tensor_parallel_size", 1)
         self.aux = kw.get("speculative_config") is not None
+        self.direct = not self.aux and bool(kw.get("hf_overrides"))
         n_layers = FakeLLM.n_layers
         worker_cls = type("Worker", (CaptureExtension,), {})
         self.workers = []
         for rank in range(self.tp):
             w = worker_cls()
             w.rank = rank
-            w.model_runner = _Runner(_Model(n_layers, FakeLLM.hidden))
+            w.model_runner = self.runner_cls(_Model(n_layers, FakeLLM.hidden),
+                                             types.SimpleNamespace(**(kw.get("hf_overrides") or {})),
+                                             kw.get("speculative_config"))
+            w.model_runner.load_model()
             self.workers.append(w)
         self.counter = 0
         self.preemptions = 0
@@ -188,8 +222,8 @@ class FakeLLM:
                     skip = 16
                 self.seen_prefixes.add(key)
             reqs.append([rid, ids, skip, FakeLLM.reference(ids)])
-        waiting = list(reqs)
-        while waiting:
+        waiting, finished = list(reqs), []
+        while waiting or finished:
             started = [r for r in waiting if 0 < r[2] < len(r[1])]
             if started and self.rng.random() < self.preempt:
                 victim = self.rng.choice(started)  # KV cache full: drop its blocks, recompute from token 0
@@ -200,15 +234,25 @@ class FakeLLM:
                     w.model_runner.requests.pop(victim[0], None)
                 self.preemptions += 1
             budget, step = self.token_budget, []
+            # async scheduling: the step after a request's last prompt chunk was scheduled before that chunk's
+            # output was seen, so it carries a decode row of the finished request (computed = prompt length;
+            # its states are NaN here: a capture that kept it would fail every comparison)
+            for r in finished:
+                nan = torch.full((r[3].shape[0], len(r[1]) + 1, r[3].shape[2]), float("nan"))
+                step.append(([r[0], r[1], len(r[1]), nan], 1))
+                budget -= 1
             for r in waiting:
-                if budget == 0:
+                if budget <= 0:
                     break
                 n = min(budget, len(r[1]) - r[2], self.rng.randint(1, self.token_budget))
                 step.append((r, n))
                 budget -= n
             self._run_step(step)
             for r, n in step:
-                r[2] += n
+                if r[2] < len(r[1]):
+                    r[2] += n
+            done = [r for r in waiting if r[2] >= len(r[1])]
+            finished = done if self.kw.get("async_scheduling") else []
             waiting = [r for r in waiting if r[2] < len(r[1])]
 
     @torch.inference_mode()
@@ -227,7 +271,10 @@ class FakeLLM:
             for r, _ in step:
                 runner.requests.setdefault(r[0], types.SimpleNamespace(prompt_token_ids=r[1]))
             with self._as(rank):
-                if self.aux:
+                if self.direct:  # the model's aux outputs, through the runner's (wrapped) _model_forward
+                    runner.step_rows = torch.cat([rows, torch.zeros(rows.shape[0], 2, rows.shape[2])], dim=1)
+                    runner._model_forward(input_ids=None, positions=None)
+                elif self.aux:
                     ids = w._e3["ids"]
                     runner.drafter.propose(num_speculative_tokens=1, sampled_token_ids=torch.zeros(len(step), 1),
                                            target_hidden_states=[rows[i].clone() for i in ids],
@@ -260,10 +307,21 @@ def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits
     ps.get_tensor_model_parallel_world_size = lambda: _CURRENT["tp_size"]
     ps.get_pp_group = lambda: types.SimpleNamespace(is_last_rank=True, world_size=1)
     distributed.parallel_state = ps
+    # a fresh runner class per test: the worker extension's import-time wrapper (install_direct_capture) is
+    # applied to it below, as it is to vLLM's in a worker process before the model loads
+    runner_cls = type("GPUModelRunner", (_Runner,), {})
+    FakeLLM.runner_cls = runner_cls
+    runner_mod = types.ModuleType("vllm.v1.worker.gpu_model_runner")
+    runner_mod.GPUModelRunner = runner_cls
+    v1, worker = types.ModuleType("vllm.v1"), types.ModuleType("vllm.v1.worker")
     mods = {"vllm": vllm, "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils, "vllm.config": config,
             "vllm.config.speculative": speculative, "vllm.distributed": distributed,
-            "vllm.distributed.parallel_state": ps}
+            "vllm.distributed.parallel_state": ps, "vllm.v1": v1, "vllm.v1.worker": worker,
+            "vllm.v1.worker.gpu_model_runner": runner_mod}
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
+    from eagle3.extract import vllm_compat
+
+    assert vllm_compat.install_direct_capture() and runner_cls._eagle3_direct_patched
     monkeypatch.setattr("eagle3.extract.vllm_compat.installed_version", lambda: "0.26.0")
     return FakeLLM

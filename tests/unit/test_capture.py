@@ -255,3 +255,29 @@ def test_the_timing_counts_steps_by_their_size():
         cap.on_step([_states(rows[0])[k] for k in range(N_LAYERS)], StepLayout(["r"], [0, n], [0], rows))
     assert cap.stats.timing()["step_tokens"] == {"16": 4, "2": 2, "5": 1}
     cap.close()
+
+
+def test_a_decode_row_of_a_finished_request_is_skipped_even_after_its_batch_was_collected(tmp_path):
+    """Async scheduling (the direct capture's engine) runs the step after a request's last prompt chunk with a
+    decode row of it; if that step's capture came after the batch's collect (which forgets finished requests),
+    the row must still not look like a new request whose prefix was skipped."""
+    store = Store.open(tmp_path, SPEC, create=True, fsync=False)
+    writer = ShardWriter(tmp_path, SPEC, 0, fsync=False)
+    cap = Capturer(N_LAYERS, H, torch.float32)
+    cap.start("store", writer, shard_tokens=16)
+    p = [5, 6, 7, 8]
+    cap.filler.announce([Announced("s0", torch.tensor(p), torch.ones(4, dtype=torch.uint8))])
+    cap.on_step([_states(p)[k] for k in range(N_LAYERS)], StepLayout(["r0"], [0, 4], [0], [p]))
+    cap.drain()
+    cap.filler.done.clear()  # eagle3_collect, between batches
+    nan = torch.full((1, H), float("nan"))
+    cap.on_step([nan] * N_LAYERS, StepLayout(["r0"], [0, 1], [4], [p]))  # the decode row: computed = 4
+    cap.drain()
+    assert cap.take_errors() == []
+    cap.filler.seal()
+    store.commit(writer.flush(), fsync=False)
+    cap.close()
+    (got,) = Store.open(tmp_path).iter_samples()
+    assert got["sample_id"] == "s0" and got["input_ids"].tolist() == p
+    for k, layer in enumerate(SPEC.layer_ids):
+        assert torch.equal(got["states"][layer], _states(p)[k])

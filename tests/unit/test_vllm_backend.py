@@ -79,7 +79,8 @@ def hf_store(tiny_kimi, tmp_path_factory):
     return _read(out)
 
 
-@pytest.mark.parametrize("capture,tp", [("hooks", 1), ("aux", 1), ("hooks", 4), ("aux", 2)])
+@pytest.mark.parametrize("capture,tp", [("hooks", 1), ("aux", 1), ("hooks", 4), ("aux", 2), ("direct", 1),
+                                        ("direct", 2)])
 def test_vllm_backend_store_equals_the_hf_reference(fake, tiny_kimi, tmp_path, hf_store, capture, tp):
     out = tmp_path / "s"
     summary = extract.run(_cfg(tiny_kimi, out, backend="vllm", capture=capture, tp=tp), samples=_samples(),
@@ -93,16 +94,21 @@ def test_vllm_backend_store_equals_the_hf_reference(fake, tiny_kimi, tmp_path, h
         for i in IDS:
             assert torch.equal(got[sid]["states"][i], ref["states"][i]), (sid, i)
     llm = fake.last
-    assert llm.kw["enable_prefix_caching"] is False and llm.kw["async_scheduling"] is False
+    assert llm.kw["enable_prefix_caching"] is False
+    assert llm.kw["async_scheduling"] is (capture == "direct")  # vLLM refuses it to extract_hidden_states
     assert llm.kw.get("enforce_eager", False) == (capture == "hooks")
+    assert ("speculative_config" in llm.kw) == (capture == "aux")
     if capture == "aux":
         assert llm.kw["speculative_config"]["draft_model_config"]["hf_config"][
             "eagle_aux_hidden_state_layer_ids"] == list(IDS)
+    if capture == "direct":  # a plain engine whose model returns the aux states, delivered per step
+        assert llm.kw["hf_overrides"] == {"eagle3_direct_capture_layer_ids": list(IDS)}
+        assert all(w.model_runner._eagle3_direct_layers == list(IDS) for w in llm.workers)
     # only the owner (TP rank 0) held a writer; every rank counted the same tokens
     assert [w._e3["owner"] for w in llm.workers] == [True] + [False] * (tp - 1)
 
 
-@pytest.mark.parametrize("capture,tp", [("hooks", 1), ("aux", 2)])
+@pytest.mark.parametrize("capture,tp", [("hooks", 1), ("aux", 2), ("direct", 2)])
 def test_preempted_and_recomputed_requests_store_exactly_the_reference(fake, tiny_kimi, tmp_path, hf_store,
                                                                          capture, tp):
     """vLLM preempts requests mid-prefill when the KV cache is full and recomputes them from token 0 in chunks."""
@@ -469,3 +475,24 @@ def test_the_benchmark_window_unlinks_the_oldest_files_without_holding_the_loop(
     with pytest.raises(FileNotFoundError):
         window.drain()
     window.drain()  # raised once
+
+
+def test_the_direct_capture_takes_only_an_engine_started_for_it(fake):
+    """direct: the worker extension's import wraps the runner; an engine started without the capture's layer ids
+    (a plain one, as the benchmark's) keeps its model as it was, and the capture refuses it, or one started with
+    other layer ids, at setup rather than storing other layers' states."""
+    from eagle3.extract import vllm_compat as compat
+
+    kw = compat.engine_kwargs("m", strategy="direct", layer_ids=IDS)
+    plain = fake(**{k: v for k, v in kw.items() if k != "hf_overrides"})
+    runner = plain.workers[0].model_runner
+    runner.step_rows = torch.zeros(9, 4, 128)
+    assert runner.use_aux_hidden_state_outputs is False and isinstance(runner._model_forward(), torch.Tensor)
+    with pytest.raises(RuntimeError, match="returns no aux states"):
+        plain.collective_rpc("eagle3_setup", args=({"layer_ids": list(IDS), "strategy": "direct"},))
+    other = fake(**compat.engine_kwargs("m", strategy="direct", layer_ids=(2, 4, 5, 7)))
+    with pytest.raises(RuntimeError, match=r"layer ids \[2, 4, 5, 7\], the capture wants \[2, 4, 5, 8\]"):
+        other.collective_rpc("eagle3_setup", args=({"layer_ids": list(IDS), "strategy": "direct"},))
+    ok = fake(**kw)
+    ok.collective_rpc("eagle3_setup", args=({"layer_ids": list(IDS), "strategy": "direct"},))
+    assert ok.workers[0].model_runner.model.aux_hidden_state_layers == IDS

@@ -52,6 +52,32 @@ def test_aux_capture_path_exists():
     assert "self.drafter = ExtractHiddenStatesProposer" in src
 
 
+def test_direct_capture_wraps_the_runner_when_the_worker_extension_is_imported():
+    """direct: vLLM resolves the worker extension before it builds the runner; importing it wraps the V1 runner's
+    aux setup (called by load_model) and _model_forward (called by execute_model only: dummy, profile and CUDA
+    graph capture runs call the model itself, so they never reach the capture); the runner unpacks (hidden, aux)."""
+    import importlib
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import eagle3.extract.vllm_worker as worker
+
+    importlib.reload(worker)  # the import-time wrap, whatever imported it first
+    assert GPUModelRunner._eagle3_direct_patched
+    raw = inspect.getsource(inspect.getmodule(GPUModelRunner))
+    load = raw[raw.index("    def load_model("):]
+    load = load[: load.index("\n    def ", 10)]
+    assert "self._setup_eagle3_aux_hidden_state_outputs()" in load
+    assert raw.count("self._model_forward(") == 1  # execute_model's
+    dummy = raw[raw.index("    def _dummy_run("):]
+    dummy = dummy[: dummy.index("\n    def ", 10)]
+    assert "self._model_forward(" not in dummy and "self.model(" in dummy
+    assert "hidden_states, aux_hidden_states = model_output" in raw
+    init = _src(GPUModelRunner.__init__)  # what the wrapped setup reads
+    for attr in ("self.use_aux_hidden_state_outputs = False", "self.model_config", "self.speculative_config"):
+        assert attr in init, attr
+
+
 def test_runner_exposes_the_batch_layout():
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
