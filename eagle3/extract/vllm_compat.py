@@ -242,6 +242,9 @@ def patch_runner_for_direct_capture(runner_cls) -> bool:
     def setup_aux(self):
         layers = getattr(self.model_config.hf_config, DIRECT_KEY, None)
         if layers and self.speculative_config is None:
+            if not callable(getattr(self.model, "set_aux_hidden_state_layers", None)):
+                raise RuntimeError(f"{type(self.model).__name__} has no EAGLE-3 aux outputs (set_aux_hidden_state_"
+                                   "layers): the direct capture cannot use it; use --capture hooks")
             self.use_aux_hidden_state_outputs = True
             self.model.set_aux_hidden_state_layers(tuple(int(i) for i in layers))
             self._eagle3_direct_layers = [int(i) for i in layers]

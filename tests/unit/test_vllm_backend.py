@@ -496,3 +496,7 @@ def test_the_direct_capture_takes_only_an_engine_started_for_it(fake):
     ok = fake(**kw)
     ok.collective_rpc("eagle3_setup", args=({"layer_ids": list(IDS), "strategy": "direct"},))
     assert ok.workers[0].model_runner.model.aux_hidden_state_layers == IDS
+    no_aux = type("Model", (fake_vllm._Model,), {"set_aux_hidden_state_layers": None})
+    runner = fake.runner_cls(no_aux(8, 128), type("Config", (), {"eagle3_direct_capture_layer_ids": list(IDS)}), None)
+    with pytest.raises(RuntimeError, match="Model has no EAGLE-3 aux outputs .* use --capture hooks"):
+        runner.load_model()  # at engine start, with the model's name, not at the first step
