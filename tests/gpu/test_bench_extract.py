@@ -32,7 +32,8 @@ and the profile's baselines, and writes bench_summary.json. Each eagle3 figure a
 time went (capture_timing: back-pressure wait, time in the capture, the copies' GPU time and bandwidth).
 Each store figure reports the main loop's time per phase (loop_timing: submit split into expect/generate/collect,
 commit, finish; the committer's manifest writes and the window's unlinks) and every figure the page cache's peak
-dirty and writeback sizes (dirty_max_GB, writeback_max_GB).
+dirty and writeback sizes (dirty_max_GB, writeback_max_GB) and its rate in each quarter of the batches with their
+spread (bench_summary's spread_within_run: read ratios closer than that as equal).
 Session 6 on the H200 (mini-Kimi 64x512; results/h200-vllm0.26.0-session6/): d2h 55 GB/s, so the "13 GB/s
 limit" read of sessions 4-5 was wrong. In one run: plain 326,360; host 269,139 (0.82x) with the copies issued by
 the capture's consumer vs 230,510 (0.71x) issued by the forward (tests/gpu/probe_d2h_interference.py: a big
@@ -80,6 +81,7 @@ WARMUP = 2
 WRITERS = 4  # the store's writer threads on the owner rank (VLLMSession: max(4, writer_threads))
 DISK_WINDOW = 8 << 30  # bytes of committed states kept on disk during a run (see the docstring)
 RESULTS: dict[str, float] = {}
+SPREADS: dict[str, float | None] = {}  # figure -> spread of its quarters' rates (_quarters), in bench_summary
 _PROMPTS: dict[tuple[int, int], list] = {}
 _REPORT = {}
 
@@ -117,23 +119,41 @@ def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start
         finish()
         start()
         t0 = time.perf_counter()
+        ends = []
         for batch in bs[WARMUP:]:
             run_batch(batch)
+            ends.append(time.perf_counter())
         finish()
         out["seconds"] = time.perf_counter() - t0
+        out["quarters"] = _quarters(t0, ends, b * t)
 
     with _PageCache() as cache:
         benchmark.pedantic(loop, rounds=1, iterations=1)
-    extra = dict(extra, **cache.peaks)
+    extra = dict(extra, **cache.peaks, **out["quarters"])
     tokens = BATCHES * b * t
     tps = tokens / out["seconds"]
     RESULTS[key] = tps
+    SPREADS[key] = out["quarters"]["spread"]
     _REPORT["put"](f"sustained[{key}]", {"tokens_per_s": round(tps), "seconds": round(out["seconds"], 2),
                                           "batches": BATCHES, **extra})
     free, total = torch.cuda.mem_get_info()
     benchmark.extra_info.update(key=key, tokens_per_s=round(tps), profile=_profile(target), mode=key.split("/")[0],
                                 batches=BATCHES, seconds=round(out["seconds"], 2), gpus=target.tp,
                                 gpu_mem_used_gib=round((total - free) / 2**30, 1), vllm=_vllm_version(), **extra)
+
+
+def _quarters(t0: float, ends: list[float], tokens_per_batch: int) -> dict:
+    """The loop's rate in each quarter of its batches (the last batch's drain, in finish, is in no quarter) and
+    their spread, (max - min) / median: how far one figure may move within a run, to read ratios against."""
+    n = len(ends)
+    cuts = [round(n * q / 4) for q in range(5)]
+    rates = []
+    for a, b in zip(cuts, cuts[1:]):
+        if b > a:
+            start = t0 if a == 0 else ends[a - 1]
+            rates.append(round((b - a) * tokens_per_batch / max(ends[b - 1] - start, 1e-9)))
+    mid = sorted(rates)[len(rates) // 2] if rates else 0
+    return {"quarters_tok_s": rates, "spread": round((max(rates) - min(rates)) / mid, 3) if mid else None}
 
 
 class _PageCache:
@@ -525,6 +545,7 @@ def test_ratios_acceptance_and_baseline(target, gpu_out, report):
     or on every shape (kimi-depth: store with fsync >= 0.95 x plain)."""
     summary, failures = acceptance(RESULTS, target.profile.name, target.profile.bytes_per_token, _profile(target),
                                    bench.load_baselines())
+    summary["spread_within_run"] = dict(SPREADS)  # (max - min) / median of each figure's quarter rates
     (gpu_out / "bench_summary.json").write_text(json.dumps(summary, indent=1))
     report("bench_ratios", summary["ratios"])
     assert not summary["regressions"], summary["regressions"]

@@ -229,3 +229,12 @@ def test_a_null_sink_below_target_says_when_the_capture_engine_itself_is_below(m
     fine = dict(measured, **{"count/64x512": 0.95 * measured["plain/64x512"]})  # the engine is not the limit
     _, failures = gb.acceptance(fine, "mini-kimi", 57344, "h200-mini-kimi", {})
     assert failures[0] == "null sink / plain prefill 0.82x (< 0.9)"
+
+
+def test_the_benchmark_reports_its_rate_per_quarter_and_their_spread():
+    from tests.gpu import test_bench_extract as gb
+
+    ends = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0]  # 8 batches of 100 tokens: the last quarter at half speed
+    got = gb._quarters(0.0, ends, 100)
+    assert got == {"quarters_tok_s": [100, 100, 100, 50], "spread": 0.5}
+    assert gb._quarters(0.0, [2.0], 100) == {"quarters_tok_s": [50], "spread": 0.0}
