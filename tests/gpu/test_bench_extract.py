@@ -493,8 +493,8 @@ class _Loop:
             self.window.add(str(self.root / info.file), info.bytes)
 
 
-@pytest.mark.parametrize("mode", ["count", "host", "host_forward", "host_slots8", "store", "store_loopcommit",
-                                  "store_nofsync", "store_fp8", "count_direct", "host_direct", "store_direct"])
+@pytest.mark.parametrize("mode", ["count", "host", "count_direct", "host_direct", "host_forward", "host_slots8",
+                                  "store", "store_loopcommit", "store_nofsync", "store_fp8", "store_direct"])
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_eagle3_aux_capture(benchmark, target, live, tmp_path, shape, mode):
     wanted(mode)
