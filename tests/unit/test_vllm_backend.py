@@ -270,7 +270,7 @@ def test_the_session_times_each_phase_of_submit(fake, tiny_kimi, tmp_path, monke
         return real_call(self, method, *args, keys=keys)
 
     def slow_generate(self, token_lists):
-        time.sleep(0.3)
+        time.sleep(0.6)
         return real_generate(self, token_lists)
 
     monkeypatch.setattr(VLLMBackend, "call", slow_call)
@@ -280,8 +280,8 @@ def test_the_session_times_each_phase_of_submit(fake, tiny_kimi, tmp_path, monke
         session.submit(_samples()[:3])
     got = session.phase_s
     assert set(got) == {"expect_s", "generate_s", "collect_s"}
-    for key, each in (("expect_s", 0.05), ("generate_s", 0.3), ("collect_s", 0.15)):
-        assert 2 * each <= got[key] < 2 * each + 0.25, (key, got)
+    for key, each in (("expect_s", 0.05), ("generate_s", 0.6), ("collect_s", 0.15)):
+        assert 2 * each <= got[key] < 2 * each + 0.4, (key, got)  # slack: the fake engine's own work, a loaded CI
 
 
 def test_a_capture_error_is_reported_not_raised_inside_the_forward(fake, tiny_kimi, tmp_path, monkeypatch):
@@ -440,11 +440,11 @@ def test_the_page_cache_sampler_reports_dirty_and_writeback_peaks(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 131072000 kB\nDirty: 1000000 kB\nWriteback: 0 kB\n")
     with gb._PageCache(str(meminfo)) as cache:
-        time.sleep(0.4)
+        time.sleep(0.8)  # >= 3 samples of 0.25 s, with room for a loaded CI
         meminfo.write_text("MemTotal: 131072000 kB\nDirty: 3000000 kB\nWriteback: 500000 kB\nWritebackTmp: 9 kB\n")
-        time.sleep(0.4)
+        time.sleep(0.8)  # >= 3 samples of 0.25 s, with room for a loaded CI
         meminfo.write_text("MemTotal: 131072000 kB\nDirty: 2000000 kB\nWriteback: 0 kB\n")
-        time.sleep(0.4)
+        time.sleep(0.8)  # >= 3 samples of 0.25 s, with room for a loaded CI
     assert cache.peaks == {"dirty_max_GB": 3.07, "writeback_max_GB": 0.51}  # kB of 1024 bytes, GB of 1e9
     assert not cache.thread.is_alive()
 
