@@ -105,7 +105,7 @@ class ShardFiller:
         self.open: ShardBuffer | None = None
         self.where: dict[str, Placement] = {}  # request id -> its rows
         self.recomputed = 0  # rows seen again after a preemption (not copied twice)
-        self.done: set[str] = set()  # requests whose prompt rows are all placed (cleared per batch)
+        self.done: set[str] = set()  # requests whose prompt rows are all placed, or that failed (cleared per batch)
         self.expected: dict[tuple[int, ...], deque[Announced]] = defaultdict(deque)
         self.lock = threading.Lock()
         self.released = threading.Condition(self.lock)
@@ -351,13 +351,13 @@ class Capturer:
                 a, b, c = layout.starts[i], layout.starts[i + 1], layout.computed[i]
                 if b == a:
                     continue
-                if req in f.done:
-                    continue  # a decode step after the prompt: nothing to capture
                 prompt = layout.prompts[i]
-                if req not in f.where and prompt is not None and c >= len(prompt):
-                    # rows past the prompt of a request already captured (async scheduling ran this step before
-                    # the request's end was seen; it may come after the batch's collect forgot the request)
+                if prompt is not None and c >= len(prompt):
+                    # rows past the prompt (decode): never captured; with async scheduling such a step may come
+                    # after the batch's collect forgot the request
                     continue
+                if req in f.done:
+                    continue  # all its prompt rows placed, or it failed: nothing more to capture
                 place = f.where.get(req) or f.reserve(req, prompt or (), c)
                 if place is None:
                     f.done.add(req)

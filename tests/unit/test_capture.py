@@ -281,3 +281,19 @@ def test_a_decode_row_of_a_finished_request_is_skipped_even_after_its_batch_was_
     assert got["sample_id"] == "s0" and got["input_ids"].tolist() == p
     for k, layer in enumerate(SPEC.layer_ids):
         assert torch.equal(got["states"][layer], _states(p)[k])
+
+
+def test_a_failed_request_is_reported_once_however_many_steps_it_runs(tmp_path):
+    """A request that failed (its first rows skipped) keeps running in the engine for more chunks: one error for
+    it, not one per step (the later chunks would read as new requests that skipped a prefix)."""
+    writer = ShardWriter(tmp_path, SPEC, 0, fsync=False)
+    cap = Capturer(N_LAYERS, H, torch.float32)
+    cap.start("store", writer, shard_tokens=16)
+    p = list(range(1, 10))
+    cap.filler.announce([Announced("s0", torch.tensor(p), torch.ones(9, dtype=torch.uint8))])
+    for c in (3, 6):  # rows 0..2 were never computed (prefix caching); two more chunks of 3
+        cap.on_step([_states(p)[k][c : c + 3] for k in range(N_LAYERS)], StepLayout(["r0"], [0, 3], [c], [p]))
+    cap.drain()
+    errors = cap.take_errors()
+    assert len(errors) == 1 and "start at token 3, not 0" in errors[0]
+    cap.close()
