@@ -25,7 +25,7 @@ step() { local name=$1; shift; local t0=$(date +%s); settle; echo "$name started
          else "$@" > "$OUT/$name.log" 2>&1; fi; local rc=$?
          echo "$name rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$OUT/steps.txt"; }
 PT="python3 -m pytest -p no:cacheprovider -v -rA --durations=25"
-COPIES="hf_reference or indexing or training_states or preemption"  # the capture's copies, value-checked (~4 min)
+COPIES="hf_reference or indexing or training_states or preemption"  # the capture's copies, value-checked (~10 min: an engine start per test)
 NEW="deepseek_draft or preemption or selfcheck_passes or (hf_reference and hooks) or indexing"
 for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" != "$arg" ] && LIMIT=${arg#*:}
   case $s in

@@ -132,9 +132,14 @@ class _Runner:
         self.model.set_aux_hidden_state_layers(tuple(layers))
 
     def _model_forward(self, input_ids=None, positions=None, **kwargs):
-        """The step's rows of every layer id, [L + 1, n_tok + pad, H] (``self.step_rows``, set by the engine):
-        the last hidden state, and with aux outputs on, each aux layer's (padded, as CUDA graphs pad)."""
+        """The step's rows of every layer id, [L + 1, n_tok + pad, H] (``self.step_rows``, set by the engine), through
+        the decoder layers (each returns (hidden, residual); hooks on them see it): the last hidden state, and with
+        aux outputs on, each aux layer's (padded, as CUDA graphs pad)."""
         rows = self.step_rows
+        for i, layer in enumerate(self.model.model.layers):
+            residual = rows[i + 1] * 0.5  # hidden + residual == state exactly in floating point
+            layer.next_out = (rows[i + 1] - residual, residual)
+            layer(None, None, None)
         if not self.use_aux_hidden_state_outputs:
             return rows[-1]
         return rows[-1], [rows[i] for i in self.model.aux_hidden_state_layers]
@@ -157,7 +162,6 @@ class FakeLLM:
         self.kw = kw
         self.tp = kw.get("tensor_parallel_size", 1)
         self.aux = kw.get("speculative_config") is not None
-        self.direct = not self.aux and bool(kw.get("hf_overrides"))
         n_layers = FakeLLM.n_layers
         worker_cls = type("Worker", (CaptureExtension,), {})
         self.workers = []
@@ -271,22 +275,15 @@ class FakeLLM:
             for r, _ in step:
                 runner.requests.setdefault(r[0], types.SimpleNamespace(prompt_token_ids=r[1]))
             with self._as(rank):
-                if self.direct:  # the model's aux outputs, through the runner's (wrapped) _model_forward
-                    runner.step_rows = torch.cat([rows, torch.zeros(rows.shape[0], 2, rows.shape[2])], dim=1)
-                    runner._model_forward(input_ids=None, positions=None)
-                elif self.aux:
-                    ids = w._e3["ids"]
+                # each step runs the model through the runner's _model_forward, as vLLM's execute_model does (the
+                # decoder layers, and any hooks on them, inside; with aux outputs on, (hidden, aux) back); vLLM
+                # pads steps, so captures must use the first n rows
+                runner.step_rows = torch.cat([rows, torch.zeros(rows.shape[0], 2, rows.shape[2])], dim=1)
+                out = runner._model_forward(input_ids=None, positions=None)
+                if self.aux:  # extract_hidden_states: the drafter gets the step's aux states
                     runner.drafter.propose(num_speculative_tokens=1, sampled_token_ids=torch.zeros(len(step), 1),
-                                           target_hidden_states=[rows[i].clone() for i in ids],
+                                           target_hidden_states=[h[: starts[-1]] for h in out[1]],
                                            common_attn_metadata=None)
-                else:
-                    pad = torch.zeros(2, rows.shape[2])  # vLLM pads steps; captures must use the first n rows
-                    for i, layer in enumerate(runner.model.model.layers):
-                        state = torch.cat([rows[i + 1], pad])
-                        residual = state * 0.5  # hidden + residual == state exactly in floating point
-                        layer.next_out = (state - residual, residual)
-                        layer(None, None, None)
-
 
 def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits) -> type[FakeLLM]:
     """Put fake `vllm` modules in sys.modules for the duration of a test. ``reference(prompt)`` gives the states
