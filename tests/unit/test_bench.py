@@ -133,6 +133,12 @@ def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines
         (bench.BASELINES / "h200-mini-kimi.json").read_text())  # other profiles untouched
 
 
+def _measured(session: str) -> dict:
+    """The figures an H200 run measured (results/h200-vllm0.26.0-SESSION/bench_summary.json), by key."""
+    path = Path(__file__).parents[2] / f"results/h200-vllm0.26.0-{session}/bench_summary.json"
+    return json.loads(path.read_text())["tokens_per_s"]
+
+
 def test_the_gpu_benchmark_s_acceptance_on_the_session_4_h200_figures(tmp_path, monkeypatch):
     """The GPU benchmark's acceptance (issue 14's targets, tests/gpu/test_bench_extract.acceptance) replayed on CPU
     with the figures the H200 measured in session 4 (results/h200-vllm0.26.0-session4/): it fails exactly on the
@@ -140,8 +146,7 @@ def test_the_gpu_benchmark_s_acceptance_on_the_session_4_h200_figures(tmp_path, 
     not a KeyError; kimi-depth's target applies to every shape."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = json.loads((Path(__file__).parents[2] / "results/h200-vllm0.26.0-session4/bench_summary.json")
-                          .read_text())["tokens_per_s"]
+    measured = _measured("session4")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {})
     assert failures == ["null sink / plain prefill 0.72x (< 0.9)",
@@ -163,8 +168,7 @@ def test_the_gpu_benchmark_s_acceptance_with_one_shape(monkeypatch):
     apply; kimi-depth's cover the shapes measured; a run without 64x512 fails mini-Kimi as not measured."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = json.loads((Path(__file__).parents[2] / "results/h200-vllm0.26.0-session4/bench_summary.json")
-                          .read_text())["tokens_per_s"]
+    measured = _measured("session4")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     one = {k: v for k, v in measured.items() if "/" not in k or k.endswith("/64x512")}
     summary, failures = gb.acceptance(one, "mini-kimi", 57344, "h200-mini-kimi", {})
@@ -181,8 +185,7 @@ def test_a_null_sink_below_target_says_when_the_device_to_host_copies_cannot_car
     0.90 x plain, the failure says so, with the host's ratio to that limit; when it can, the failure is plain."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = json.loads((Path(__file__).parents[2] / "results/h200-vllm0.26.0-session4/bench_summary.json")
-                          .read_text())["tokens_per_s"]
+    measured = _measured("session4")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     slow = dict(measured, d2h_bytes_per_s=13.2e9)  # 230,190 tok/s = 0.72x plain 319,051
     _, failures = gb.acceptance(slow, "mini-kimi", 57344, "h200-mini-kimi", {})
@@ -217,8 +220,7 @@ def test_a_null_sink_below_target_says_when_the_capture_engine_itself_is_below(m
     engine is the limit, and how plain fares without async scheduling (what vLLM allows that engine) if measured."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = json.loads((Path(__file__).parents[2] / "results/h200-vllm0.26.0-session7/bench_summary.json")
-                          .read_text())["tokens_per_s"]
+    measured = _measured("session7")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {})
     assert failures[0] == ("null sink / plain prefill 0.82x (< 0.9): the capture's engine with nothing copied (count) "
