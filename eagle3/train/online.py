@@ -171,9 +171,10 @@ class Spool:
                                      f"{type(self.failed).__name__}: {self.failed}") from self.failed
                 if self.done:
                     raise StoreError(f"spool {self.store.root}: the extraction finished without position {pos}")
-                if self.producer_waiting:
+                if self.producer_waiting and self.committed + self.reserved + self.waiting_for > self.capacity:
                     # the producer waits for room, which only reading frees, and the reader waits for a position
-                    # only the producer's next commit brings: nothing will ever move
+                    # only the producer's next commit brings: nothing will ever move. (Room freed while the
+                    # producer sleeps leaves producer_waiting set until it wakes: that one moves.)
                     raise StoreError(
                         f"spool {self.store.root} has no room for the next extraction batch ({self.committed:,} "
                         f"committed + {self.reserved:,} reserved + {self.waiting_for:,} asked > {self.capacity:,} "

@@ -25,6 +25,7 @@ from eagle3.data.conversations import DataConfig, load_samples
 from eagle3.extract import extract
 from eagle3.extract.hf_backend import HFBackend
 from eagle3.store.folder import Store
+from eagle3.store.format import StoreError
 from eagle3.train import online
 from eagle3.train.train import TrainConfig, train
 
@@ -252,3 +253,29 @@ def test_a_spool_that_can_never_move_is_reported_not_hung(tiny_kimi, tmp_path):
     assert re.search("no room for the next extraction batch .* 600 reserved .* position 0", str(raised[0]))
     blocked.join(timeout=5)
     assert not blocked.is_alive()
+
+
+def test_a_trainer_that_just_made_room_is_not_told_the_spool_can_never_move(tiny_kimi, tmp_path):
+    """Room freed while the producer sleeps in reserve(): until it wakes, producer_waiting is still set. The
+    trainer asking for its next position in that instant must wait for the producer, not report a spool that
+    can never move (CI, session 7: '0 committed + 0 reserved + 234,308 asked > 789,360 bytes')."""
+    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    spool = online.Spool(tmp_path / "spool", spec, capacity=1000, fsync=False)
+    spool.reserve(600)
+    steps = []
+
+    def producer():
+        spool.reserve(600)  # 600 + 600 > 1000: sleeps until room is freed
+        steps.append("reserved")
+        spool.finished()
+
+    thread = threading.Thread(target=producer, daemon=True)
+    thread.start()
+    while not spool.producer_waiting:
+        time.sleep(0.01)
+    with spool.cond:  # held: the producer cannot wake before the trainer's next wait_for looks
+        spool.commit([], 600)  # the 600 bytes end (as reading a shard's last position frees its bytes)
+        with pytest.raises(StoreError, match="finished without position 0"):
+            spool.wait_for(0)
+    thread.join(timeout=5)
+    assert steps == ["reserved"]
