@@ -29,8 +29,10 @@ import threading
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from eagle3.store.format import quantize_fp8, shard_offsets
@@ -61,6 +63,32 @@ class Announced:
     sample_id: str
     input_ids: torch.Tensor   # [T] int32
     loss_mask: torch.Tensor   # [T] uint8
+
+
+def pack_announcement(samples) -> tuple[list[str], list[int], bytes, bytes]:
+    """A batch's announcement as the RPC carries it: sample ids, lengths, every input id as int32 bytes and every
+    loss-mask value as uint8 bytes, in sample order. A few objects a sample: sent as two Python ints a token, a
+    64x512 batch cost 6.3 ms to build, pickle and unpack into tensors while the engine idled; packed, 1.6 ms
+    (measured on a 2-core CPU machine, session 8; 4 ms of the 6.3 were the worker's torch.tensor of each list)."""
+    lengths = [len(s.input_ids) for s in samples]
+    n = sum(lengths)
+    ids = np.fromiter(chain.from_iterable(s.input_ids for s in samples), dtype=np.int32, count=n)
+    masks = np.fromiter(chain.from_iterable(s.loss_mask for s in samples), dtype=np.uint8, count=n)
+    return [s.sample_id for s in samples], lengths, ids.tobytes(), masks.tobytes()
+
+
+def unpack_announcement(sample_ids: Sequence[str], lengths: Sequence[int], ids: bytes,
+                        masks: bytes) -> list[Announced]:
+    """pack_announcement's inverse, in the worker: views of two tensors (int32 [sum T], uint8 [sum T])."""
+    n = sum(lengths)
+    if len(sample_ids) != len(lengths) or len(ids) != 4 * n or len(masks) != n:
+        raise CaptureError(f"a malformed announcement: {len(sample_ids)} ids, {len(lengths)} lengths of {n} tokens, "
+                           f"{len(ids)} bytes of input ids (expected {4 * n}), {len(masks)} of loss masks")
+    id_views = torch.frombuffer(bytearray(ids), dtype=torch.int32).split(list(lengths)) if n else [
+        torch.zeros(0, dtype=torch.int32)] * len(lengths)
+    mask_views = torch.frombuffer(bytearray(masks), dtype=torch.uint8).split(list(lengths)) if n else [
+        torch.zeros(0, dtype=torch.uint8)] * len(lengths)
+    return [Announced(sid, i, m) for sid, i, m in zip(sample_ids, id_views, mask_views)]
 
 
 @dataclass

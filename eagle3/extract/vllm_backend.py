@@ -12,6 +12,7 @@ from typing import Sequence
 
 from eagle3.data.conversations import Sample
 from eagle3.extract import vllm_compat as compat
+from eagle3.extract.capture import pack_announcement
 from eagle3.extract.rpc import Expect, Record, check_consistent, normalize_reply
 from eagle3.store.folder import Store
 from eagle3.store.format import ShardInfo, StoreError, StoreSpec, shard_tokens
@@ -133,8 +134,7 @@ class VLLMSession:
 
     def submit(self, batch: Sequence[Sample]) -> list[ShardInfo]:
         t0 = time.perf_counter()
-        self.backend.call("eagle3_expect", [(s.sample_id, list(s.input_ids), list(s.loss_mask)) for s in batch],
-                          keys=frozenset({"rank", "announced"}))
+        self.backend.call("eagle3_expect", *pack_announcement(batch), keys=frozenset({"rank", "announced"}))
         t1 = time.perf_counter()
         self.backend.generate_prefill([s.input_ids for s in batch])
         t2 = time.perf_counter()

@@ -13,7 +13,7 @@ import sys
 import torch
 
 from eagle3.extract import vllm_compat as compat
-from eagle3.extract.capture import Announced, Capturer
+from eagle3.extract.capture import Capturer, unpack_announcement
 from eagle3.targets.layers import hook_layer_index, validate_layer_ids
 
 log = logging.getLogger("eagle3.worker")
@@ -112,13 +112,12 @@ class CaptureExtension:
                              copy_from=cfg.get("copy_from", "consumer"))
         return {"rank": e3["par"]["tp_rank"], "mode": mode}
 
-    def eagle3_expect(self, samples: list) -> dict:
-        """Announce the next batch: [(sample_id, input_ids, loss_mask)]."""
+    def eagle3_expect(self, sample_ids: list, lengths: list, ids: bytes, masks: bytes) -> dict:
+        """Announce the next batch (capture.pack_announcement's four values)."""
         cap = self._e3["capturer"]
         if cap.filler is not None:
-            cap.filler.announce([Announced(sid, torch.tensor(ids, dtype=torch.int32),
-                                           torch.tensor(mask, dtype=torch.uint8)) for sid, ids, mask in samples])
-        return {"rank": self._e3["par"]["tp_rank"], "announced": len(samples)}
+            cap.filler.announce(unpack_announcement(sample_ids, lengths, ids, masks))
+        return {"rank": self._e3["par"]["tp_rank"], "announced": len(sample_ids)}
 
     def eagle3_collect(self, final: bool = False, seal: bool = False) -> dict:
         """After generate(): report the shards the writer has finished and any errors. By default it does not wait

@@ -16,6 +16,7 @@ id (again in chunks). ``preemptions`` counts them.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import random
 import sys
 import types
@@ -145,6 +146,17 @@ class _Runner:
         return rows[-1], [rows[i] for i in self.model.aux_hidden_state_layers]
 
 
+def _wire_objects(value, where: str) -> int:
+    """Python objects in an RPC argument; anything msgpack cannot carry as it is (a tensor, an array) is refused."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return 1
+    if isinstance(value, (list, tuple)):
+        return 1 + sum(_wire_objects(v, where) for v in value)
+    if isinstance(value, dict):
+        return 1 + sum(_wire_objects(k, where) + _wire_objects(v, where) for k, v in value.items())
+    raise TypeError(f"{where}: an RPC argument of type {type(value).__name__} (send plain values or bytes)")
+
+
 class FakeLLM:
     """``reference(prompt) -> [L + 1, T, H]`` gives every layer id's states for a prompt."""
 
@@ -175,6 +187,7 @@ class FakeLLM:
             self.workers.append(w)
         self.counter = 0
         self.preemptions = 0
+        self.rpc_log: list[tuple[str, int]] = []
         self.seen_prefixes: set[tuple[int, ...]] = set()
         self.rng = random.Random(0)
         FakeLLM.last = self
@@ -188,6 +201,11 @@ class FakeLLM:
             _CURRENT.update(tp_rank=0, tp_size=1)
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        """Each call's arguments cross a wire, as in vLLM (msgpack to the engine core, pickle to the TP workers):
+        only msgpack-native values pass; ``rpc_log`` keeps (method, Python objects in the arguments), the count
+        that serialization and the worker's unpacking cost grow with."""
+        self.rpc_log.append((method, _wire_objects((args, kwargs or {}), method)))
+        args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
         out = []
         for rank, w in enumerate(self.workers):
             with self._as(rank):

@@ -7,7 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eagle3.extract.capture import Announced, Capturer, StepLayout
+from eagle3.extract.capture import (
+    Announced,
+    CaptureError,
+    Capturer,
+    StepLayout,
+    pack_announcement,
+    unpack_announcement,
+)
 from eagle3.store.folder import Store
 from eagle3.store.format import StoreSpec
 from eagle3.store.writer import ShardWriter
@@ -297,3 +304,30 @@ def test_a_failed_request_is_reported_once_however_many_steps_it_runs(tmp_path):
     errors = cap.take_errors()
     assert len(errors) == 1 and "start at token 3, not 0" in errors[0]
     cap.close()
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 2**31 - 1), max_size=40), st.integers(0, 2**40)), max_size=6))
+@settings(max_examples=60, deadline=None)
+def test_an_announcement_unpacks_to_what_was_packed(rows):
+    """Lengths 0 and vocabulary ids up to int32's top travel exactly; the masks are each sample's own."""
+    from eagle3.data.conversations import Sample
+
+    samples = [Sample(f"s{k}", tuple(ids), tuple((seed >> (j % 40)) & 1 for j in range(len(ids))))
+               for k, (ids, seed) in enumerate(rows)]
+    got = unpack_announcement(*pack_announcement(samples))
+    assert [a.sample_id for a in got] == [s.sample_id for s in samples]
+    for a, s in zip(got, samples):
+        assert a.input_ids.dtype == torch.int32 and a.input_ids.tolist() == list(s.input_ids)
+        assert a.loss_mask.dtype == torch.uint8 and a.loss_mask.tolist() == list(s.loss_mask)
+
+
+def test_a_malformed_announcement_is_refused_naming_what_does_not_add_up():
+    from eagle3.data.conversations import Sample
+
+    ids, lengths, tokens, masks = pack_announcement([Sample("a", (1, 2, 3), (0, 1, 1))])
+    with pytest.raises(CaptureError, match="8 bytes of input ids .expected 12."):
+        unpack_announcement(ids, lengths, tokens[:8], masks)
+    with pytest.raises(CaptureError, match="2 of loss masks"):
+        unpack_announcement(ids, lengths, tokens, masks[:2])
+    with pytest.raises(CaptureError, match="2 ids, 1 lengths"):
+        unpack_announcement(ids * 2, lengths, tokens, masks)

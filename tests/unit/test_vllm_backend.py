@@ -2,6 +2,7 @@
 (tests/unit/fake_vllm.py) that replays reference states with chunked prefill and a simulated TP world.
 The same code runs against real vLLM in tests/gpu/."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -282,6 +283,21 @@ def test_the_session_times_each_phase_of_submit(fake, tiny_kimi, tmp_path, monke
     assert set(got) == {"expect_s", "generate_s", "collect_s"}
     for key, each in (("expect_s", 0.05), ("generate_s", 0.6), ("collect_s", 0.15)):
         assert 2 * each <= got[key] < 2 * each + 0.4, (key, got)  # slack: the fake engine's own work, a loaded CI
+
+
+def test_a_batch_is_announced_in_a_few_objects_not_two_a_token(fake, tiny_kimi, tmp_path):
+    """The engine idles while the announce RPC is built, serialized and unpacked: sent as 2 Python ints a token, a
+    64x512 batch cost 6.3 ms on a CPU (vs 1.6 ms packed), ~4 % of a mini-Kimi batch on the H200 (135 ms). Sample
+    ids, lengths and two packed buffers: a few objects a sample."""
+    cfg = _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="aux")
+    batch = _samples()[:6]
+    extract.run(dataclasses.replace(cfg, batch_size=6), samples=batch, progress=False)
+    sent = [n for method, n in fake.last.rpc_log if method == "eagle3_expect"]
+    assert sent and sum(sent) <= 4 * len(batch) + 16 * len(sent), (sent, sum(len(s) for s in batch))
+    got = _read(tmp_path / "s")  # and what was announced is what the store holds
+    for s in batch:
+        assert got[s.sample_id]["input_ids"].tolist() == list(s.input_ids)
+        assert got[s.sample_id]["loss_mask"].tolist() == list(s.loss_mask)
 
 
 def test_a_capture_error_is_reported_not_raised_inside_the_forward(fake, tiny_kimi, tmp_path, monkeypatch):
