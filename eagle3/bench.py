@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 BASELINES = Path(__file__).parent / "bundled" / "baselines"
 
@@ -50,19 +50,75 @@ def _files(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def load_history(paths: Iterable[str | Path]) -> list[Record]:
-    records = []
+def _entries(paths: Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
+    """(run, extra_info) of every pytest-benchmark entry in the files (folders: every JSON below them)."""
     for f in _files(paths):
         try:
             data = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
         for b in data.get("benchmarks", []) if isinstance(data, dict) else []:
-            info = b.get("extra_info") or {}
-            if "tokens_per_s" in info and "key" in info:
-                records.append(Record(data.get("datetime", f.stem), info.get("profile", "?"), info["key"],
-                                      float(info["tokens_per_s"]), info))
+            yield data.get("datetime", f.stem), b.get("extra_info") or {}
+
+
+def load_history(paths: Iterable[str | Path]) -> list[Record]:
+    records = [Record(run, info.get("profile", "?"), info["key"], float(info["tokens_per_s"]), info)
+               for run, info in _entries(paths) if "tokens_per_s" in info and "key" in info]
     return sorted(records, key=lambda r: (r.run, r.profile, r.key))
+
+
+# which of the run's disk figures bounds a mode: the fsynced stores by fsynced parallel writes, the writers that
+# leave their data in the page cache (ours without fsync, vLLM's extract_hidden_states connector) by page-cache writes
+DISK_OF_MODE = {"store_nofsync": "page_cache", "vllm_ehs": "page_cache"}
+
+
+def disk_of(mode: str) -> str | None:
+    return DISK_OF_MODE.get(mode, "fsync" if mode.startswith("store") else None)
+
+
+def disk_limit(plain: float | None, disk_bytes_per_s: float | None, bytes_per_token: float) -> float | None:
+    """Tokens/s a disk-bound mode can reach: plain prefill's, or what the disk writes at bytes_per_token a token
+    (None when either was not measured)."""
+    return min(plain, disk_bytes_per_s / bytes_per_token) if plain and disk_bytes_per_s else None
+
+
+def load_disks(paths: Iterable[str | Path]) -> dict[tuple[str, str], dict[str, float]]:
+    """(run, profile) -> {"fsync" | "page_cache": bytes/s} from the runs' disk benchmarks (key disk_KIND/...)."""
+    disks: dict[tuple[str, str], dict[str, float]] = {}
+    for run, info in _entries(paths):
+        key = str(info.get("key", ""))
+        if key.startswith("disk_") and "bytes_per_s" in info:
+            disks.setdefault((run, info.get("profile", "?")), {})[key[5:].split("/")[0]] = float(info["bytes_per_s"])
+    return disks
+
+
+def limits(records: list[Record], disks: dict[tuple[str, str], dict[str, float]]) -> dict[int, tuple]:
+    """id(record) -> (limit tok/s, disk kind, disk bytes/s, bytes per token) for each disk-bound record whose run
+    measured plain prefill of its shape and that disk."""
+    plain = {(r.run, r.profile, r.key.split("/")[1]): r.tokens_per_s for r in records if r.key.startswith("plain/")}
+    out = {}
+    for r in records:
+        mode, _, shape = r.key.partition("/")
+        kind, bpt = disk_of(mode), r.extra.get("bytes_per_token")
+        disk = disks.get((r.run, r.profile), {}).get(kind) if kind else None
+        limit = disk_limit(plain.get((r.run, r.profile, shape)), disk, bpt) if bpt else None
+        if limit:
+            out[id(r)] = (limit, kind, disk, bpt)
+    return out
+
+
+def limit_lines(records: list[Record], lim: dict[int, tuple]) -> list[str]:
+    if not lim:
+        return []
+    out = ["", "Disk-bound modes against their limit, min(plain prefill, the same run's disk bandwidth / bytes a token):"]
+    for r in records:
+        if id(r) in lim:
+            limit, kind, disk, bpt = lim[id(r)]
+            by_disk = f"{kind.replace('_', ' ')} {disk / 1e9:.2f} GB/s / {bpt:,.0f} B a token"
+            why = by_disk if disk / bpt <= limit else f"plain prefill; {by_disk} = {disk / bpt:,.0f}"
+            out.append(f"- {r.run} {r.profile} {r.key}: {r.tokens_per_s:,.0f} tok/s = {r.tokens_per_s / limit:.2f}x "
+                       f"of {limit:,.0f} ({why})")
+    return out
 
 
 def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | Path | None = None) -> tuple[Path, Path]:
@@ -95,6 +151,7 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
         lines.append(f"| {r.run} | {r.profile} | {r.key} | {r.tokens_per_s:,.0f} | {per_gpu(r):,.0f} | {vs_plain} | "
                      f"{vs_base} | {'YES: ' + reg if reg else 'no'} |")
     lines += cluster_lines(records, baselines)
+    lines += limit_lines(records, limits(records, load_disks(history)))
     where = baselines_dir or BASELINES
     if not baselines:
         lines += ["", f"**No baselines found in {where}**: regressions cannot be flagged (a `pip install .` without "
@@ -125,7 +182,7 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
     png = out / "throughput.png"
     fig.savefig(png, dpi=110)
     plt.close(fig)
-    bars(records, out / "throughput-latest.png")
+    bars(records, out / "throughput-latest.png", load_disks(history))
     return md, png
 
 
@@ -150,12 +207,14 @@ def cluster_lines(records: list[Record], baselines: dict[str, dict]) -> list[str
     return out
 
 
-def bars(records: list[Record], path: Path) -> list[str]:
+def bars(records: list[Record], path: Path, disks: dict | None = None) -> list[str]:
     """One figure a person can read from one run: the newest run of each profile, a bar per mode for each
-    shape, each labelled with its ratio to plain prefill of the same shape. Returns the labels drawn
+    shape, each labelled with its ratio to plain prefill of the same shape, and a disk-bound mode's bar with its
+    limit (a black tick and the ratio to it; ``disks`` as load_disks returns). Returns the labels drawn
     ("profile key ratio")."""
     import matplotlib.pyplot as plt
 
+    lim = limits(records, disks or {})
     profiles = sorted({r.profile for r in records})
     labels: list[str] = []
     fig, axes = plt.subplots(len(profiles), 1, figsize=(12, 4.5 * len(profiles)), squeeze=False)
@@ -176,12 +235,22 @@ def bars(records: list[Record], path: Path) -> list[str]:
                 ax.bar(x, r.tokens_per_s, width, color=f"C{i}", label=None if named else mode)
                 named = True
                 if plain:
-                    ax.annotate(f"{r.tokens_per_s / plain:.2f}x", (x, r.tokens_per_s), ha="center", va="bottom",
-                                fontsize=7, rotation=90)
-                    labels.append(f"{prof} {r.key} {r.tokens_per_s / plain:.2f}x")
+                    text = f"{r.tokens_per_s / plain:.2f}x"
+                    top = r.tokens_per_s
+                    if id(r) in lim:
+                        limit = lim[id(r)][0]
+                        ax.hlines(limit, x - width / 2, x + width / 2, colors="black", linewidth=2)
+                        text += f"; {r.tokens_per_s / limit:.2f}x of limit"
+                        top = max(top, limit)
+                    ax.annotate(text, (x, top), ha="center", va="bottom", fontsize=7, rotation=90)
+                    labels.append(f"{prof} {r.key} {text}")
         ax.set_xticks(range(len(shapes)))
         ax.set_xticklabels(shapes)
-        ax.set_ylim(0, 1.15 * max((r.tokens_per_s for r in rs), default=1))  # room for the labels
+        limited = [lim[id(r)][0] for r in rs if id(r) in lim]
+        # room for the labels, longer where they carry a limit
+        ax.set_ylim(0, (1.6 if limited else 1.15) * max([r.tokens_per_s for r in rs] + limited, default=1))
+        if limited:
+            ax.hlines([], 0, 0, colors="black", linewidth=2, label="limit: min(plain, disk B/s / B a token)")
         ax.set_ylabel("tokens/s (sustained)")
         ax.set_title(f"{prof}, run {latest}: tokens/s per mode, labelled with the ratio to plain prefill")
         legend = ax.legend(fontsize=7, ncol=4)

@@ -572,7 +572,7 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
         if not got:
             continue  # a shape not measured (EAGLE3_BENCH_SHAPES) has no ratios
         plain = got.get("plain")
-        limit = {k: v and plain and min(plain, v / bpt) for k, v in disk.items()}
+        limit = {k: bench.disk_limit(plain, v, bpt) for k, v in disk.items()}
         d2h = results.get("d2h_bytes_per_s")
         ratios[s] = {
             "count/plain": over(got.get("count"), plain), "host/plain": over(got.get("host"), plain),

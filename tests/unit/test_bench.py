@@ -133,6 +133,35 @@ def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines
         (bench.BASELINES / "h200-mini-kimi.json").read_text())  # other profiles untouched
 
 
+def test_the_report_sets_each_disk_bound_mode_against_its_disk_limit(tmp_path):
+    """Session 7's H200 run (results/, its pytest-benchmark JSON): the fsynced store reads 0.06x plain, yet it wrote
+    at 0.83x of what the disk's fsynced writes allow; the page-cache writers against the page cache. Limit =
+    min(plain, disk bytes/s of the same run / the mode's bytes per token), as issue 14's acceptance reads them."""
+    run = Path(__file__).parents[2] / "results/h200-vllm0.26.0-session7/benchmark.json"
+    md, _ = bench.report([run], tmp_path / "r")
+    text = md.read_text()
+    assert ("- 2026-12-03T06:54:02.341252+00:00 h200-mini-kimi store/64x512: 18,119 tok/s = 0.83x of 21,833 "
+            "(fsync 1.25 GB/s / 57,344 B a token)") in text
+    assert ("- 2026-12-03T06:54:02.341252+00:00 h200-mini-kimi store_nofsync/64x512: 48,424 tok/s = 0.23x of "
+            "206,769 (page cache 11.86 GB/s / 57,344 B a token)") in text
+    assert "h200-mini-kimi vllm_ehs/64x512: 131,610 tok/s = 0.64x of 206,769 (page cache" in text
+    assert "host/64x512: 236,587 tok/s = " not in text  # no disk bounds a null sink
+    both = bench.report([run, run.with_name("benchkd-benchmark.json")], tmp_path / "kd")[0].read_text()
+    assert ("h200-kimi-depth store/64x512: 7,392 tok/s = 0.91x of 8,153 (plain prefill; fsync 1.25 GB/s / 57,344 B "
+            "a token = 21,731)") in both  # at Kimi's depth prefill binds, not the disk; each run's own disk figure
+    assert "h200-mini-kimi store/64x512: 18,119 tok/s = 0.83x of 21,833 (fsync" in both
+    labels = bench.bars(bench.load_history([run]), tmp_path / "b.png", bench.load_disks([run]))
+    assert "h200-mini-kimi store/64x512 0.06x; 0.83x of limit" in labels
+    assert "h200-mini-kimi host/64x512 0.82x" in labels and "h200-mini-kimi legend limit: min(plain, disk B/s / B a token)" in labels
+    fp8 = json.loads(run.read_text())
+    fp8["benchmarks"] = [b for b in fp8["benchmarks"] if b["extra_info"]["key"] != "store/64x512"]
+    fp8["benchmarks"].append({"name": "fp8", "extra_info": {"key": "store_fp8/64x512", "tokens_per_s": 40000,
+                                                            "profile": "h200-mini-kimi", "bytes_per_token": 28672}})
+    (tmp_path / "fp8.json").write_text(json.dumps(fp8))
+    md, _ = bench.report([tmp_path / "fp8.json"], tmp_path / "f")
+    assert "store_fp8/64x512: 40,000 tok/s = 0.92x of 43,666 (fsync 1.25 GB/s / 28,672 B a token)" in md.read_text()
+
+
 def _measured(session: str) -> dict:
     """The figures an H200 run measured (results/h200-vllm0.26.0-SESSION/bench_summary.json), by key."""
     path = Path(__file__).parents[2] / f"results/h200-vllm0.26.0-{session}/bench_summary.json"
