@@ -303,7 +303,6 @@ class Capturer:
         self.cuda = torch.cuda.is_available()
         self.stats = CaptureStats()
         self.mode, self.filler = "count", None
-        self.copy_from = "consumer"  # who issues the device-to-host copies: "consumer" or "forward" (see _issue)
         self.shard_buffers: list[ShardBuffer] = []  # kept across sessions: pinning memory is slow
         self.pool = PinnedPool(slots, pin=self.cuda)
         # steps handed to the consumer and not yet on the host: each holds its staged copy on the device
@@ -316,19 +315,16 @@ class Capturer:
         self.thread = threading.Thread(target=self._consume, name="eagle3-capture", daemon=True)
         self.thread.start()
 
-    def start(self, mode: str, writer=None, shard_tokens: int = 8192, dtype: torch.dtype | None = None,
-              copy_from: str = "consumer") -> None:
+    def start(self, mode: str, writer=None, shard_tokens: int = 8192, dtype: torch.dtype | None = None) -> None:
         """Begin a session in ``mode`` storing states as ``dtype`` (default: as before); ``stop`` (or another
         start) ends it."""
         if mode not in self.MODES:
             raise ValueError(f"capture mode {mode!r} not in {self.MODES}")
-        if copy_from not in ("consumer", "forward"):
-            raise ValueError(f"copy_from {copy_from!r} is neither 'consumer' nor 'forward'")
         if mode == "store" and writer is None:
             raise ValueError("store mode needs a writer")
         self.drain()
         self.dtype = dtype or self.dtype
-        self.mode, self.stats, self.errors, self.copy_from = mode, CaptureStats(), [], copy_from
+        self.mode, self.stats, self.errors = mode, CaptureStats(), []
         self.filler = ShardFiller(writer, self.n_layers, self.hidden, self.dtype, shard_tokens, self.cuda,
                                   free=self.shard_buffers) if mode == "store" else None
 
@@ -421,19 +417,15 @@ class Capturer:
         # other streams), which its next step waits for, in the copy engine's queue (session 6 on the H200: the
         # null sink lost ~the copies' time, 1.3 s per 60 GB, with the forward never waiting on the capture).
         sources = [t for t in (staged, scales) if t is not None]
-        issued = None  # the copies' (begun, done) events once issued
-        if self.copy_from == "forward":  # as before session 6 (kept to measure the difference in one run)
-            issued, sources, copies = self._issue(ready, sources, copies, wait=False), [], []
-        self.queue.put((ready, sources, copies, issued, arrivals, host))
+        self.queue.put((ready, sources, copies, arrivals, host))
 
-    def _issue(self, ready, sources: list, copies: list, wait: bool = True) -> tuple:
+    def _issue(self, ready, sources: list, copies: list) -> tuple:
         """Copy the step's rows to the host on the side stream; returns the (begun, done) timing events."""
         if ready is None:  # CPU
             for dst, src in copies:
                 dst.copy_(src)
             return None, None
-        if wait:
-            ready.synchronize()  # the engine has issued this step's own copies by now
+        ready.synchronize()  # the engine has issued this step's own copies by now
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
             begun = torch.cuda.Event(enable_timing=True)
@@ -454,11 +446,10 @@ class Capturer:
             try:
                 if item is None:
                     return
-                ready, sources, copies, issued, arrivals, host = item
+                ready, sources, copies, arrivals, host = item
                 item = ()  # not None (released below), and holding no tensor
-                if issued is None:
-                    with torch.inference_mode():  # the buffers and views were made under it (in the forward)
-                        issued = self._issue(ready, sources, copies)
+                with torch.inference_mode():  # the buffers and views were made under it (in the forward)
+                    issued = self._issue(ready, sources, copies)
                 sources = copies = None  # the staged rows (their use by the side stream is recorded) may be freed
                 begun, event = issued
                 if event is not None:

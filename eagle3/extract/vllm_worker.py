@@ -108,8 +108,7 @@ class CaptureExtension:
                                  writer_id=f"tp{e3['par']['tp_rank']} pid {os.getpid()}")
         e3["writer"] = writer
         e3["capturer"].start(mode, writer, shard_tokens=cfg.get("shard_tokens") or 8192,
-                             dtype=getattr(torch, cfg.get("dtype", "bfloat16")),
-                             copy_from=cfg.get("copy_from", "consumer"))
+                             dtype=getattr(torch, cfg.get("dtype", "bfloat16")))
         return {"rank": e3["par"]["tp_rank"], "mode": mode}
 
     def eagle3_expect(self, sample_ids: list, lengths: list, ids: bytes, masks: bytes) -> dict:

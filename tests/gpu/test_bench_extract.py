@@ -8,7 +8,6 @@ committed), so a writer's drain overlaps the next batch's prefill as in a long r
     vllm_ehs       vLLM's own extract_hidden_states + ExampleHiddenStatesConnector (every file closed)
     count          eagle3 aux capture, nothing copied out (the capture path's own overhead)
     host           eagle3 aux capture, states copied to pinned host memory and dropped (the null sink)
-    host_forward   the same with the copies issued by the forward, as before session 6 (for the comparison)
     host_slots8    the null sink with 8 steps in flight instead of 4 (information: does back-pressure cost?)
     count_direct, host_direct, store_direct
                    count, host and store with the experimental direct capture (a plain engine whose model returns
@@ -16,8 +15,6 @@ committed), so a writer's drain overlaps the next batch's prefill as in a long r
     store          eagle3 aux capture into the shard store, fsynced and committed (extract.run's loop)
     store_nofsync  the same into the page cache
     store_fp8      the fsynced store with --state-dtype fp8 (quantized before the copy to the host)
-    store_loopcommit the fsynced store committed in the loop, as before session 6 (its manifest fsync, which on
-                   ext4 waits for the writers' dirty data, idled the GPU between batches: 0.85x vs 0.98x)
     hooks_host     eagle3 hooks capture (eager mode) into the null sink
     hf             the transformers reference (bf16) on the same GPU: information only
     disk           what the store's writers can get from the disk: 4 threads writing shard-sized files,
@@ -431,9 +428,6 @@ class _Loop:
         self.backend, self.target, self.root = backend, target, root
         self.fsync = mode != "store_nofsync"
         self.dtype = FP8 if mode == "store_fp8" else "bfloat16"
-        # store_loopcommit / host_forward: as before session 6 (commits in the loop; copies issued by the forward)
-        self.in_loop = mode == "store_loopcommit"
-        self.copy_from = "forward" if mode == "host_forward" else "consumer"
         self.slots = 8 if mode == "host_slots8" else 4  # steps in flight (staged on the device, pinned on the host)
         self.mode = "store" if mode.startswith("store") else "host" if mode.startswith("host") else mode
         self.session = self.store = self.committer = None
@@ -451,9 +445,8 @@ class _Loop:
             spec = self.backend.spec
             spec = StoreSpec(spec.target, spec.layer_ids, spec.hidden_size, self.dtype, spec.convention)
             self.store = Store.open(self.root, spec, create=True, fsync=self.fsync)
-            self.committer = None if self.in_loop else BackgroundCommitter(self, fsync=self.fsync)
-        self.session = VLLMSession(self.backend, self.store, cfg, mode=self.mode, copy_from=self.copy_from,
-                                   slots=self.slots)
+            self.committer = BackgroundCommitter(self, fsync=self.fsync)
+        self.session = VLLMSession(self.backend, self.store, cfg, mode=self.mode, slots=self.slots)
         self.timing = dict.fromkeys(self.timing, 0.0)
 
     def drain(self):  # after the clock: the window's unlinks (as a consumer would make them) are done
@@ -482,10 +475,7 @@ class _Loop:
         if self.store is None:
             return
         t0 = time.perf_counter()
-        if self.committer is not None:
-            self.committer.commit(infos)
-        else:
-            self.commit(infos, self.fsync)
+        self.committer.commit(infos)
         self.timing["commit_s"] += time.perf_counter() - t0
 
     def commit(self, infos, fsync=True, fault=None):  # the committer's store: commit, then hand to the window
@@ -494,8 +484,8 @@ class _Loop:
             self.window.add(str(self.root / info.file), info.bytes)
 
 
-@pytest.mark.parametrize("mode", ["count", "host", "count_direct", "host_direct", "host_forward", "host_slots8",
-                                  "store", "store_loopcommit", "store_nofsync", "store_fp8", "store_direct"])
+@pytest.mark.parametrize("mode", ["count", "host", "count_direct", "host_direct", "host_slots8", "store",
+                                  "store_nofsync", "store_fp8", "store_direct"])
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_eagle3_aux_capture(benchmark, target, live, tmp_path, shape, mode):
     wanted(mode)
@@ -579,8 +569,6 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
             "store/plain": over(got.get("store"), plain),
             "store/limit_fsync": over(got.get("store"), limit["fsync"]),
             "store_fp8/plain": over(got.get("store_fp8"), plain),
-            "store_loopcommit/limit_fsync": over(got.get("store_loopcommit"), limit["fsync"]),  # information
-            "host_forward/plain": over(got.get("host_forward"), plain),  # information
             "host_slots8/plain": over(got.get("host_slots8"), plain),  # information
             # information: the engine vLLM allows the capture (no async scheduling) against the same without capture
             "plain_sync/plain": over(got.get("plain_sync"), plain),
