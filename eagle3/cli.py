@@ -1,4 +1,4 @@
-"""The `eagle3` command: doctor, extract, train, demo, verify, eval, bench report."""
+"""The `eagle3` command: doctor, extract, train, demo, verify, eval, bench report, bench disk."""
 
 from __future__ import annotations
 
@@ -285,6 +285,24 @@ def cmd_bench_report(a) -> int:
     return 0
 
 
+def cmd_bench_disk(a) -> int:
+    from eagle3.preflight import UsageError
+    from eagle3.store import bandwidth
+
+    print(f"disk       {a.dir}: {a.writers} writers x {a.files} files x {a.file_mb} MiB a round (the store's writes), "
+          f"{a.rounds} timed rounds after a warm-up")
+    for fsync, name, what in ((True, "fsync", "a store's"), (False, "page cache", "a --no-fsync store's")):
+        try:
+            fig = bandwidth.measure(a.dir, fsync, a.writers, a.files, a.file_mb << 20, a.rounds)
+        except OSError as e:
+            raise UsageError(f"writing test files into {a.dir}: {e}. Free space there, or give a smaller --file-mb "
+                             "or fewer --writers") from e
+        bps = fig.bytes_per_s
+        print(f"{name:10s} {bps / 1e9:,.2f} GB/s = {bps / a.bytes_per_token:,.0f} tok/s at {a.bytes_per_token:,} B a "
+              f"token: {what} limit while prefill is faster")
+    return 0
+
+
 class _Help(argparse.HelpFormatter):
     """Every option's help ends with its default unless the text already states it."""
 
@@ -351,6 +369,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--baselines", default=None, help="folder of per-profile baseline JSON (default: bundled)")
     r.add_argument("--update-baselines", action="store_true",
                    help="write each profile's newest run into the baselines folder (--baselines, else the bundled one)")
+    d = bsub.add_parser("disk", formatter_class=_Help,
+                        help="what a disk can take from the store: its parallel writes timed, fsynced and not")
+    d.add_argument("--dir", required=True, help="a folder on the disk the store will use (test files are removed)")
+    d.add_argument("--writers", type=int, default=4, help="parallel writers (the store's owner rank runs 4)")
+    d.add_argument("--files", type=int, default=4, help="files each writer writes a round")
+    d.add_argument("--file-mb", type=int, default=512, help="MiB a file (the store's shard size)")
+    d.add_argument("--rounds", type=int, default=2, help="timed rounds (their median counts), after one warm-up")
+    d.add_argument("--bytes-per-token", type=int, default=57344,
+                   help="a stored token's bytes: layers x hidden x 2 (bf16), half with --state-dtype fp8; "
+                        "Kimi-K2.5: 4 x 7168 x 2")
     return parser
 
 
@@ -404,6 +432,8 @@ def preflight(a) -> None:
         pf.model_folder(a.target, weights=True, tokenizer=True, what="--target")
         pf.model_folder(a.draft, weights=True, what="--draft")
         pf.cuda_available("eval")
+    elif a.cmd == "bench" and a.bench_cmd == "disk":
+        pf.disk_test_folder(a.dir, a.writers, a.files, a.file_mb, a.rounds, a.bytes_per_token)
     elif a.cmd == "bench":
         missing = [h for h in a.history if not Path(h).exists()]
         if missing:
@@ -463,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "eval":
             return cmd_eval(args)
         if args.cmd == "bench":
-            return cmd_bench_report(args)
+            return cmd_bench_disk(args) if args.bench_cmd == "disk" else cmd_bench_report(args)
         if args.cmd == "make-target":
             return cmd_make_target(args)
     except (DataError, StoreError, LayerIdError, DraftShapeError, TrainingDiverged, NonFiniteWeights,

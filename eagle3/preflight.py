@@ -63,3 +63,25 @@ def store_folder(path: str | Path) -> Path:
     if not (p / "manifest.json").is_file():
         raise UsageError(f"{p} is not a store (no manifest.json): give the folder `eagle3 extract --out` wrote")
     return p
+
+
+def disk_test_folder(path: str | Path, writers: int, files: int, file_mb: int, rounds: int,
+                     bytes_per_token: int) -> Path:
+    """`bench disk`: a writable folder with room for every writer's file at once, and positive sizes."""
+    import os
+    import shutil
+
+    for name, v in (("--writers", writers), ("--files", files), ("--file-mb", file_mb), ("--rounds", rounds),
+                    ("--bytes-per-token", bytes_per_token)):
+        if v < 1:
+            raise UsageError(f"{name} {v}: give a positive number")
+    p = Path(path)
+    if not p.is_dir():
+        raise UsageError(f"--dir {p}: no such folder; give an existing folder on the disk the store will use")
+    if not os.access(p, os.W_OK):
+        raise UsageError(f"--dir {p}: not writable by this user; give a folder you can write to")
+    need, free = writers * (file_mb << 20), shutil.disk_usage(p).free
+    if need > free:
+        raise UsageError(f"--dir {p}: {writers} writers x {file_mb} MiB need {need / 2**30:.1f} GiB at once and "
+                         f"{free / 2**30:.1f} GiB are free; give a smaller --file-mb or fewer --writers")
+    return p

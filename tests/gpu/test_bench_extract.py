@@ -61,6 +61,7 @@ from eagle3 import bench
 from eagle3.data.conversations import random_samples
 from eagle3.extract import extract
 from eagle3.extract.vllm_backend import VLLMSession
+from eagle3.store import bandwidth
 from eagle3.store.committer import BackgroundCommitter
 from eagle3.store.folder import Store
 from eagle3.store.format import FP8, SHARD_BYTES, StoreSpec
@@ -314,31 +315,12 @@ def _generate(llm, samples):
 @pytest.mark.parametrize("fsync", [True, False], ids=["fsync", "page_cache"])
 def test_disk_write_bandwidth(benchmark, target, tmp_path, fsync):
     """What the store's writers can get: WRITERS threads each writing shard-sized files (SHARD_BYTES, the store's
-    default) in the store's chunking, fsynced or into the page cache; 4 files per thread."""
+    default) in the store's chunking, fsynced or into the page cache; 4 files per thread (`eagle3 bench disk`)."""
     wanted("disk")
-    chunk = os.urandom(1 << 20) * 64  # 64 MiB
-    per_file = SHARD_BYTES // len(chunk)
-
-    def writer(k):
-        for n in range(4):
-            path = tmp_path / f"bw-{k}-{n}.bin"
-            with open(path, "wb") as f:
-                for _ in range(per_file):
-                    f.write(chunk)
-                f.flush()
-                if fsync:
-                    os.fsync(f.fileno())
-            path.unlink()
-
-    def run():
-        threads = [threading.Thread(target=writer, args=(k,)) for k in range(WRITERS)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-
-    benchmark.pedantic(run, rounds=2, warmup_rounds=1)
-    bps = WRITERS * 4 * per_file * len(chunk) / benchmark.stats.stats.median
+    written = []
+    benchmark.pedantic(lambda: written.append(bandwidth.write_round(tmp_path, fsync, WRITERS, 4, SHARD_BYTES)),
+                       rounds=2, warmup_rounds=1)
+    bps = written[-1] / benchmark.stats.stats.median
     name = "fsync" if fsync else "page_cache"
     RESULTS[f"disk_bytes_per_s[{name}]"] = bps
     _REPORT["put"](f"disk_GB_per_s[{name}]", round(bps / 1e9, 2))

@@ -1,0 +1,79 @@
+"""What a disk can take from the store (eagle3/store/bandwidth.py, `eagle3 bench disk`)."""
+
+import errno
+import os
+import re
+
+import pytest
+
+from eagle3 import cli
+from eagle3.store import bandwidth
+
+MiB = 1 << 20
+
+
+def test_a_round_writes_each_writer_s_files_fsynced_or_not_and_leaves_none(tmp_path, monkeypatch):
+    synced, real_fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_size), real_fsync(fd))[1])
+    assert bandwidth.write_round(tmp_path, True, writers=3, files=2, file_bytes=2 * MiB) == 3 * 2 * 2 * MiB
+    assert synced == [2 * MiB] * 6  # every file whole when fsynced
+    assert list(tmp_path.iterdir()) == []
+    synced.clear()
+    assert bandwidth.write_round(tmp_path, False, writers=2, files=1, file_bytes=MiB) == 2 * MiB
+    assert synced == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_writer_s_error_is_raised_and_no_file_is_left(tmp_path, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        bandwidth.write_round(tmp_path, True, writers=2, files=2, file_bytes=MiB)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="whole number of MiB"):
+        bandwidth.write_round(tmp_path, False, file_bytes=MiB + 1)
+
+
+def test_the_figure_is_the_median_of_the_timed_rounds_after_the_warm_up(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bandwidth, "write_round", lambda *a: calls.append(a) or 100)
+    fig = bandwidth.measure(tmp_path, True, 2, 1, MiB, rounds=3, warmup=1)
+    assert len(calls) == 4 and len(fig.seconds) == 3 and fig.round_bytes == 100
+    assert bandwidth.DiskFigure(True, 100, [1.0, 4.0, 2.0]).bytes_per_s == 50.0
+
+
+def test_cli_bench_disk_prints_each_limit_in_tokens_a_second(tmp_path, capsys):
+    assert cli.main(["bench", "disk", "--dir", str(tmp_path), "--writers", "2", "--files", "1", "--file-mb", "1",
+                     "--rounds", "1", "--bytes-per-token", "28672"]) == 0
+    out = capsys.readouterr().out
+    assert "2 writers x 1 files x 1 MiB a round" in out
+    for name in ("fsync", "page cache"):
+        m = re.search(rf"^{name} +([\d.,]+) GB/s = ([\d,]+) tok/s at 28,672 B a token", out, re.M)
+        assert m, out
+        gbs, tps = float(m[1].replace(",", "")), int(m[2].replace(",", ""))
+        assert abs(tps - gbs * 1e9 / 28672) <= 0.006e9 / 28672 + 1, out  # the rate printed is the one converted
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_bench_disk_refuses_what_cannot_run_naming_the_fix(tmp_path, monkeypatch, capsys):
+    import shutil
+    from collections import namedtuple
+
+    assert cli.main(["bench", "disk", "--dir", str(tmp_path / "missing")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert cli.main(["bench", "disk", "--dir", str(tmp_path), "--writers", "0"]) == 2
+    assert "--writers 0: give a positive number" in capsys.readouterr().err
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**30, 9 * 2**30, 2**30))
+    assert cli.main(["bench", "disk", "--dir", str(tmp_path)]) == 2  # 4 x 512 MiB at once, 1 GiB free
+    assert "need 2.0 GiB at once and 1.0 GiB are free; give a smaller --file-mb" in capsys.readouterr().err
+    monkeypatch.undo()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert cli.main(["bench", "disk", "--dir", str(tmp_path), "--writers", "1", "--files", "1", "--file-mb", "1"]) == 2
+    assert "No space left on device. Free space there" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
