@@ -71,9 +71,15 @@ class ExtractSummary:
             f"samples    {self.samples_written} written now, {self.samples_done_before} already there, "
             f"{self.samples_total} planned",
             f"tokens     {self.tokens_written} in {self.seconds:.1f} s = {self.tokens_per_s:,.0f} tok/s",
-            f"bytes      {self.bytes_written / 2**20:,.1f} MiB",
+            f"bytes      {self.bytes_written / 2**20:,.1f} MiB"
+            + (f" = {_rate(self.bytes_written / self.seconds)} (`eagle3 bench disk` says what the disk can take)"
+               if self.seconds else ""),
         ] + ([f"data       {self.data_report}"] if self.data_report else []) + (
             [f"check      {self.selfcheck}"] if self.selfcheck else [])
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:,.2f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:,.1f} MB/s"
 
 
 def store_spec(model: str | Path, layer_ids: Sequence[int] | None, dtype: str) -> StoreSpec:

@@ -77,3 +77,11 @@ def test_cli_bench_disk_refuses_what_cannot_run_naming_the_fix(tmp_path, monkeyp
     assert cli.main(["bench", "disk", "--dir", str(tmp_path), "--writers", "1", "--files", "1", "--file-mb", "1"]) == 2
     assert "No space left on device. Free space there" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_extraction_summary_says_its_write_rate_beside_the_disk_s():
+    from eagle3.extract.extract import ExtractSummary
+
+    lines = ExtractSummary("s", 2, 0, 2, 1000, 2.0, 3 * 10**9).lines()
+    assert "bytes      2,861.0 MiB = 1.50 GB/s (`eagle3 bench disk` says what the disk can take)" in lines
+    assert "bytes      2.9 MiB = 1.5 MB/s (" in ExtractSummary("s", 2, 0, 2, 1000, 2.0, 3 * 10**6).lines()[3]
