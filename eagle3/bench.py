@@ -92,9 +92,9 @@ def load_disks(paths: Iterable[str | Path]) -> dict[tuple[str, str], dict[str, f
     return disks
 
 
-def limits(records: list[Record], disks: dict[tuple[str, str], dict[str, float]]) -> dict[int, tuple]:
-    """id(record) -> (limit tok/s, disk kind, disk bytes/s, bytes per token) for each disk-bound record whose run
-    measured plain prefill of its shape and that disk."""
+def limits(records: list[Record], disks: dict[tuple[str, str], dict[str, float]]) -> dict[tuple, tuple]:
+    """(run, profile, key) -> (limit tok/s, disk kind, disk bytes/s, bytes per token) for each disk-bound record
+    whose run measured plain prefill of its shape and that disk."""
     plain = {(r.run, r.profile, r.key.split("/")[1]): r.tokens_per_s for r in records if r.key.startswith("plain/")}
     out = {}
     for r in records:
@@ -103,17 +103,17 @@ def limits(records: list[Record], disks: dict[tuple[str, str], dict[str, float]]
         disk = disks.get((r.run, r.profile), {}).get(kind) if kind else None
         limit = disk_limit(plain.get((r.run, r.profile, shape)), disk, bpt) if bpt else None
         if limit:
-            out[id(r)] = (limit, kind, disk, bpt)
+            out[(r.run, r.profile, r.key)] = (limit, kind, disk, bpt)
     return out
 
 
-def limit_lines(records: list[Record], lim: dict[int, tuple]) -> list[str]:
+def limit_lines(records: list[Record], lim: dict[tuple, tuple]) -> list[str]:
     if not lim:
         return []
     out = ["", "Disk-bound modes against their limit, min(plain prefill, the same run's disk bandwidth / bytes a token):"]
     for r in records:
-        if id(r) in lim:
-            limit, kind, disk, bpt = lim[id(r)]
+        if (r.run, r.profile, r.key) in lim:
+            limit, kind, disk, bpt = lim[(r.run, r.profile, r.key)]
             by_disk = f"{kind.replace('_', ' ')} {disk / 1e9:.2f} GB/s / {bpt:,.0f} B a token"
             why = by_disk if disk / bpt <= limit else f"plain prefill; {by_disk} = {disk / bpt:,.0f}"
             out.append(f"- {r.run} {r.profile} {r.key}: {r.tokens_per_s:,.0f} tok/s = {r.tokens_per_s / limit:.2f}x "
@@ -237,8 +237,8 @@ def bars(records: list[Record], path: Path, disks: dict | None = None) -> list[s
                 if plain:
                     text = f"{r.tokens_per_s / plain:.2f}x"
                     top = r.tokens_per_s
-                    if id(r) in lim:
-                        limit = lim[id(r)][0]
+                    if (r.run, r.profile, r.key) in lim:
+                        limit = lim[(r.run, r.profile, r.key)][0]
                         ax.hlines(limit, x - width / 2, x + width / 2, colors="black", linewidth=2)
                         text += f"; {r.tokens_per_s / limit:.2f}x of limit"
                         top = max(top, limit)
@@ -246,7 +246,7 @@ def bars(records: list[Record], path: Path, disks: dict | None = None) -> list[s
                     labels.append(f"{prof} {r.key} {text}")
         ax.set_xticks(range(len(shapes)))
         ax.set_xticklabels(shapes)
-        limited = [lim[id(r)][0] for r in rs if id(r) in lim]
+        limited = [lim[k][0] for k in ((r.run, r.profile, r.key) for r in rs) if k in lim]
         # room for the labels, longer where they carry a limit
         ax.set_ylim(0, (1.6 if limited else 1.15) * max([r.tokens_per_s for r in rs] + limited, default=1))
         if limited:
