@@ -69,13 +69,29 @@ from eagle3.store.format import FP8, SHARD_BYTES, StoreSpec
 pytestmark = [pytest.mark.gpu, pytest.mark.benchmark]
 
 ALL_SHAPES = [(16, 512), (64, 512), (8, 4096)]
+PLAIN_MODES = ["plain", "plain_sync"]
+EAGLE3_MODES = ["count", "host", "count_direct", "host_direct", "host_slots8", "store", "store_nofsync", "store_fp8",
+                "store_direct"]
+KNOWN_MODES = {"disk", "d2h", "vllm_ehs", "hooks_host", "hf", *PLAIN_MODES, *EAGLE3_MODES}
+
+
+def _narrowed(var: str, known: list[str]) -> set[str] | None:
+    """The names in environment variable VAR (None: unset, everything); a name not in ``known`` is an error: a typo
+    would otherwise skip that figure without a word and cost a lease its measurement."""
+    names = set(os.environ.get(var, "").split())
+    unknown = sorted(names - set(known))
+    if unknown:
+        raise ValueError(f"{var}: {' '.join(unknown)} unknown (known: {' '.join(known)})")
+    return names or None
+
+
 # EAGLE3_BENCH_SHAPES="64x512" measures only those (mini-Kimi's targets are on 64x512; a shorter campaign)
-_ONLY_SHAPES = os.environ.get("EAGLE3_BENCH_SHAPES", "").split()
+_ONLY_SHAPES = _narrowed("EAGLE3_BENCH_SHAPES", [f"{b}x{t}" for b, t in ALL_SHAPES])
 SHAPES = [(b, t) for b, t in ALL_SHAPES if not _ONLY_SHAPES or f"{b}x{t}" in _ONLY_SHAPES]
 IDS = [f"{b}x{t}" for b, t in SHAPES]
 BATCHES = int(os.environ.get("EAGLE3_BENCH_BATCHES", "32"))
 # EAGLE3_BENCH_MODES="plain store disk" measures only those (kimi-depth: each engine takes 2-5 min to start)
-MODES = set(os.environ.get("EAGLE3_BENCH_MODES", "").split()) or None
+MODES = _narrowed("EAGLE3_BENCH_MODES", sorted(KNOWN_MODES))
 WARMUP = 2
 WRITERS = 4  # the store's writer threads on the owner rank (VLLMSession: max(4, writer_threads))
 DISK_WINDOW = 8 << 30  # bytes of committed states kept on disk during a run (see the docstring)
@@ -350,7 +366,7 @@ def test_device_to_host_bandwidth(benchmark, target):
     benchmark.extra_info.update(key="d2h/4x1GiB", bytes_per_s=round(bps), profile=_profile(target))
 
 
-@pytest.mark.parametrize("mode", ["plain", "plain_sync"])
+@pytest.mark.parametrize("mode", PLAIN_MODES)
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_plain_prefill(benchmark, target, shape, live, mode):
     """plain: vLLM's default engine, which schedules the next step while the GPU runs this one (async
@@ -466,8 +482,7 @@ class _Loop:
             self.window.add(str(self.root / info.file), info.bytes)
 
 
-@pytest.mark.parametrize("mode", ["count", "host", "count_direct", "host_direct", "host_slots8", "store",
-                                  "store_nofsync", "store_fp8", "store_direct"])
+@pytest.mark.parametrize("mode", EAGLE3_MODES)
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_eagle3_aux_capture(benchmark, target, live, tmp_path, shape, mode):
     wanted(mode)

@@ -209,6 +209,46 @@ def test_the_gpu_benchmark_s_acceptance_with_one_shape(monkeypatch):
     assert failures == ["mini-Kimi's targets: 64x512 not measured (EAGLE3_BENCH_SHAPES)"]
 
 
+def test_a_mode_or_shape_the_benchmark_does_not_know_stops_it_at_collection(monkeypatch):
+    """A typo in EAGLE3_BENCH_MODES or EAGLE3_BENCH_SHAPES skipped that figure without a word (a lease's measurement
+    lost, found out only when the acceptance said "not measured"): now the module refuses it, naming what it knows."""
+    import importlib
+
+    from tests.gpu import test_bench_extract as gb
+
+    try:
+        monkeypatch.setenv("EAGLE3_BENCH_MODES", "plain host_fwd store")
+        with pytest.raises(ValueError, match=r"EAGLE3_BENCH_MODES: host_fwd unknown \(known: .*host_slots8"):
+            importlib.reload(gb)
+        monkeypatch.setenv("EAGLE3_BENCH_MODES", "plain count_direct")
+        monkeypatch.setenv("EAGLE3_BENCH_SHAPES", "64x512 64x500")
+        with pytest.raises(ValueError, match=r"EAGLE3_BENCH_SHAPES: 64x500 unknown \(known: 16x512 64x512 8x4096\)"):
+            importlib.reload(gb)
+        monkeypatch.setenv("EAGLE3_BENCH_SHAPES", "64x512")
+        assert importlib.reload(gb).MODES == {"plain", "count_direct"}
+    finally:
+        monkeypatch.delenv("EAGLE3_BENCH_MODES", raising=False)
+        monkeypatch.delenv("EAGLE3_BENCH_SHAPES", raising=False)
+        importlib.reload(gb)
+
+
+def test_the_gpu_campaign_and_its_plans_name_only_modes_and_shapes_the_benchmark_knows():
+    """What the next session copies into a lease (tests/gpu/README.md's plans, campaign.sh's defaults)."""
+    import re
+
+    from tests.gpu import test_bench_extract as gb
+
+    gpu = Path(__file__).parents[1] / "gpu"
+    text = (gpu / "README.md").read_text() + (gpu / "campaign.sh").read_text()
+    modes = re.findall(r'(?:BENCH|BENCHKD)_MODES(?::-|=)"([^"]+)"', text)
+    shapes = re.findall(r'(?:BENCH|BENCHKD)_SHAPES=([\dx]+)', text)
+    assert len(modes) >= 5 and len(shapes) >= 3, (modes, shapes)
+    assert {m for line in modes for m in line.split()} - gb.KNOWN_MODES == set()
+    assert set(shapes) <= {f"{b}x{t}" for b, t in gb.ALL_SHAPES}
+    asked = set(re.findall(r'wanted\("(\w+)"\)', (gpu / "test_bench_extract.py").read_text()))
+    assert asked and asked | set(gb.PLAIN_MODES) | set(gb.EAGLE3_MODES) == gb.KNOWN_MODES  # no mode unreachable
+
+
 def test_a_null_sink_below_target_says_when_the_device_to_host_copies_cannot_carry_it(monkeypatch):
     """host >= 0.90 x plain needs plain x 57,344 B/token across PCIe: when the measured d2h bandwidth cannot carry
     0.90 x plain, the failure says so, with the host's ratio to that limit; when it can, the failure is plain."""
