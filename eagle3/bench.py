@@ -160,30 +160,48 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
     md = out / "throughput.md"
     md.write_text("\n".join(lines) + "\n")
 
-    profiles = sorted({r.profile for r in records})
-    fig, axes = plt.subplots(len(profiles), 1, figsize=(10, 4.5 * len(profiles)), squeeze=False)
-    for ax, prof in zip(axes[:, 0], profiles):
-        rs = [r for r in records if r.profile == prof]
-        runs = sorted({r.run for r in rs})
-        for key in sorted({r.key for r in rs}):
+    png = out / "throughput.png"
+    trends(records, baselines, png)
+    bars(records, out / "throughput-latest.png", load_disks(history))
+    return md, png
+
+
+def trends(records: list[Record], baselines: dict[str, dict], path: Path) -> list[tuple[str, str, str]]:
+    """tokens/s over runs: a panel per (profile, shape), a line per mode in a color of its own that it keeps in
+    every panel, each baseline dashed in its line's color, the legend beside the axes. Returns the lines drawn
+    as (panel "profile shape", key, color)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+
+    keyed = [r for r in records if "/" in r.key]
+    modes = sorted({r.key.split("/")[0] for r in keyed}, key=lambda m: (m != "plain", m))
+    cmap = plt.get_cmap("tab20") if len(modes) <= 20 else plt.get_cmap("hsv", len(modes) + 1)
+    color = {m: to_hex(cmap(i)) for i, m in enumerate(modes)}
+    panels = sorted({(r.profile, r.key.split("/")[1]) for r in keyed})
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.6 * max(1, len(panels))), squeeze=False)
+    drawn = []
+    for ax, (prof, shape) in zip(axes[:, 0], panels):
+        rs = [r for r in keyed if r.profile == prof and r.key.endswith("/" + shape)]
+        runs = sorted({r.run for r in records if r.profile == prof})
+        for mode in [m for m in modes if any(r.key == f"{m}/{shape}" for r in rs)]:
+            key = f"{mode}/{shape}"
             pts = [(runs.index(r.run), r.tokens_per_s) for r in rs if r.key == key]
-            line, = ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=key)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=color[mode], label=mode)
+            drawn.append((f"{prof} {shape}", key, color[mode]))
             base = baselines.get(prof, {}).get("tokens_per_s", {}).get(key)
             if base:
-                ax.axhline(base, linestyle="--", color=line.get_color(), alpha=0.6)
-        ax.set_title(f"{prof}: extraction tokens/s per run (dashed: baseline)")
+                ax.axhline(base, linestyle="--", color=color[mode], alpha=0.6)
+        ax.set_title(f"{prof} {shape}: extraction tokens/s per run (dashed: baseline)", fontsize=10)
         ax.set_xticks(range(len(runs)))
-        ax.set_xticklabels([r[:16] for r in runs], rotation=20, fontsize=8)
+        ax.set_xticklabels([r[:16] for r in runs], rotation=15, fontsize=7)
         ax.set_ylabel("tokens/s")
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
-    png = out / "throughput.png"
-    fig.savefig(png, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    bars(records, out / "throughput-latest.png", load_disks(history))
-    return md, png
+    return drawn
 
 
 def per_gpu(r: Record) -> float:

@@ -162,6 +162,29 @@ def test_the_report_sets_each_disk_bound_mode_against_its_disk_limit(tmp_path):
     assert "store_fp8/64x512: 40,000 tok/s = 0.92x of 43,666 (fsync 1.25 GB/s / 28,672 B a token)" in md.read_text()
 
 
+def test_the_trend_plot_has_a_panel_per_profile_and_shape_and_one_color_per_mode(tmp_path):
+    """Every H200 run in results/ on one log-scale axis per profile gave 30 lines in 10 repeating colors (count and
+    plain at 16x512 the same blue) under a legend that hid them. A panel per (profile, shape); a mode keeps its
+    color in every panel and no two modes share one; the legend beside the axes."""
+    results = Path(__file__).parents[2] / "results"
+    records = bench.load_history([results])
+    drawn = bench.trends(records, bench.load_baselines(), tmp_path / "t.png")
+    panels = {}
+    for panel, key, color in drawn:
+        panels.setdefault(panel, []).append((key, color))
+    assert "h200-mini-kimi 64x512" in panels and "h200-kimi-depth 64x512" in panels
+    assert set(panels) == {f"{r.profile} {r.key.split('/')[1]}" for r in records}
+    color_of = {}
+    for panel, lines in panels.items():
+        assert all(key.endswith("/" + panel.split()[1]) for key, _ in lines), panel
+        for key, color in lines:
+            color_of.setdefault(key.split("/")[0], set()).add(color)
+    assert all(len(c) == 1 for c in color_of.values()), color_of  # one color per mode, in every panel
+    firsts = [next(iter(c)) for c in color_of.values()]
+    assert len(set(firsts)) == len(firsts)  # no two modes alike
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+
+
 def _measured(session: str) -> dict:
     """The figures an H200 run measured (results/h200-vllm0.26.0-SESSION/bench_summary.json), by key."""
     path = Path(__file__).parents[2] / f"results/h200-vllm0.26.0-{session}/bench_summary.json"
