@@ -122,11 +122,10 @@ def limit_lines(records: list[Record], lim: dict[tuple, tuple]) -> list[str]:
 
 
 def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | Path | None = None) -> tuple[Path, Path]:
-    """Markdown table + PNG plot (tokens/s over runs per key, baseline as a dashed line)."""
+    """Markdown table, the trend plot (throughput.png, trends) and the latest run's bars (throughput-latest.png)."""
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")  # no display: before pyplot is imported (by trends and bars)
 
     from eagle3.preflight import UsageError
 
