@@ -610,6 +610,8 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
             if r["plain_sync/plain"] is not None:
                 why += (f"; plain without async scheduling (which vLLM 0.26 refuses extract_hidden_states engines) "
                         f"{r['plain_sync/plain']:.2f}x; host/plain_sync {r['host/plain_sync']:.2f}x")
+            if r["host_direct/plain"] is not None:
+                why += f"; with --capture direct (a plain engine) host reaches {r['host_direct/plain']:.2f}x"
         need(r, "host/plain", 0.90, "null sink / plain prefill", why)
         need(r, "store/limit_fsync", 0.90, "fsynced store / min(prefill, parallel fsync bandwidth / bytes per token)")
         need(r, "store_nofsync/vllm_ehs", 1.0, "page-cache store / vLLM's extract_hidden_states")

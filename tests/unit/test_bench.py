@@ -325,6 +325,9 @@ def test_a_null_sink_below_target_says_when_the_capture_engine_itself_is_below(m
     fine = dict(measured, **{"count/64x512": 0.95 * measured["plain/64x512"]})  # the engine is not the limit
     _, failures = gb.acceptance(fine, "mini-kimi", 57344, "h200-mini-kimi", {})
     assert failures[0] == "null sink / plain prefill 0.82x (< 0.9)"
+    direct = dict(measured, **{"host_direct/64x512": 0.93 * measured["plain/64x512"]})
+    _, failures = gb.acceptance(direct, "mini-kimi", 57344, "h200-mini-kimi", {})
+    assert failures[0].endswith("reaches 0.85x plain; with --capture direct (a plain engine) host reaches 0.93x")
 
 
 def test_the_benchmark_reports_its_rate_per_quarter_and_their_spread():
