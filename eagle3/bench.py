@@ -137,8 +137,8 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# eagle3 extraction throughput", "",
-             "| run | profile | key | tokens/s | per GPU | vs plain prefill | vs baseline | regression |",
-             "|---|---|---|---:|---:|---:|---:|---|"]
+             "| run | profile | key | tokens/s | per GPU | vs plain prefill | vs baseline | regression | spread in its run |",
+             "|---|---|---|---:|---:|---:|---:|---|---:|"]
     plain = {(r.run, r.profile, r.key.split("/")[1]): r.tokens_per_s for r in records if r.key.startswith("plain/")}
     for r in records:
         shape = r.key.split("/")[1] if "/" in r.key else ""
@@ -147,8 +147,10 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
         reg = regression(r, baselines)
         vs_plain = f"{r.tokens_per_s / p:.2f}x" if p else "-"
         vs_base = f"{r.tokens_per_s / base:.2f}x" if base else "-"
+        # (max - min) / median of the figure's rate per quarter of its batches (GPU benchmark, since session 7)
+        spread = f"{r.extra['spread']:.1%}" if r.extra.get("spread") is not None else "-"
         lines.append(f"| {r.run} | {r.profile} | {r.key} | {r.tokens_per_s:,.0f} | {per_gpu(r):,.0f} | {vs_plain} | "
-                     f"{vs_base} | {'YES: ' + reg if reg else 'no'} |")
+                     f"{vs_base} | {'YES: ' + reg if reg else 'no'} | {spread} |")
     lines += cluster_lines(records, baselines)
     lines += limit_lines(records, limits(records, load_disks(history)))
     where = baselines_dir or BASELINES

@@ -43,6 +43,20 @@ def test_report_writes_a_table_and_a_plot(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_report_gives_each_figure_s_spread_within_its_run(tmp_path):
+    """A ratio moves by the figures' own noise: the GPU benchmark records each figure's rate per quarter of its
+    batches and their spread, (max - min) / median; the table shows it beside the ratio."""
+    data = {"datetime": "2026-12-04T10:00", "benchmarks": [
+        {"name": "p", "extra_info": {"key": "plain/64x512", "tokens_per_s": 300000, "profile": "h200-mini-kimi",
+                                     "quarters_tok_s": [290000, 300000, 310000, 300000], "spread": 0.067}},
+        {"name": "h", "extra_info": {"key": "host/64x512", "tokens_per_s": 270000, "profile": "h200-mini-kimi"}}]}
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    md = bench.report([tmp_path / "b.json"], tmp_path / "r")[0].read_text()
+    assert "| vs baseline | regression | spread in its run |" in md
+    assert "| plain/64x512 | 300,000 | 300,000 | 1.00x | 1.15x | no | 6.7% |" in md
+    assert "| host/64x512 | 270,000 | 270,000 | 0.90x | - | no | - |" in md  # recorded before quarters existed
+
+
 def test_report_without_records_says_so(tmp_path):
     with pytest.raises(ValueError, match="no benchmark records"):
         bench.report([tmp_path], tmp_path / "out")
