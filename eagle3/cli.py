@@ -291,7 +291,7 @@ def cmd_bench_disk(a) -> int:
 
     print(f"disk       {a.dir}: {a.writers} writers x {a.files} files x {a.file_mb} MiB a round (the store's writes), "
           f"{a.rounds} timed rounds after a warm-up")
-    for fsync, name, what in ((True, "fsync", "a store's"), (False, "page cache", "a --no-fsync store's")):
+    for fsync, name, what in ((True, "fsync", "a store"), (False, "page cache", "a --no-fsync store")):
         try:
             fig = bandwidth.measure(a.dir, fsync, a.writers, a.files, a.file_mb << 20, a.rounds)
         except OSError as e:
@@ -299,7 +299,7 @@ def cmd_bench_disk(a) -> int:
                              "or fewer --writers") from e
         bps = fig.bytes_per_s
         print(f"{name:10s} {bps / 1e9:,.2f} GB/s = {bps / a.bytes_per_token:,.0f} tok/s at {a.bytes_per_token:,} B a "
-              f"token: {what} limit while prefill is faster")
+              f"token: the most {what} can write here, however fast the GPUs")
     return 0
 
 

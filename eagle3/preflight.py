@@ -76,11 +76,13 @@ def disk_test_folder(path: str | Path, writers: int, files: int, file_mb: int, r
         if v < 1:
             raise UsageError(f"{name} {v}: give a positive number")
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"--dir {p}: is a file; give a folder on the disk the store will use")
     if not p.is_dir():
         raise UsageError(f"--dir {p}: no such folder; give an existing folder on the disk the store will use")
     if not os.access(p, os.W_OK):
         raise UsageError(f"--dir {p}: not writable by this user; give a folder you can write to")
-    need, free = writers * (file_mb << 20), shutil.disk_usage(p).free
+    need, free = writers * (file_mb << 20), shutil.disk_usage(p).free  # each writer holds one file at a time
     if need > free:
         raise UsageError(f"--dir {p}: {writers} writers x {file_mb} MiB need {need / 2**30:.1f} GiB at once and "
                          f"{free / 2**30:.1f} GiB are free; give a smaller --file-mb or fewer --writers")

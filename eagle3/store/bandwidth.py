@@ -31,11 +31,6 @@ class DiskFigure:
         return self.round_bytes / statistics.median(self.seconds)
 
 
-def room_needed(writers: int, file_bytes: int) -> int:
-    """Bytes on disk at once: each writer holds one file until it is written (and fsynced), then removes it."""
-    return writers * file_bytes
-
-
 def write_round(folder: str | Path, fsync: bool, writers: int = 4, files: int = 4,
                 file_bytes: int = SHARD_BYTES) -> int:
     """``writers`` threads each write ``files`` files of ``file_bytes`` (a whole number of MiB) into folder, each

@@ -62,6 +62,10 @@ def test_cli_bench_disk_refuses_what_cannot_run_naming_the_fix(tmp_path, monkeyp
 
     assert cli.main(["bench", "disk", "--dir", str(tmp_path / "missing")]) == 2
     assert "no such folder" in capsys.readouterr().err
+    (tmp_path / "f").write_text("x")
+    assert cli.main(["bench", "disk", "--dir", str(tmp_path / "f")]) == 2
+    assert "f: is a file; give a folder" in capsys.readouterr().err
+    (tmp_path / "f").unlink()
     assert cli.main(["bench", "disk", "--dir", str(tmp_path), "--writers", "0"]) == 2
     assert "--writers 0: give a positive number" in capsys.readouterr().err
     usage = namedtuple("usage", "total used free")
