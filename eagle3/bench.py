@@ -92,10 +92,15 @@ def load_disks(paths: Iterable[str | Path]) -> dict[tuple[str, str], dict[str, f
     return disks
 
 
+def plain_rates(records: list[Record]) -> dict[tuple[str, str, str], float]:
+    """(run, profile, shape) -> plain prefill's tokens/s: what every figure of that run and shape is read against."""
+    return {(r.run, r.profile, r.key.split("/")[1]): r.tokens_per_s for r in records if r.key.startswith("plain/")}
+
+
 def limits(records: list[Record], disks: dict[tuple[str, str], dict[str, float]]) -> dict[tuple, tuple]:
     """(run, profile, key) -> (limit tok/s, disk kind, disk bytes/s, bytes per token) for each disk-bound record
     whose run measured plain prefill of its shape and that disk."""
-    plain = {(r.run, r.profile, r.key.split("/")[1]): r.tokens_per_s for r in records if r.key.startswith("plain/")}
+    plain = plain_rates(records)
     out = {}
     for r in records:
         mode, _, shape = r.key.partition("/")
@@ -139,7 +144,8 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
     lines = ["# eagle3 extraction throughput", "",
              "| run | profile | key | tokens/s | per GPU | vs plain prefill | vs baseline | regression | spread in its run |",
              "|---|---|---|---:|---:|---:|---:|---|---:|"]
-    plain = {(r.run, r.profile, r.key.split("/")[1]): r.tokens_per_s for r in records if r.key.startswith("plain/")}
+    plain = plain_rates(records)
+    disks = load_disks(history)
     for r in records:
         shape = r.key.split("/")[1] if "/" in r.key else ""
         p = plain.get((r.run, r.profile, shape))
@@ -152,7 +158,7 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
         lines.append(f"| {r.run} | {r.profile} | {r.key} | {r.tokens_per_s:,.0f} | {per_gpu(r):,.0f} | {vs_plain} | "
                      f"{vs_base} | {'YES: ' + reg if reg else 'no'} | {spread} |")
     lines += cluster_lines(records, baselines)
-    lines += limit_lines(records, limits(records, load_disks(history)))
+    lines += limit_lines(records, limits(records, disks))
     where = baselines_dir or BASELINES
     if not baselines:
         lines += ["", f"**No baselines found in {where}**: regressions cannot be flagged (a `pip install .` without "
@@ -163,7 +169,7 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
 
     png = out / "throughput.png"
     trends(records, baselines, png)
-    bars(records, out / "throughput-latest.png", load_disks(history))
+    bars(records, out / "throughput-latest.png", disks)
     return md, png
 
 

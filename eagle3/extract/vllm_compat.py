@@ -246,8 +246,8 @@ def patch_runner_for_direct_capture(runner_cls) -> bool:
                 raise RuntimeError(f"{type(self.model).__name__} has no EAGLE-3 aux outputs (set_aux_hidden_state_"
                                    "layers): the direct capture cannot use it; use --capture hooks")
             self.use_aux_hidden_state_outputs = True
-            self.model.set_aux_hidden_state_layers(tuple(int(i) for i in layers))
             self._eagle3_direct_layers = [int(i) for i in layers]
+            self.model.set_aux_hidden_state_layers(tuple(self._eagle3_direct_layers))
             return None
         return setup(self)
 

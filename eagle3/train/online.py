@@ -120,13 +120,17 @@ class Spool:
             self.entries[position_of(sid)] = (shard["file"], off[s], off[s + 1], sid)
         self.unread[shard["file"]] = {position_of(sid) for sid in shard["sample_ids"]}
 
+    def _no_room(self, nbytes: int) -> bool:
+        """``nbytes`` more would pass the capacity (what the producer waits on; read under the lock)."""
+        return self.committed + self.reserved + nbytes > self.capacity
+
     # -- producer side
     def reserve(self, nbytes: int) -> None:
         """Wait until ``nbytes`` more fit under the capacity, then count them as reserved."""
         t0 = time.perf_counter()
         with self.cond:
             self.producer_waiting, self.waiting_for = True, nbytes
-            while self.committed + self.reserved + nbytes > self.capacity and not self.closed:
+            while self._no_room(nbytes) and not self.closed:
                 self.cond.notify_all()
                 self.cond.wait(0.5)
             self.producer_waiting = False
@@ -171,7 +175,7 @@ class Spool:
                                      f"{type(self.failed).__name__}: {self.failed}") from self.failed
                 if self.done:
                     raise StoreError(f"spool {self.store.root}: the extraction finished without position {pos}")
-                if self.producer_waiting and self.committed + self.reserved + self.waiting_for > self.capacity:
+                if self.producer_waiting and self._no_room(self.waiting_for):
                     # the producer waits for room, which only reading frees, and the reader waits for a position
                     # only the producer's next commit brings: nothing will ever move. (Room freed while the
                     # producer sleeps leaves producer_waiting set until it wakes: that one moves.)
