@@ -12,7 +12,7 @@ from typing import Sequence
 
 from eagle3.data.conversations import Sample
 from eagle3.extract import vllm_compat as compat
-from eagle3.extract.capture import pack_announcement
+from eagle3.extract.capture import COPY_CHUNK_BYTES, pack_announcement
 from eagle3.extract.rpc import Expect, Record, check_consistent, normalize_reply
 from eagle3.store.folder import Store
 from eagle3.store.format import ShardInfo, StoreError, StoreSpec, shard_tokens
@@ -116,11 +116,12 @@ class VLLMSession:
     training's spool reserves room per batch, and its trainer must not wait on a shard still open)."""
 
     def __init__(self, backend: VLLMBackend, store: Store | None, cfg, mode: str = "store",
-                 seal_each_batch: bool = False, slots: int = 4):
+                 seal_each_batch: bool = False, slots: int = 4, copy_chunk_bytes: int = COPY_CHUNK_BYTES):
         self.backend, self.mode, self.seal_each_batch = backend, mode, seal_each_batch
         spec = store.spec if store is not None else backend.spec  # the store decides the states' dtype (fp8)
         open_cfg = {"mode": mode, "hidden_size": spec.hidden_size, "dtype": spec.dtype,
-                    "writer_threads": max(4, getattr(cfg, "writer_threads", 0) or 0), "slots": slots}
+                    "writer_threads": max(4, getattr(cfg, "writer_threads", 0) or 0), "slots": slots,
+                    "copy_chunk_bytes": copy_chunk_bytes}
         if mode == "store":
             open_cfg.update(root=str(store.root), spec=store.spec.to_json(), start_index=store.next_shard_index,
                             shard_tokens=shard_tokens(store.spec, cfg.shard_tokens), fsync=cfg.fsync)

@@ -6,6 +6,13 @@ Each "step" is compute on the default stream (matmuls, ~step_ms) followed by a s
 (async_output_copy_stream). Beside it, the capture's copy of the step's states (bytes_per_step, pinned host
 memory, its own stream) is issued whole or in chunks. If whole copies cost ~copy time per step and chunked ones
 do not, the small copy queues behind the big one in the copy engine. Prints one JSON line per variant.
+
+Then the capture itself (eagle3.extract.capture.Capturer, host mode: the null sink's code) in the same synthetic
+engine, with async scheduling (step N+1 is launched before the host waits for step N's tokens) and a batch
+boundary every 3 steps (LLM.generate returns once every step's tokens are on the host): no capture, a step's
+copies issued at once (copy_chunk_bytes 0), and in chunks with at most two queued (the default and 16 MiB).
+`ms_per_step` over no capture's is what the capture costs the engine (64x512 on the H200, session 9: host 0.90x
+count with copies issued at once).
 """
 
 from __future__ import annotations
@@ -78,6 +85,50 @@ def run(steps: int, mats: int, copy_bytes: int, chunk: int | None, host: torch.T
             "priority": priority, "consumer": consumer, "launches": launches}
 
 
+def run_capture(steps: int, mats: int, chunk_bytes: int | None, tokens: int = 16384, batch: int = 3) -> dict:
+    """The synthetic engine above, async: the capture's host mode stages each step's four layers and its consumer
+    copies them (``chunk_bytes`` None: no capture)."""
+    from eagle3.extract.capture import Capturer, StepLayout
+
+    dev = torch.device("cuda")
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    layers = [torch.randn(tokens, 7168, device=dev, dtype=torch.bfloat16) for _ in range(4)]
+    cap = None
+    if chunk_bytes is not None:
+        cap = Capturer(4, 7168, torch.bfloat16, slots=4)
+        cap.start("host", copy_chunk_bytes=chunk_bytes)
+    layout = StepLayout(["r0"], [0, tokens], [0], [None])
+    out_stream = torch.cuda.Stream()
+    tokens_host = torch.empty(1024, dtype=torch.int64, pin_memory=True)
+    pending: list = []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        x = a
+        for _ in range(mats):
+            x = torch.mm(a, x) * 1e-3
+        if cap is not None:
+            with torch.inference_mode():
+                cap.on_step(layers, layout)
+        out_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(out_stream):
+            tokens_host.copy_(x[0, :1024].to(torch.int64), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        pending.append(done)
+        while len(pending) > 1 or (pending and i % batch == batch - 1):  # async: wait for the step before
+            pending.pop(0).synchronize()
+    if cap is not None:
+        cap.drain()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    copy_ms = cap.stats.copy_s / steps * 1e3 if cap is not None else 0.0
+    if cap is not None:
+        cap.close()
+    return {"capture_chunk_MB": None if chunk_bytes is None else chunk_bytes / (1 << 20), "steps": steps,
+            "ms_per_step": round(seconds / steps * 1e3, 2), "copy_ms_per_step": round(copy_ms, 2)}
+
+
 def main() -> None:
     steps, mats = 40, int(sys.argv[1]) if len(sys.argv) > 1 else 40
     copy_bytes = 16384 * 4 * 7168 * 2  # one 16,384-token step of mini-Kimi's four layers, bf16 (0.94 GB)
@@ -89,6 +140,11 @@ def main() -> None:
         print(json.dumps(run(steps, mats, copy, chunk, host, prio)), flush=True)
     for copy, consumer in [(0, False), (copy_bytes, False), (copy_bytes, True), (0, False)]:  # the GIL question
         print(json.dumps(run(steps, mats // 2, copy, None, host, consumer=consumer, launches=3000)), flush=True)
+    from eagle3.extract.capture import COPY_CHUNK_BYTES
+
+    run_capture(6, mats, 0)  # warm-up
+    for chunk in [None, 0, COPY_CHUNK_BYTES, 16 << 20, 0, None]:
+        print(json.dumps(run_capture(steps, mats, chunk)), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Capture under real preemption on the H200 (issue 13). A tiny KV cache (num_gpu_blocks_override) and many
 long prompts prefilled in 256-token pieces side by side (long_prefill_token_threshold) make vLLM preempt
 requests mid-prefill, free their blocks and recompute them from token 0. The stored states must equal an
-unpressured run of the same samples; the run must show that preemption happened."""
+unpressured run of the same samples; the run must show that preemption happened. The pressured engine captures
+through hooks (eager) or directly (--capture direct: compiled, CUDA graphs, async scheduling: steps are scheduled
+before the previous one's output is known)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from .test_extract_vllm import REL_TOL, rel_err
 pytestmark = pytest.mark.gpu
 
 
-def test_states_under_forced_preemption_equal_an_unpressured_run(target, engines, tmp_path, report):
+@pytest.mark.parametrize("strategy", ["hooks", "direct"])
+def test_states_under_forced_preemption_equal_an_unpressured_run(target, engines, tmp_path, report, strategy):
     if not target.local:
         pytest.skip("starts a second engine of the target beside the suite's")
     from eagle3.extract.vllm_backend import VLLMBackend
@@ -32,7 +35,7 @@ def test_states_under_forced_preemption_equal_an_unpressured_run(target, engines
         return summary, {s["sample_id"]: s for s in Store.open(out).iter_samples()}
 
     _, calm = run(engines.get("hooks"), tmp_path / "calm")
-    pressured = VLLMBackend(str(target.path), engines.spec, capture="hooks", gpu_memory_utilization=0.2,
+    pressured = VLLMBackend(str(target.path), engines.spec, capture=strategy, gpu_memory_utilization=0.2,
                             max_model_len=1152, max_num_batched_tokens=4096, max_num_seqs=64, log_level="INFO",
                             extra_engine_args={"num_gpu_blocks_override": 96, "long_prefill_token_threshold": 256,
                                                "disable_log_stats": False})
@@ -53,6 +56,6 @@ def test_states_under_forced_preemption_equal_an_unpressured_run(target, engines
     result = {"preemptions": preemptions, "recomputed_rows": summary.recomputed_rows,
               "worst_rel_err_vs_unpressured": round(worst, 5), "bitwise_equal_layers": f"{bitwise}/{len(ids) * 4}",
               "closest_other_sample": round(closest_wrong, 3), "selfcheck": summary.selfcheck}
-    report("preemption", result)
+    report(f"preemption[{strategy}]", result)
     assert preemptions > 0 and summary.recomputed_rows > 0, f"no preemption happened: the test shows nothing {result}"
     assert worst <= REL_TOL and closest_wrong > 3 * REL_TOL, result

@@ -344,6 +344,39 @@ def test_a_null_sink_below_target_says_when_the_capture_engine_itself_is_below(m
     assert failures[0].endswith("reaches 0.85x plain; with --capture direct (a plain engine) host reaches 0.93x")
 
 
+def test_the_targets_hold_the_capture_extraction_uses_by_default_and_the_other_is_information(monkeypatch):
+    """Session 9 measured --capture direct (count_direct, host_direct, store_direct) beside session 7's aux figures:
+    the targets apply to the strategy extraction runs by default; the summary gives both strategies' verdicts, so
+    one run says whether switching the default would meet them. Direct's null-sink failure names its own count
+    and, if measured, the same with a step's copies issued at once."""
+    from tests.gpu import test_bench_extract as gb
+
+    measured = _measured("session7")
+    monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
+    plain, ehs = measured["plain/64x512"], measured["vllm_ehs/64x512"]
+    limit = min(plain, measured["disk_bytes_per_s[fsync]"] / 57344)
+    direct = dict(measured, **{"count_direct/64x512": 0.95 * plain, "host_direct/64x512": 0.92 * plain,
+                               "store_direct/64x512": 0.93 * limit, "store_nofsync_direct/64x512": 1.05 * ehs})
+    summary, failures = gb.acceptance(direct, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct")
+    assert failures == [] and summary["acceptance"]["direct"] == [] and summary["acceptance"]["capture"] == "direct"
+    summary, aux_failures = gb.acceptance(direct, "mini-kimi", 57344, "h200-mini-kimi", {})
+    assert aux_failures == summary["acceptance"]["aux"] and aux_failures[0].startswith("null sink / plain prefill 0.82x")
+    assert summary["acceptance"]["direct"] == []
+    slow = dict(direct, **{"host_direct/64x512": 0.81 * plain, "host_whole_direct/64x512": 0.80 * plain})
+    _, failures = gb.acceptance(slow, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct")
+    assert failures == [("null sink (--capture direct) / plain prefill 0.81x (< 0.9): count (--capture direct) "
+                         "reaches 0.95x plain; with a step's copies issued at once host reaches 0.80x")]
+    no_nofsync = {k: v for k, v in direct.items() if k != "store_nofsync_direct/64x512"}
+    _, failures = gb.acceptance(no_nofsync, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct")
+    assert failures == [("page-cache store (--capture direct) / vLLM's extract_hidden_states: not measured "
+                         "(store_nofsync_direct/vllm_ehs; EAGLE3_BENCH_MODES)")]
+    kd = {"plain/64x512": 8000.0, "store/64x512": 7300.0, "store_direct/64x512": 7800.0}
+    _, failures = gb.acceptance(kd, "kimi-depth", 57344, "h200-kimi-depth", {}, capture="direct")
+    assert failures == []
+    _, failures = gb.acceptance(kd, "kimi-depth", 57344, "h200-kimi-depth", {})
+    assert failures == ["kimi-depth 64x512: fsynced store / plain prefill 0.91x (< 0.95)"]
+
+
 def test_the_benchmark_reports_its_rate_per_quarter_and_their_spread():
     from tests.gpu import test_bench_extract as gb
 

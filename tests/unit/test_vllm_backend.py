@@ -11,6 +11,7 @@ import torch
 
 from eagle3.data.conversations import random_samples
 from eagle3.extract import extract
+from eagle3.extract.capture import COPY_CHUNK_BYTES
 from eagle3.extract.hf_backend import HFBackend
 from eagle3.extract.rpc import Expect, LayerStack, ReplyError, normalize_reply
 from eagle3.store.folder import Store
@@ -415,7 +416,7 @@ def test_a_copy_that_fails_after_its_batch_returned_is_reported_by_finish(fake, 
     assert not list((out / "shards").iterdir())
 
 
-@pytest.mark.parametrize("mode", ["store", "store_nofsync", "host_slots8"])
+@pytest.mark.parametrize("mode", ["store", "store_nofsync", "host_slots8", "host_whole"])
 def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went(fake, tiny_kimi, tmp_path,
                                                                                  hf_store, mode):
     """tests/gpu/test_bench_extract's production loop otherwise runs only on the GPU host, where a slip costs a
@@ -437,9 +438,12 @@ def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went
     assert {"submit_s", "commit_s", "finish_s", "unlink_s", "expect_s", "generate_s", "collect_s"} <= set(timing)
     assert timing["expect_s"] + timing["generate_s"] + timing["collect_s"] <= timing["submit_s"] + 1e-6
     assert timing["generate_s"] > 0
-    if mode == "host_slots8":
-        assert loop.store is None and fake.last.workers[0]._e3["capturer"].pool.sem._value == 8
+    cap = fake.last.workers[0]._e3["capturer"]
+    if mode.startswith("host"):  # the options reached the worker's capture, or the comparison measures nothing
+        assert loop.store is None and cap.pool.sem._value == (8 if mode == "host_slots8" else 4)
+        assert cap.copy_chunk_bytes == (0 if mode == "host_whole" else COPY_CHUNK_BYTES)
         return
+    assert cap.copy_chunk_bytes == COPY_CHUNK_BYTES
     assert timing["committer_batches"] >= 1 and 1 <= timing["committer_commits"] <= timing["committer_batches"]
     got = _read(tmp_path / "store")
     assert got.keys() == hf_store.keys()
