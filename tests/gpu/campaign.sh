@@ -2,7 +2,7 @@
 # The GPU campaign (run on the GPU host, in the background). Results under /tmp/campaign.
 #   tests/gpu/campaign.sh                 contract, GPU suite, benchmarks + e2e (everything)
 #   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite direct copies new draft depth online e2e fp8 aux
-#                                         bench benchkd report
+#                                         probe bench benchkd report
 #   tests/gpu/campaign.sh online:660 bench  STEP:SECONDS stops that step (SIGINT, then SIGKILL 30 s later) after SECONDS
 #   BENCH_SHAPES=64x512 BENCH_MODES="plain host" (mini-Kimi), BENCHKD_SHAPES / _MODES / _BATCHES (kimi-depth; by
 #   default 32 batches of plain count host store disk, ~14 min at 64x512) narrow the benchmarks (tests/gpu/test_bench_extract.py)
@@ -33,7 +33,7 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   suite)    step suite $PT -m gpu tests/gpu --gpu-out "$OUT/suite" ;;
   new)      step new $PT -m gpu tests/gpu -k "$NEW" --gpu-out "$OUT/suite" ;;
   direct)   step direct $PT tests/unit/test_vllm_contract.py tests/gpu -m "not benchmark and not e2e and not kimi_depth" \
-                 -k direct --gpu-out "$OUT/direct" ;;  # the experimental direct capture: its contract and states
+                 -k direct --gpu-out "$OUT/direct" ;;  # the direct capture: contract, states, preemption (~500 s)
   copies)   step copies $PT -m gpu tests/gpu -k "$COPIES" --gpu-out "$OUT/copies" ;;
   draft)    step draft $PT -m gpu tests/gpu -k deepseek_draft --gpu-out "$OUT/draft" ;;
   aux)      step aux $PT -m gpu tests/gpu -k "not ($NEW)" --gpu-out "$OUT/aux" ;;
@@ -41,7 +41,7 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   online)   step online $PT -m e2e tests/gpu -k online --gpu-out "$OUT/online" ;;
   e2e)      step e2e $PT -m e2e tests/gpu -k "not online" --gpu-out "$OUT/e2e" ;;
   fp8)      step fp8 $PT -m e2e tests/gpu -k fp8 --gpu-out "$OUT/fp8" ;;
-  probe)    step probe python3 tests/gpu/probe_d2h_interference.py ;;
+  probe)    step probe python3 tests/gpu/probe_d2h_interference.py ;;  # ~60 s; the capture's copies, whole vs chunked
   bench)    EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} step bench $PT -m benchmark tests/gpu --gpu-out "$OUT/bench" \
                  --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds ;;
   benchkd)  EAGLE3_BENCH_SHAPES=${BENCHKD_SHAPES:-} EAGLE3_BENCH_BATCHES=${BENCHKD_BATCHES:-32} EAGLE3_BENCH_MODES=${BENCHKD_MODES:-"plain count host store disk"} \

@@ -253,6 +253,25 @@ def test_the_forward_issues_no_copy_to_the_host(tmp_path, monkeypatch, mode):
     cap.close()
 
 
+@pytest.mark.parametrize("chunk,shapes", [(0, [(4, N_LAYERS, H)]), (N_LAYERS * H * 4, [(1, N_LAYERS, H)] * 4),
+                                          (2 * N_LAYERS * H * 4 + 1, [(2, N_LAYERS, H)] * 2)])
+def test_a_step_s_copies_go_in_chunks_of_the_session_s_size(monkeypatch, chunk, shapes):
+    """copy_chunk_bytes reaches the consumer's copies (a session's option, so the benchmark can compare a step's
+    copies issued whole with chunked ones on one engine)."""
+    cap = Capturer(N_LAYERS, H, torch.float32, slots=2)
+    cap.start("host", copy_chunk_bytes=chunk)
+    copied = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda dst, src, *a, **k: (copied.append(tuple(dst.shape)),
+                                                                          real_copy(dst, src, *a, **k))[1])
+    p = [5, 6, 7, 8]
+    cap.on_step([_states(p)[k] for k in range(N_LAYERS)], StepLayout(["r0"], [0, 4], [0], [p]))
+    cap.drain()
+    monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+    assert copied == shapes
+    cap.close()
+
+
 def test_the_timing_counts_steps_by_their_size():
     """How the engine cut a batch into steps (sessions 6-7: the aux engine ran 96 steps for 32 batches of 64x512,
     where a 16,384-token budget needs 2 a batch): the step sizes say which steps are extra."""
