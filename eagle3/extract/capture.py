@@ -35,6 +35,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from eagle3.extract.gil import GilSampler
 from eagle3.store.format import quantize_fp8, shard_offsets
 
 log = logging.getLogger(__name__)
@@ -319,13 +320,17 @@ class CaptureStats:
     stage_s: float = 0.0
     copy_s: float = 0.0
     step_tokens: Counter = field(default_factory=Counter)  # tokens in a step -> steps of that size
+    gil: GilSampler | None = None  # a session's GIL sampler, if it asked for one
 
     def timing(self) -> dict:
         """``step_tokens``: the 8 commonest step sizes, e.g. {"16384": 64, "64": 32}: a batch's prompts in full
-        token-budget steps, and any further steps the engine ran for it."""
-        return {"steps": self.steps, "bytes_to_host": self.bytes_to_host, "wait_s": round(self.wait_s, 4),
-                "stage_s": round(self.stage_s, 4), "copy_s": round(self.copy_s, 4),
-                "step_tokens": {str(n): k for n, k in self.step_tokens.most_common(8)}}
+        token-budget steps, and any further steps the engine ran for it; ``gil``: GilSampler.summary()."""
+        timing = {"steps": self.steps, "bytes_to_host": self.bytes_to_host, "wait_s": round(self.wait_s, 4),
+                  "stage_s": round(self.stage_s, 4), "copy_s": round(self.copy_s, 4),
+                  "step_tokens": {str(n): k for n, k in self.step_tokens.most_common(8)}}
+        if self.gil is not None:
+            timing["gil"] = self.gil.summary()
+        return timing
 
 
 def _settled(begun, done) -> float:
@@ -354,27 +359,38 @@ class Capturer:
         self.errors: list[str] = []
         self.errors_lock = threading.Lock()  # the consumer reports while a collect may be taking them
         self.copy_chunk_bytes = COPY_CHUNK_BYTES
+        self.gil: GilSampler | None = None
         self.thread = threading.Thread(target=self._consume, name="eagle3-capture", daemon=True)
         self.thread.start()
 
     def start(self, mode: str, writer=None, shard_tokens: int = 8192, dtype: torch.dtype | None = None,
-              copy_chunk_bytes: int = COPY_CHUNK_BYTES) -> None:
+              copy_chunk_bytes: int = COPY_CHUNK_BYTES, gil_sampler: bool = False) -> None:
         """Begin a session in ``mode`` storing states as ``dtype`` (default: as before), copying to the host in
-        chunks of ``copy_chunk_bytes`` (0: a step's copies at once); ``stop`` (or another start) ends it."""
+        chunks of ``copy_chunk_bytes`` (0: a step's copies at once), with a GilSampler if asked (benchmarks: how
+        long this process's threads wait for the GIL); ``stop`` (or another start) ends it."""
         if mode not in self.MODES:
             raise ValueError(f"capture mode {mode!r} not in {self.MODES}")
         if mode == "store" and writer is None:
             raise ValueError("store mode needs a writer")
         self.drain()
+        self._stop_gil()
         self.dtype = dtype or self.dtype
         self.mode, self.stats, self.errors = mode, CaptureStats(), []
         self.copy_chunk_bytes = copy_chunk_bytes
+        if gil_sampler:
+            self.gil = self.stats.gil = GilSampler().start()
         self.filler = ShardFiller(writer, self.n_layers, self.hidden, self.dtype, shard_tokens, self.cuda,
                                   free=self.shard_buffers) if mode == "store" else None
 
     def stop(self) -> None:
         self.drain()
+        self._stop_gil()
         self.mode, self.filler = "count", None
+
+    def _stop_gil(self) -> None:
+        if self.gil is not None:
+            self.gil.stop()
+            self.gil = None
 
     def on_step(self, layers: Sequence[torch.Tensor], layout: StepLayout) -> None:
         n = layout.num_tokens
@@ -534,5 +550,6 @@ class Capturer:
         return errors
 
     def close(self) -> None:
+        self._stop_gil()
         self.queue.put(None)
         self.thread.join(timeout=60)

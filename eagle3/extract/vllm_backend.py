@@ -116,12 +116,13 @@ class VLLMSession:
     training's spool reserves room per batch, and its trainer must not wait on a shard still open)."""
 
     def __init__(self, backend: VLLMBackend, store: Store | None, cfg, mode: str = "store",
-                 seal_each_batch: bool = False, slots: int = 4, copy_chunk_bytes: int = COPY_CHUNK_BYTES):
+                 seal_each_batch: bool = False, slots: int = 4, copy_chunk_bytes: int = COPY_CHUNK_BYTES,
+                 gil_sampler: bool = False):
         self.backend, self.mode, self.seal_each_batch = backend, mode, seal_each_batch
         spec = store.spec if store is not None else backend.spec  # the store decides the states' dtype (fp8)
         open_cfg = {"mode": mode, "hidden_size": spec.hidden_size, "dtype": spec.dtype,
                     "writer_threads": max(4, getattr(cfg, "writer_threads", 0) or 0), "slots": slots,
-                    "copy_chunk_bytes": copy_chunk_bytes}
+                    "copy_chunk_bytes": copy_chunk_bytes, "gil_sampler": gil_sampler}
         if mode == "store":
             open_cfg.update(root=str(store.root), spec=store.spec.to_json(), start_index=store.next_shard_index,
                             shard_tokens=shard_tokens(store.spec, cfg.shard_tokens), fsync=cfg.fsync)

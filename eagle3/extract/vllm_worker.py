@@ -91,8 +91,8 @@ class CaptureExtension:
             cap.add_error(f"capture step: {type(e).__name__}: {e}")
 
     def eagle3_open(self, cfg: dict) -> dict:
-        """Start a session. cfg: mode (store | host | count), hidden_size, dtype, slots, copy_chunk_bytes, and for
-        store: root, spec, start_index, shard_tokens, fsync, writer_threads."""
+        """Start a session. cfg: mode (store | host | count), hidden_size, dtype, slots, copy_chunk_bytes,
+        gil_sampler, and for store: root, spec, start_index, shard_tokens, fsync, writer_threads."""
         from eagle3.store.format import StoreSpec
         from eagle3.store.writer import ShardWriter
 
@@ -109,7 +109,8 @@ class CaptureExtension:
         e3["writer"] = writer
         e3["capturer"].start(mode, writer, shard_tokens=cfg.get("shard_tokens") or 8192,
                              dtype=getattr(torch, cfg.get("dtype", "bfloat16")),
-                             copy_chunk_bytes=cfg.get("copy_chunk_bytes", COPY_CHUNK_BYTES))
+                             copy_chunk_bytes=cfg.get("copy_chunk_bytes", COPY_CHUNK_BYTES),
+                             gil_sampler=bool(cfg.get("gil_sampler")))
         return {"rank": e3["par"]["tp_rank"], "mode": mode}
 
     def eagle3_expect(self, sample_ids: list, lengths: list, ids: bytes, masks: bytes) -> dict:

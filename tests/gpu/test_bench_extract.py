@@ -447,7 +447,7 @@ class _Loop:
             self.store = Store.open(self.root, spec, create=True, fsync=self.fsync)
             self.committer = BackgroundCommitter(self, fsync=self.fsync)
         self.session = VLLMSession(self.backend, self.store, cfg, mode=self.mode, slots=self.slots,
-                                   copy_chunk_bytes=self.copy_chunk_bytes)
+                                   copy_chunk_bytes=self.copy_chunk_bytes, gil_sampler=True)
         self.timing = dict.fromkeys(self.timing, 0.0)
 
     def drain(self):  # after the clock: the window's unlinks (as a consumer would make them) are done

@@ -439,6 +439,8 @@ def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went
     assert timing["expect_s"] + timing["generate_s"] + timing["collect_s"] <= timing["submit_s"] + 1e-6
     assert timing["generate_s"] > 0
     cap = fake.last.workers[0]._e3["capturer"]
+    gil = loop.session.capture_timing["gil"]  # how long the worker's threads waited for the GIL (the engine's too)
+    assert gil["samples"] > 0 and gil["late_ms_mean"] is not None, gil
     if mode.startswith("host"):  # the options reached the worker's capture, or the comparison measures nothing
         assert loop.store is None and cap.pool.sem._value == (8 if mode == "host_slots8" else 4)
         assert cap.copy_chunk_bytes == (0 if mode == "host_whole" else COPY_CHUNK_BYTES)
