@@ -26,6 +26,14 @@ import time
 import torch
 
 
+def _step_compute(a: torch.Tensor, mats: int) -> torch.Tensor:
+    """A step's compute on the default stream: ``mats`` chained bf16 matmuls (~1 ms each for 8192^2)."""
+    x = a
+    for _ in range(mats):
+        x = torch.mm(a, x) * 1e-3
+    return x
+
+
 def run(steps: int, mats: int, copy_bytes: int, chunk: int | None, host: torch.Tensor, priority: int = 0,
         consumer: bool = False, launches: int = 0) -> dict:
     """``consumer``: a thread waits for each copy (event.synchronize), as the capture's consumer does;
@@ -48,9 +56,7 @@ def run(steps: int, mats: int, copy_bytes: int, chunk: int | None, host: torch.T
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
-        x = a
-        for _ in range(mats):
-            x = torch.mm(a, x) * 1e-3
+        x = _step_compute(a, mats)
         for _ in range(launches):
             small.add_(1)
         state[: x.numel()].copy_(x.flatten()[: state.numel()])  # the step's states, written by the forward
@@ -104,9 +110,7 @@ def run_capture(steps: int, mats: int, chunk_bytes: int | None, tokens: int = 16
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i in range(steps):
-        x = a
-        for _ in range(mats):
-            x = torch.mm(a, x) * 1e-3
+        x = _step_compute(a, mats)
         if cap is not None:
             with torch.inference_mode():
                 cap.on_step(layers, layout)
