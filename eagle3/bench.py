@@ -73,7 +73,7 @@ DISK_OF_MODE = {"store_nofsync": "page_cache", "vllm_ehs": "page_cache"}
 
 
 def disk_of(mode: str) -> str | None:
-    return DISK_OF_MODE.get(mode, "fsync" if mode.startswith("store") else None)
+    return DISK_OF_MODE.get(mode.removesuffix("_direct"), "fsync" if mode.startswith("store") else None)
 
 
 def disk_limit(plain: float | None, disk_bytes_per_s: float | None, bytes_per_token: float) -> float | None:
@@ -221,7 +221,7 @@ CLUSTER = "8xrtx6000-kimi-k2.5"  # the cluster's baseline: Kimi-K2.5 extraction 
 def cluster_lines(records: list[Record], baselines: dict[str, dict]) -> list[str]:
     """kimi-depth (Kimi's compute per token on one GPU) per GPU beside the cluster's figure per GPU."""
     base = baselines.get(CLUSTER, {}).get("tokens_per_s", {}).get("store/extract")
-    depth = [r for r in records if "kimi-depth" in r.profile and r.key.startswith("store/")]
+    depth = [r for r in records if "kimi-depth" in r.profile and r.key.split("/")[0] in ("store", "store_direct")]
     if not base or not depth:
         return []
     gpus = int(baselines[CLUSTER].get("gpus", 8))

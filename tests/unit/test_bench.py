@@ -115,6 +115,7 @@ def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines
         p.write_text(json.dumps(data))
 
     hist("2026-12-01T10:00", {"plain/16x512": 8000, "store/16x512": 7000}, "h200-kimi-depth")
+    hist("2026-12-02T10:00", {"plain/64x512": 8000, "store_direct/64x512": 7900}, "h200-kimi-depth")
     hist("2026-12-03T10:00", {"plain/16x512": 8000, "store/16x512": 7800, "plain/64x512": 8100,
                               "hooks_host/64x512": 6000}, "h200-kimi-depth")
     hist("2026-12-03T11:00", {"store/extract": 2400}, "8xrtx6000-kimi-k2.5", gpus=8)
@@ -127,6 +128,7 @@ def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines
     assert "| 2026-12-03T11:00 | 8xrtx6000-kimi-k2.5 | store/extract | 2,400 | 300 | - | 1.05x | no |" in md
     assert "against the cluster's 2,280 tok/s on 8 GPUs (285 per GPU)" in md
     assert "- 2026-12-03T10:00 h200-kimi-depth store/16x512: 7,800 tok/s per GPU = 27.4x" in md
+    assert "- 2026-12-02T10:00 h200-kimi-depth store_direct/64x512: 7,900 tok/s per GPU = 27.7x" in md  # either capture
     png = tmp_path / "r" / "throughput-latest.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     labels = bench.bars(bench.load_history([tmp_path / "h"]), tmp_path / "b.png")
@@ -174,6 +176,15 @@ def test_the_report_sets_each_disk_bound_mode_against_its_disk_limit(tmp_path):
     (tmp_path / "fp8.json").write_text(json.dumps(fp8))
     md, _ = bench.report([tmp_path / "fp8.json"], tmp_path / "f")
     assert "store_fp8/64x512: 40,000 tok/s = 0.92x of 43,666 (fsync 1.25 GB/s / 28,672 B a token)" in md.read_text()
+
+
+def test_each_mode_is_set_against_the_disk_it_writes_to_whatever_its_capture():
+    """store_nofsync_direct writes into the page cache like store_nofsync: set against the fsynced disk, its limit
+    would be ~10x too low and its ratio flattering."""
+    modes = ["store", "store_direct", "store_fp8", "store_nofsync", "store_nofsync_direct", "vllm_ehs",
+             "host_direct", "count", "plain"]
+    assert [bench.disk_of(m) for m in modes] == ["fsync", "fsync", "fsync", "page_cache", "page_cache",
+                                                 "page_cache", None, None, None]
 
 
 def test_the_trend_plot_has_a_panel_per_profile_and_shape_and_one_color_per_mode(tmp_path):
