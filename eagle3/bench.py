@@ -67,13 +67,23 @@ def load_history(paths: Iterable[str | Path]) -> list[Record]:
     return sorted(records, key=lambda r: (r.run, r.profile, r.key))
 
 
+# A mode measured through --capture direct is named MODE_direct: the same sink as MODE (measured through aux).
+DIRECT_SUFFIX = "_direct"
+
+
+def split_mode(mode: str) -> tuple[str, str]:
+    """(sink, capture strategy) of a benchmark mode: "store_nofsync_direct" -> ("store_nofsync", "direct")."""
+    return (mode.removesuffix(DIRECT_SUFFIX), "direct") if mode.endswith(DIRECT_SUFFIX) else (mode, "aux")
+
+
 # which of the run's disk figures bounds a mode: the fsynced stores by fsynced parallel writes, the writers that
 # leave their data in the page cache (ours without fsync, vLLM's extract_hidden_states connector) by page-cache writes
 DISK_OF_MODE = {"store_nofsync": "page_cache", "vllm_ehs": "page_cache"}
 
 
 def disk_of(mode: str) -> str | None:
-    return DISK_OF_MODE.get(mode.removesuffix("_direct"), "fsync" if mode.startswith("store") else None)
+    sink = split_mode(mode)[0]
+    return DISK_OF_MODE.get(sink, "fsync" if sink.startswith("store") else None)
 
 
 def disk_limit(plain: float | None, disk_bytes_per_s: float | None, bytes_per_token: float) -> float | None:
@@ -221,7 +231,7 @@ CLUSTER = "8xrtx6000-kimi-k2.5"  # the cluster's baseline: Kimi-K2.5 extraction 
 def cluster_lines(records: list[Record], baselines: dict[str, dict]) -> list[str]:
     """kimi-depth (Kimi's compute per token on one GPU) per GPU beside the cluster's figure per GPU."""
     base = baselines.get(CLUSTER, {}).get("tokens_per_s", {}).get("store/extract")
-    depth = [r for r in records if "kimi-depth" in r.profile and r.key.split("/")[0] in ("store", "store_direct")]
+    depth = [r for r in records if "kimi-depth" in r.profile and split_mode(r.key.split("/")[0])[0] == "store"]
     if not base or not depth:
         return []
     gpus = int(baselines[CLUSTER].get("gpus", 8))

@@ -490,8 +490,8 @@ class _Loop:
 def test_eagle3_aux_capture(benchmark, target, live, tmp_path, shape, mode):
     wanted(mode)
     b, t = shape
-    strategy = "direct" if mode.endswith("_direct") else "aux"
-    loop = _Loop(live.backend(strategy), target, mode.removesuffix("_direct"), tmp_path / "store")
+    sink, strategy = bench.split_mode(mode)
+    loop = _Loop(live.backend(strategy), target, sink, tmp_path / "store")
     bpt = target.profile.bytes_per_token // (2 if mode == "store_fp8" else 1)
     sustained(benchmark, target, f"{mode}/{b}x{t}", loop.run_batch, loop.finish, loop.start, bytes_per_token=bpt)
     loop.drain()
@@ -544,7 +544,7 @@ def test_ratios_acceptance_and_baseline(target, gpu_out, report):
     assert not failures, failures
 
 
-CAPTURES = {"aux": "", "direct": "_direct"}  # capture strategy -> the suffix of its modes
+CAPTURES = {"aux": "", "direct": bench.DIRECT_SUFFIX}  # capture strategy -> the suffix of its modes
 
 
 def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselines: dict,

@@ -185,6 +185,9 @@ def test_each_mode_is_set_against_the_disk_it_writes_to_whatever_its_capture():
              "host_direct", "count", "plain"]
     assert [bench.disk_of(m) for m in modes] == ["fsync", "fsync", "fsync", "page_cache", "page_cache",
                                                  "page_cache", None, None, None]
+    # the GPU benchmark starts each mode's engine by this split (tests/gpu/test_bench_extract.test_eagle3_aux_capture)
+    assert [bench.split_mode(m) for m in ("store_nofsync_direct", "host_whole_direct", "count", "host_slots8")] == [
+        ("store_nofsync", "direct"), ("host_whole", "direct"), ("count", "aux"), ("host_slots8", "aux")]
 
 
 def test_the_trend_plot_has_a_panel_per_profile_and_shape_and_one_color_per_mode(tmp_path):
