@@ -96,9 +96,14 @@ def prepare_environment(log_level: str | None = None) -> None:
       architectures from 0.2x on);
     - the log level for eagle3's logger inside worker processes (they start at vLLM's WARNING);
     - spawned workers: a forked worker dies with "Cannot re-initialize CUDA in forked subprocess" when the
-      driver process touched CUDA first (seen on the H200 with the kimi-depth engine); spawn is always safe."""
+      driver process touched CUDA first (seen on the H200 with the kimi-depth engine); spawn is always safe;
+    - vLLM's own top-p/top-k sampler instead of FlashInfer's (unless the user chose): extraction samples one greedy
+      token, which never uses either, but the engine warms FlashInfer's up at start, JIT-compiling it on a host
+      without flashinfer's jit-cache wheel (the H200 host: the 100-130 s gap after "Initial profiling/warmup run"
+      in a fresh host's first engine start, sessions 9-10)."""
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if log_level:
         os.environ["EAGLE3_LOG_LEVEL"] = log_level
 

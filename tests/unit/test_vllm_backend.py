@@ -522,3 +522,18 @@ def test_the_direct_capture_takes_only_an_engine_started_for_it(fake):
     runner = fake.runner_cls(no_aux(8, 128), type("Config", (), {"eagle3_direct_capture_layer_ids": list(IDS)}), None)
     with pytest.raises(RuntimeError, match="Model has no EAGLE-3 aux outputs .* use --capture hooks"):
         runner.load_model()  # at engine start, with the model's name, not at the first step
+
+
+@pytest.mark.parametrize("chosen", [None, "1"])
+def test_extraction_engines_skip_flashinfer_s_sampler_unless_the_user_chose(monkeypatch, chosen):
+    """Extraction samples one greedy token; FlashInfer's sampler would only be JIT-compiled at the engine's start."""
+    import os
+
+    from eagle3.extract import vllm_compat
+
+    if chosen is None:
+        monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", chosen)
+    vllm_compat.prepare_environment()
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == (chosen or "0")

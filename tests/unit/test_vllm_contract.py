@@ -121,6 +121,15 @@ def test_v1_runner_is_forced_for_extraction(monkeypatch):
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" and os.environ["EAGLE3_LOG_LEVEL"] == "INFO"
 
 
+def test_the_flashinfer_sampler_switch_is_one_vllm_reads():
+    """prepare_environment turns FlashInfer's sampler off by this name; a renamed variable would be ignored."""
+    from vllm import envs
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    assert "VLLM_USE_FLASHINFER_SAMPLER" in envs.environment_variables
+    assert "envs.VLLM_USE_FLASHINFER_SAMPLER" in _src(topk_topp_sampler.flashinfer_sampler_supported)
+
+
 def test_engine_encoded_tensors_are_what_the_normalizer_expects():
     """Encode with vLLM's own msgpack encoder, decode untyped (as utility replies are): small tensors
     arrive inline and are rebuilt; large ones arrive as an index into buffers the reply lost."""
