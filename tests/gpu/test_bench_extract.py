@@ -277,7 +277,10 @@ class _Live:
     def llm(self, name: str, make):
         if name not in self.llms:
             self._only_one()
+            t0 = time.perf_counter()
             self.llms[name] = make()
+            if "put" in _REPORT:  # as the capture engines' engine_start_s (conftest): where a lease's time goes
+                _REPORT["put"](f"engine_start_s[{name}]", round(time.perf_counter() - t0, 1))
         return self.llms[name]
 
     def backend(self, strategy: str):
