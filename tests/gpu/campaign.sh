@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU campaign (run on the GPU host, in the background). Results under /tmp/campaign.
 #   tests/gpu/campaign.sh                 contract, GPU suite, benchmarks + e2e (everything)
-#   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite direct copies new draft depth online e2e fp8 aux
+#   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite direct directbench copies new draft depth online
+#                                         e2e fp8 aux
 #                                         probe bench benchkd report
 #   tests/gpu/campaign.sh online:660 bench  STEP:SECONDS stops that step (SIGINT, then SIGKILL 30 s later) after SECONDS
 #   BENCH_SHAPES=64x512 BENCH_MODES="plain host" (mini-Kimi), BENCHKD_SHAPES / _MODES / _BATCHES (kimi-depth; by
@@ -41,6 +42,11 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   new)      step new $PT -m gpu tests/gpu -k "$NEW" --gpu-out "$OUT/suite" ;;
   direct)   step direct $PT tests/unit/test_vllm_contract.py tests/gpu -m "not benchmark and not e2e and not kimi_depth" \
                  -k direct --gpu-out "$OUT/direct" ;;  # the direct capture: contract, states, preemption (~500 s)
+  directbench)  # direct's value checks, then the mini-Kimi benchmark, in one process: one start of the direct engine
+            EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} step directbench $PT -s \
+                 tests/unit/test_vllm_contract.py tests/gpu/test_extract_vllm.py tests/gpu/test_preemption.py \
+                 tests/gpu/test_bench_extract.py -m "benchmark or not (e2e or kimi_depth)" -k "direct or bench_extract" \
+                 --gpu-out "$OUT/bench" --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds ;;
   copies)   step copies $PT -m gpu tests/gpu -k "$COPIES" --gpu-out "$OUT/copies" ;;
   draft)    step draft $PT -m gpu tests/gpu -k deepseek_draft --gpu-out "$OUT/draft" ;;
   aux)      step aux $PT -m gpu tests/gpu -k "not ($NEW)" --gpu-out "$OUT/aux" ;;
