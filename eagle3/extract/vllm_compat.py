@@ -99,8 +99,8 @@ def prepare_environment(log_level: str | None = None) -> None:
       driver process touched CUDA first (seen on the H200 with the kimi-depth engine); spawn is always safe;
     - vLLM's own top-p/top-k sampler instead of FlashInfer's (unless the user chose): extraction samples one greedy
       token, which never uses either, but the engine warms FlashInfer's up at start, JIT-compiling it on a host
-      without flashinfer's jit-cache wheel (the H200 host: the 100-130 s gap after "Initial profiling/warmup run"
-      in a fresh host's first engine start, sessions 9-10)."""
+      without flashinfer's jit-cache wheel (the H200 host; suspected in the 128 s between "Initial profiling/warmup
+      run" and the CUDA-graph profile of a fresh host's first engine start, session 9's log; not yet shown)."""
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")

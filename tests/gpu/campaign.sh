@@ -15,8 +15,8 @@ SRC=/tmp/eagle3-src          # a private copy: the working tree may be re-synced
 rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" && cp -r . "$SRC" && cd "$SRC"
 export PYTHONPATH="$SRC:/tmp/site:/tmp/gpu:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 # Every engine warms up FlashInfer's top-p/top-k sampler, JIT-compiled on a fresh host (flashinfer_python, no
-# jit-cache wheel): the ~100-130 s gap after "Initial profiling/warmup run" in session 9's and 10's first engine
-# starts. Extraction samples one greedy token, which never uses it; every engine of a run gets the same setting.
+# jit-cache wheel): suspected in the 128 s gap after "Initial profiling/warmup run" of session 9's first engine
+# start (not yet shown). Extraction samples one greedy token, which never uses it; every engine gets the same setting.
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 { nproc; free -g; sysctl vm.dirty_ratio vm.dirty_background_ratio vm.dirty_bytes vm.dirty_background_bytes \

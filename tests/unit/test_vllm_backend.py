@@ -531,9 +531,8 @@ def test_extraction_engines_skip_flashinfer_s_sampler_unless_the_user_chose(monk
 
     from eagle3.extract import vllm_compat
 
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", chosen or "")  # recorded: undone after the test
     if chosen is None:
-        monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
-    else:
-        monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", chosen)
+        monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER")
     vllm_compat.prepare_environment()
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == (chosen or "0")
