@@ -359,7 +359,6 @@ class Capturer:
         self.errors: list[str] = []
         self.errors_lock = threading.Lock()  # the consumer reports while a collect may be taking them
         self.copy_chunk_bytes = COPY_CHUNK_BYTES
-        self.gil: GilSampler | None = None
         self.thread = threading.Thread(target=self._consume, name="eagle3-capture", daemon=True)
         self.thread.start()
 
@@ -378,7 +377,7 @@ class Capturer:
         self.mode, self.stats, self.errors = mode, CaptureStats(), []
         self.copy_chunk_bytes = copy_chunk_bytes
         if gil_sampler:
-            self.gil = self.stats.gil = GilSampler().start()
+            self.stats.gil = GilSampler().start()
         self.filler = ShardFiller(writer, self.n_layers, self.hidden, self.dtype, shard_tokens, self.cuda,
                                   free=self.shard_buffers) if mode == "store" else None
 
@@ -388,9 +387,9 @@ class Capturer:
         self.mode, self.filler = "count", None
 
     def _stop_gil(self) -> None:
-        if self.gil is not None:
-            self.gil.stop()
-            self.gil = None
+        """Stop the session's sampler (its figures stay in stats); again: nothing more happens."""
+        if self.stats.gil is not None:
+            self.stats.gil.stop()
 
     def on_step(self, layers: Sequence[torch.Tensor], layout: StepLayout) -> None:
         n = layout.num_tokens

@@ -34,6 +34,7 @@ step() { local name=$1; shift; local t0=$(date +%s); settle; echo "$name started
 PT="python3 -m pytest -p no:cacheprovider -v -rA --durations=25"
 # bench, benchkd: -s, so the engines' own logs (start phases: compile, sampler warm-up, CUDA graphs) reach the step log
 COPIES="hf_reference or indexing or training_states or preemption"  # the capture's copies, value-checked (~10 min: an engine start per test)
+BENCH_OUT=(--gpu-out "$OUT/bench" --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds)
 NEW="deepseek_draft or preemption or selfcheck_passes or (hf_reference and hooks) or indexing"
 for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" != "$arg" ] && LIMIT=${arg#*:}
   case $s in
@@ -46,7 +47,7 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
             EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} step directbench $PT -s \
                  tests/unit/test_vllm_contract.py tests/gpu/test_extract_vllm.py tests/gpu/test_preemption.py \
                  tests/gpu/test_bench_extract.py -m "benchmark or not (e2e or kimi_depth)" -k "direct or bench_extract" \
-                 --gpu-out "$OUT/bench" --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds ;;
+                 "${BENCH_OUT[@]}" ;;
   copies)   step copies $PT -m gpu tests/gpu -k "$COPIES" --gpu-out "$OUT/copies" ;;
   draft)    step draft $PT -m gpu tests/gpu -k deepseek_draft --gpu-out "$OUT/draft" ;;
   aux)      step aux $PT -m gpu tests/gpu -k "not ($NEW)" --gpu-out "$OUT/aux" ;;
@@ -55,8 +56,8 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   e2e)      step e2e $PT -m e2e tests/gpu -k "not online" --gpu-out "$OUT/e2e" ;;
   fp8)      step fp8 $PT -m e2e tests/gpu -k fp8 --gpu-out "$OUT/fp8" ;;
   probe)    step probe python3 tests/gpu/probe_d2h_interference.py ;;  # ~60 s; the capture's copies, whole vs chunked
-  bench)    EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} step bench $PT -s -m benchmark ${BENCH_TESTS:-tests/gpu} --gpu-out "$OUT/bench" \
-                 --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds ;;
+  bench)    EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} step bench $PT -s -m benchmark \
+                 ${BENCH_TESTS:-tests/gpu} "${BENCH_OUT[@]}" ;;
   benchkd)  EAGLE3_BENCH_SHAPES=${BENCHKD_SHAPES:-} EAGLE3_BENCH_BATCHES=${BENCHKD_BATCHES:-32} EAGLE3_BENCH_MODES=${BENCHKD_MODES:-"plain count host store disk"} \
             step benchkd $PT -s -m benchmark tests/gpu --target-profile kimi-depth --gpu-out "$OUT/benchkd" \
                  --benchmark-json="$OUT/benchkd/benchmark.json" --benchmark-columns=median,rounds ;;

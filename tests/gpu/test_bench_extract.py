@@ -279,8 +279,8 @@ class _Live:
             self._only_one()
             t0 = time.perf_counter()
             self.llms[name] = make()
-            if "put" in _REPORT:  # as the capture engines' engine_start_s (conftest): where a lease's time goes
-                _REPORT["put"](f"engine_start_s[{name}]", round(time.perf_counter() - t0, 1))
+            # as the capture engines' engine_start_s (conftest): where a lease's time goes
+            _REPORT["put"](f"engine_start_s[{name}]", round(time.perf_counter() - t0, 1))
         return self.llms[name]
 
     def backend(self, strategy: str):
@@ -647,4 +647,3 @@ def _targets(ratios: dict, results: dict, profile_name: str, bpt: int, sfx: str)
          f"fsynced store{label} / min(prefill, parallel fsync bandwidth / bytes per token)")
     need(r, f"store_nofsync{sfx}/vllm_ehs", 1.0, f"page-cache store{label} / vLLM's extract_hidden_states")
     return failures
-
