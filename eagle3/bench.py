@@ -76,6 +76,38 @@ def split_mode(mode: str) -> tuple[str, str]:
     return (mode.removesuffix(DIRECT_SUFFIX), "direct") if mode.endswith(DIRECT_SUFFIX) else (mode, "aux")
 
 
+@dataclass(frozen=True)
+class LoopOptions:
+    """How the benchmark's production loop runs a sink (tests/gpu/test_bench_extract._Loop)."""
+    sink: str                   # count | host | store: the capture's mode
+    fsync: bool = True          # store_nofsync: the shards stay in the page cache
+    fp8: bool = False           # store_fp8: --state-dtype fp8
+    slots: int = 4              # host_slots8: steps in flight (staged on the device, pinned on the host)
+    whole_copies: bool = False  # host_whole: a step's copies issued at once (no 64 MiB chunks)
+    gil: bool = False           # _gil: the worker runs a GilSampler (a thread waking every 2 ms) and reports it
+
+
+# a sink is its capture mode and then variants, each once: "store_nofsync_gil"
+_VARIANTS = {"nofsync": ("fsync", False, "store"), "fp8": ("fp8", True, "store"), "slots8": ("slots", 8, None),
+             "whole": ("whole_copies", True, None), "gil": ("gil", True, None)}
+
+
+def loop_options(sink: str) -> LoopOptions:
+    """The loop's options named by a sink (a mode less its _direct suffix, see split_mode)."""
+    mode, *variants = sink.split("_")
+    fields = {}
+    for v in variants:
+        field, value, only = _VARIANTS.get(v, (None, None, None))
+        if field is None or field in fields or (only and only != mode):
+            break
+        fields[field] = value
+    else:
+        if mode in ("count", "host", "store"):
+            return LoopOptions(mode, **fields)
+    raise ValueError(f"benchmark sink {sink!r}: a capture mode (count, host, store) and variants, each once, from "
+                     f"{', '.join(f'{v} ({only} only)' if only else v for v, (_, _, only) in _VARIANTS.items())}")
+
+
 # which of the run's disk figures bounds a mode: the fsynced stores by fsynced parallel writes, the writers that
 # leave their data in the page cache (ours without fsync, vLLM's extract_hidden_states connector) by page-cache writes
 DISK_OF_MODE = {"store_nofsync": "page_cache", "vllm_ehs": "page_cache"}

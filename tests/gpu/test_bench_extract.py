@@ -12,6 +12,10 @@ committed), so a writer's drain overlaps the next batch's prefill as in a long r
     count_direct, host_direct, store_direct
                    count, host and store with the experimental direct capture (a plain engine whose model returns
                    the aux states: async scheduling kept; information until the GPU suite has checked its states)
+    count_gil_direct  count_direct with a GilSampler in the worker (a thread waking every 2 ms: how late the
+                   engine's threads get the GIL, in capture_timing's gil); against count_direct, what that costs.
+                   Session 11 ran it in every eagle3 mode and in no plain one; now only _gil sinks run it
+                   (a sink's variants: eagle3.bench.loop_options)
     store          eagle3 aux capture into the shard store, fsynced and committed (extract.run's loop)
     store_nofsync  the same into the page cache
     store_fp8      the fsynced store with --state-dtype fp8 (quantized before the copy to the host)
@@ -71,8 +75,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.benchmark]
 
 ALL_SHAPES = [(16, 512), (64, 512), (8, 4096)]
 PLAIN_MODES = ["plain", "plain_sync"]
-EAGLE3_MODES = ["count", "host", "count_direct", "host_direct", "host_whole_direct", "host_slots8", "store",
-                "store_nofsync", "store_fp8", "store_direct", "store_nofsync_direct"]
+EAGLE3_MODES = ["count", "host", "count_direct", "count_gil_direct", "host_direct", "host_whole_direct", "host_slots8",
+                "store", "store_nofsync", "store_fp8", "store_direct", "store_nofsync_direct"]
 KNOWN_MODES = {"disk", "d2h", "vllm_ehs", "hooks_host", "hf", *PLAIN_MODES, *EAGLE3_MODES}
 
 
@@ -229,7 +233,7 @@ class _Window:
     def clear(self) -> None:
         self.drain()
         self.files: deque[tuple[str, int]] = deque()
-        self.kept, self.unlink_s = 0, 0.0
+        self.kept, self.max_kept, self.unlink_s = 0, 0, 0.0  # bytes kept now and at most (after an unlink round)
 
     def add(self, path: str, size: int) -> None:
         self.queue.put((path, size))
@@ -253,6 +257,7 @@ class _Window:
                     os.unlink(old)
                     self.kept -= n
                 self.unlink_s += time.perf_counter() - t0
+                self.max_kept = max(self.max_kept, self.kept)
             except BaseException as e:  # noqa: BLE001 - raised by drain, in the test's thread
                 self.error = e
             finally:
@@ -412,7 +417,8 @@ def test_vllm_extract_hidden_states(benchmark, target, shape, live, tmp_path_fac
     window.drain()
     kept = [p for p, _ in window.files]
     assert kept and all(os.path.exists(p) for p in kept)
-    _REPORT["put"](f"loop_timing[vllm_ehs/{b}x{t}]", {"unlink_s": round(window.unlink_s, 3)})
+    _REPORT["put"](f"loop_timing[vllm_ehs/{b}x{t}]", {"unlink_s": round(window.unlink_s, 3),
+                                                     "window_max_GB": round(window.max_kept / 1e9, 3)})
 
 
 def _wait_written(path: str) -> None:
@@ -428,11 +434,11 @@ class _Loop:
 
     def __init__(self, backend, target, mode: str, root: Path):
         self.backend, self.target, self.root = backend, target, root
-        self.fsync = mode != "store_nofsync"
-        self.dtype = FP8 if mode == "store_fp8" else "bfloat16"
-        self.slots = 8 if mode == "host_slots8" else 4  # steps in flight (staged on the device, pinned on the host)
-        self.copy_chunk_bytes = 0 if "whole" in mode else COPY_CHUNK_BYTES  # host_whole: a step's copies at once
-        self.mode = "store" if mode.startswith("store") else "host" if mode.startswith("host") else mode
+        opts = bench.loop_options(mode)
+        self.fsync, self.slots, self.gil = opts.fsync, opts.slots, opts.gil
+        self.dtype = FP8 if opts.fp8 else "bfloat16"
+        self.copy_chunk_bytes = 0 if opts.whole_copies else COPY_CHUNK_BYTES
+        self.mode = opts.sink
         self.session = self.store = self.committer = None
         self.window = _Window()
         # the main loop's time per phase; at finish the session's expect/generate/collect split of submit_s and
@@ -450,12 +456,13 @@ class _Loop:
             self.store = Store.open(self.root, spec, create=True, fsync=self.fsync)
             self.committer = BackgroundCommitter(self, fsync=self.fsync)
         self.session = VLLMSession(self.backend, self.store, cfg, mode=self.mode, slots=self.slots,
-                                   copy_chunk_bytes=self.copy_chunk_bytes, gil_sampler=True)
+                                   copy_chunk_bytes=self.copy_chunk_bytes, gil_sampler=self.gil)
         self.timing = dict.fromkeys(self.timing, 0.0)
 
     def drain(self):  # after the clock: the window's unlinks (as a consumer would make them) are done
         self.window.drain()
         self.timing["unlink_s"] = self.window.unlink_s
+        self.timing["window_max_GB"] = self.window.max_kept / 1e9
 
     def run_batch(self, batch):
         t0 = time.perf_counter()
@@ -586,6 +593,7 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
             "host/plain_sync": over(got.get("host"), got.get("plain_sync")),
             # information: the experimental direct capture (plain engine, async scheduling)
             "count_direct/plain": over(got.get("count_direct"), plain),
+            "count_gil_direct/count_direct": over(got.get("count_gil_direct"), got.get("count_direct")),  # the sampler
             "host_direct/plain": over(got.get("host_direct"), plain),
             "host_whole_direct/plain": over(got.get("host_whole_direct"), plain),  # a step's copies issued at once
             "store_direct/plain": over(got.get("store_direct"), plain),

@@ -398,3 +398,20 @@ def test_the_benchmark_reports_its_rate_per_quarter_and_their_spread():
     got = gb._quarters(0.0, ends, 100)
     assert got == {"quarters_tok_s": [100, 100, 100, 50], "spread": 0.5}
     assert gb._quarters(0.0, [2.0], 100) == {"quarters_tok_s": [50], "spread": 0.0}
+
+
+def test_a_sink_names_how_the_benchmark_loop_runs_it():
+    """Session 11: every eagle3 mode ran the GIL sampler (a thread of the worker waking every 2 ms) and no plain
+    mode did, so the capture's figures paid for their own instrument. Only a _gil sink samples the GIL now
+    (count_gil_direct against count_direct is its cost); a misspelt variant is refused, not run as the default."""
+    o = bench.loop_options
+    assert o("count") == bench.LoopOptions("count", fsync=True, fp8=False, slots=4, whole_copies=False, gil=False)
+    assert o("count_gil") == bench.LoopOptions("count", gil=True)
+    assert o("store_nofsync") == bench.LoopOptions("store", fsync=False)
+    assert o("store_fp8") == bench.LoopOptions("store", fp8=True)
+    assert o("host_slots8") == bench.LoopOptions("host", slots=8)
+    assert o("host_whole") == bench.LoopOptions("host", whole_copies=True)
+    assert o("store_nofsync_gil") == bench.LoopOptions("store", fsync=False, gil=True)
+    for bad in ("host_wole", "hots", "host_nofsync", "count_fp8", "store_gil_gil", ""):
+        with pytest.raises(ValueError, match="sink"):
+            o(bad)
