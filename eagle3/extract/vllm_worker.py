@@ -120,13 +120,15 @@ class CaptureExtension:
             cap.filler.announce(unpack_announcement(sample_ids, lengths, ids, masks))
         return {"rank": self._e3["par"]["tp_rank"], "announced": len(sample_ids)}
 
-    def eagle3_collect(self, final: bool = False, seal: bool = False) -> dict:
+    def eagle3_collect(self, final: bool = False, seal: bool = False, announce: list | None = None) -> dict:
         """After generate(): report the shards the writer has finished and any errors. By default it does not wait
         for the copies of the batch's last steps to reach the host: the next batch's prefill overlaps them
         (waiting here idled the GPU for one copy per batch). Samples matched, rows placed and tokens counted are
         known without waiting (they are settled inside the forward); a failed copy is reported by a later collect
         or by close. ``seal`` (online training): wait for the copies, close the open shard and wait for the writer,
-        so every sample of the batch is in a reported shard. ``final``: the same, at the end of a session."""
+        so every sample of the batch is in a reported shard. ``final``: the same, at the end of a session.
+        ``announce`` (eagle3_expect's four values): the next batch, announced once this one is collected, so the
+        engine idles through one RPC between batches, not two."""
         e3, cap = self._e3, self._e3["capturer"]
         whole = final or seal  # every sample announced so far must be in a reported shard
         if whole:
@@ -149,6 +151,8 @@ class CaptureExtension:
                 shards = [vars(i) for i in (e3["writer"].flush() if whole else e3["writer"].take_done())]
             except Exception as ex:  # noqa: BLE001 - a failed shard write is reported, not raised here
                 errors.append(f"shard writer: {type(ex).__name__}: {ex}")
+        if announce is not None:
+            self.eagle3_expect(*announce)
         writer = e3["writer"]
         return {"rank": e3["par"]["tp_rank"], "owner": e3["owner"], "steps": cap.stats.steps,
                 "tokens": cap.stats.tokens, "bytes_to_host": cap.stats.bytes_to_host,
