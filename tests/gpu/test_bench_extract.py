@@ -434,11 +434,7 @@ class _Loop:
 
     def __init__(self, backend, target, mode: str, root: Path):
         self.backend, self.target, self.root = backend, target, root
-        opts = bench.loop_options(mode)
-        self.fsync, self.slots, self.gil = opts.fsync, opts.slots, opts.gil
-        self.dtype = FP8 if opts.fp8 else "bfloat16"
-        self.copy_chunk_bytes = 0 if opts.whole_copies else COPY_CHUNK_BYTES
-        self.mode = opts.sink
+        self.opts = bench.loop_options(mode)
         self.session = self.store = self.committer = None
         self.window = _Window()
         # the main loop's time per phase; at finish the session's expect/generate/collect split of submit_s and
@@ -447,16 +443,18 @@ class _Loop:
 
     def start(self):
         self.window.clear()
+        o = self.opts
         cfg = extract.ExtractConfig(model=str(self.target.path), out=str(self.root), writer_threads=WRITERS,
-                                    fsync=self.fsync)
-        if self.mode == "store":
+                                    fsync=o.fsync)
+        if o.sink == "store":
             shutil.rmtree(self.root, ignore_errors=True)
             spec = self.backend.spec
-            spec = StoreSpec(spec.target, spec.layer_ids, spec.hidden_size, self.dtype, spec.convention)
-            self.store = Store.open(self.root, spec, create=True, fsync=self.fsync)
-            self.committer = BackgroundCommitter(self, fsync=self.fsync)
-        self.session = VLLMSession(self.backend, self.store, cfg, mode=self.mode, slots=self.slots,
-                                   copy_chunk_bytes=self.copy_chunk_bytes, gil_sampler=self.gil)
+            spec = StoreSpec(spec.target, spec.layer_ids, spec.hidden_size, FP8 if o.fp8 else "bfloat16",
+                             spec.convention)
+            self.store = Store.open(self.root, spec, create=True, fsync=o.fsync)
+            self.committer = BackgroundCommitter(self, fsync=o.fsync)
+        self.session = VLLMSession(self.backend, self.store, cfg, mode=o.sink, slots=o.slots,
+                                   copy_chunk_bytes=0 if o.whole_copies else COPY_CHUNK_BYTES, gil_sampler=o.gil)
         self.timing = dict.fromkeys(self.timing, 0.0)
 
     def drain(self):  # after the clock: the window's unlinks (as a consumer would make them) are done

@@ -70,6 +70,12 @@ def _cfg(tiny_kimi, out, **kw):
     return extract.ExtractConfig(model=str(tiny_kimi), out=str(out), batch_size=5, shard_samples=4, **kw)
 
 
+def _last_session(rpc_log):
+    """The (method, objects sent) RPCs of the last eagle3_open on (extract.run's self-check opens one first)."""
+    opened = max(i for i, (method, _) in enumerate(rpc_log) if method == "eagle3_open")
+    return rpc_log[opened + 1:]
+
+
 def _read(path):
     return {s["sample_id"]: s for s in Store.open(path).iter_samples()}
 
@@ -313,9 +319,8 @@ def test_a_batch_costs_the_engine_one_rpc(fake, tiny_kimi, tmp_path, hf_store, c
     previous batch's collect carries the next batch's announcement: one RPC a batch, then the close."""
     out = tmp_path / "s"
     extract.run(_cfg(tiny_kimi, out, backend="vllm", capture=capture), samples=_samples(), progress=False)
-    log = [m for m, _ in fake.last.rpc_log]
-    session = log[len(log) - log[::-1].index("eagle3_open"):]  # the extraction's session (the self-check ran one)
-    per_batch = [m for m in session if m in ("eagle3_expect", "eagle3_collect", "eagle3_close")]
+    per_batch = [m for m, _ in _last_session(fake.last.rpc_log) if m in ("eagle3_expect", "eagle3_collect",
+                                                                          "eagle3_close")]
     batches = -(-len(_samples()) // 5)
     assert per_batch == ["eagle3_collect"] * batches + ["eagle3_close"], per_batch
     got = _read(out)  # and each batch was announced before its prefill: the states are the reference's
@@ -332,9 +337,7 @@ def test_a_batch_is_announced_in_a_few_objects_not_two_a_token(fake, tiny_kimi, 
     cfg = _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="aux")
     batch = _samples()[:6]
     extract.run(dataclasses.replace(cfg, batch_size=6), samples=batch, progress=False)
-    log = fake.last.rpc_log
-    opened = max(i for i, (method, _) in enumerate(log) if method == "eagle3_open")  # the extraction's session
-    sent = [n for method, n in log[opened:] if method == "eagle3_collect"]  # each carries the next announcement
+    sent = [n for m, n in _last_session(fake.last.rpc_log) if m == "eagle3_collect"]  # each carries an announcement
     assert sent and sum(sent) <= 4 * len(batch) + 16 * len(sent), (sent, sum(len(s) for s in batch))
     got = _read(tmp_path / "s")  # and what was announced is what the store holds
     for s in batch:
