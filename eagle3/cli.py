@@ -288,12 +288,14 @@ def cmd_bench_report(a) -> int:
 def cmd_bench_disk(a) -> int:
     from eagle3.preflight import UsageError
     from eagle3.store import bandwidth
+    from eagle3.store.threads import writer_threads
 
-    print(f"disk       {a.dir}: {a.writers} writers x {a.files} files x {a.file_mb} MiB a round (the store's writes), "
-          f"{a.rounds} timed rounds after a warm-up")
     for fsync, name, what in ((True, "fsync", "a store"), (False, "page cache", "a --no-fsync store")):
+        writers = a.writers or writer_threads(fsync)  # default: as many as the store writes with
+        print(f"disk       {a.dir}: {writers} writers x {a.files} files x {a.file_mb} MiB a round (the store's "
+              f"writes, {name}), {a.rounds} timed rounds after a warm-up")
         try:
-            fig = bandwidth.measure(a.dir, fsync, a.writers, a.files, a.file_mb << 20, a.rounds)
+            fig = bandwidth.measure(a.dir, fsync, writers, a.files, a.file_mb << 20, a.rounds)
         except OSError as e:
             raise UsageError(f"writing test files into {a.dir}: {e}. Free space there, or give a smaller --file-mb "
                              "or fewer --writers") from e
@@ -372,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = bsub.add_parser("disk", formatter_class=_Help,
                         help="what a disk can take from the store: its parallel writes timed, fsynced and not")
     d.add_argument("--dir", required=True, help="a folder on the disk the store will use (test files are removed)")
-    d.add_argument("--writers", type=int, default=4, help="parallel writers (the store's owner rank runs 4)")
+    d.add_argument("--writers", type=int, default=None,
+                   help="parallel writers (default: the store's own, 4 fsynced and 8 into the page cache)")
     d.add_argument("--files", type=int, default=4, help="files each writer writes a round")
     d.add_argument("--file-mb", type=int, default=512, help="MiB a file (the store's shard size)")
     d.add_argument("--rounds", type=int, default=2, help="timed rounds (their median counts), after one warm-up")
@@ -433,7 +436,10 @@ def preflight(a) -> None:
         pf.model_folder(a.draft, weights=True, what="--draft")
         pf.cuda_available("eval")
     elif a.cmd == "bench" and a.bench_cmd == "disk":
-        pf.disk_test_folder(a.dir, a.writers, a.files, a.file_mb, a.rounds, a.bytes_per_token)
+        from eagle3.store.threads import writer_threads
+
+        writers = max(writer_threads(True), writer_threads(False)) if a.writers is None else a.writers  # the most
+        pf.disk_test_folder(a.dir, writers, a.files, a.file_mb, a.rounds, a.bytes_per_token)
     elif a.cmd == "bench":
         missing = [h for h in a.history if not Path(h).exists()]
         if missing:

@@ -132,7 +132,7 @@ class ShardFiller:
     """Reserves rows for requests in pinned shard buffers and hands complete shards to a ShardWriter."""
 
     def __init__(self, writer, n_layers: int, hidden: int, dtype: torch.dtype, capacity: int, pin: bool,
-                 free: list[ShardBuffer] | None = None, max_buffers: int = 8):
+                 free: list[ShardBuffer] | None = None, max_buffers: int | None = None):
         self.writer, self.n_layers, self.hidden, self.dtype = writer, n_layers, hidden, dtype
         self.capacity, self.pin = capacity, pin
         self.free: list[ShardBuffer] = free if free is not None else []  # pinned buffers, reused
@@ -145,6 +145,10 @@ class ShardFiller:
         self.expected: dict[tuple[int, ...], deque[Announced]] = defaultdict(deque)
         self.lock = threading.Lock()
         self.released = threading.Condition(self.lock)
+        # pinned buffers at most (back-pressure beyond): one in each writer thread, and 4 more queued or filling
+        # (with 8 page-cache writers a limit of 8 left the capture waiting while every buffer was being written)
+        if max_buffers is None:
+            max_buffers = max(8, getattr(writer, "threads", 0) + 4)
         self.max_buffers, self.allocated, self.in_writer = max_buffers, len(self.free), 0
         self.errors: list[str] = []
         self.completed = 0

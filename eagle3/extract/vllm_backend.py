@@ -16,6 +16,7 @@ from eagle3.extract.capture import COPY_CHUNK_BYTES, pack_announcement
 from eagle3.extract.rpc import Expect, Record, check_consistent, normalize_reply
 from eagle3.store.folder import Store
 from eagle3.store.format import ShardInfo, StoreError, StoreSpec, shard_tokens
+from eagle3.store.threads import writer_threads
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +125,9 @@ class VLLMSession:
                  gil_sampler: bool = False):
         self.backend, self.mode, self.seal_each_batch = backend, mode, seal_each_batch
         spec = store.spec if store is not None else backend.spec  # the store decides the states' dtype (fp8)
-        open_cfg = {"mode": mode, "hidden_size": spec.hidden_size, "dtype": spec.dtype,
-                    "writer_threads": max(4, getattr(cfg, "writer_threads", 0) or 0), "slots": slots,
-                    "copy_chunk_bytes": copy_chunk_bytes, "gil_sampler": gil_sampler}
+        threads = max(writer_threads(getattr(cfg, "fsync", True)), getattr(cfg, "writer_threads", 0) or 0)
+        open_cfg = {"mode": mode, "hidden_size": spec.hidden_size, "dtype": spec.dtype, "writer_threads": threads,
+                    "slots": slots, "copy_chunk_bytes": copy_chunk_bytes, "gil_sampler": gil_sampler}
         if mode == "store":
             open_cfg.update(root=str(store.root), spec=store.spec.to_json(), start_index=store.next_shard_index,
                             shard_tokens=shard_tokens(store.spec, cfg.shard_tokens), fsync=cfg.fsync)

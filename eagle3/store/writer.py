@@ -47,6 +47,7 @@ class ShardWriter:
                  shard_samples: int | None = None, fsync: bool = True, threads: int = 0, max_pending: int = 4,
                  fault: Callable[[str], None] | None = None, writer_id: str | None = None):
         self.root, self.spec, self.next_index, self.writer_id = Path(root), spec, start_index, writer_id
+        self.threads = threads  # shards written at once (0: inside add/submit)
         self.written: list[str] = []  # shard files this writer wrote, in completion order
         self.shard_tokens, self.shard_samples, self.fsync, self.fault = shard_tokens, shard_samples, fsync, fault
         (self.root / SHARDS).mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@
 #   tests/gpu/campaign.sh online:660 bench  STEP:SECONDS stops that step (SIGINT, then SIGKILL 30 s later) after SECONDS
 #   BENCH_SHAPES=64x512 BENCH_MODES="plain host" (mini-Kimi), BENCHKD_SHAPES / _MODES / _BATCHES (kimi-depth; by
 #   default 32 batches of plain count host store disk, ~14 min at 64x512) narrow the benchmarks (tests/gpu/test_bench_extract.py)
+#   DIRECTBENCH_K="(direct and not preemption) or bench_extract" narrows directbench's value checks (default: all of direct's)
 #   BENCH_TESTS="FILE::test_b FILE::test_a FILE::test_ratios..." runs the mini-Kimi benchmark's tests in that order (a
 #   short lease measures first what matters most; default tests/gpu, in file order)
 set -u
@@ -46,7 +47,7 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   directbench)  # direct's value checks, then the mini-Kimi benchmark, in one process: one start of the direct engine
             EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} step directbench $PT -s \
                  tests/unit/test_vllm_contract.py tests/gpu/test_extract_vllm.py tests/gpu/test_preemption.py \
-                 tests/gpu/test_bench_extract.py -m "benchmark or not (e2e or kimi_depth)" -k "direct or bench_extract" \
+                 tests/gpu/test_bench_extract.py -m "benchmark or not (e2e or kimi_depth)" -k "${DIRECTBENCH_K:-direct or bench_extract}" \
                  "${BENCH_OUT[@]}" ;;
   copies)   step copies $PT -m gpu tests/gpu -k "$COPIES" --gpu-out "$OUT/copies" ;;
   draft)    step draft $PT -m gpu tests/gpu -k deepseek_draft --gpu-out "$OUT/draft" ;;

@@ -47,13 +47,29 @@ def test_cli_bench_disk_prints_each_limit_in_tokens_a_second(tmp_path, capsys):
     assert cli.main(["bench", "disk", "--dir", str(tmp_path), "--writers", "2", "--files", "1", "--file-mb", "1",
                      "--rounds", "1", "--bytes-per-token", "28672"]) == 0
     out = capsys.readouterr().out
-    assert "2 writers x 1 files x 1 MiB a round" in out
+    assert out.count("2 writers x 1 files x 1 MiB a round") == 2
     for name in ("fsync", "page cache"):
         m = re.search(rf"^{name} +([\d.,]+) GB/s = ([\d,]+) tok/s at 28,672 B a token", out, re.M)
         assert m, out
         gbs, tps = float(m[1].replace(",", "")), int(m[2].replace(",", ""))
         assert abs(tps - gbs * 1e9 / 28672) <= 0.006e9 / 28672 + 1, out  # the rate printed is the one converted
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_bench_disk_measures_each_kind_with_the_store_s_own_writers(tmp_path, monkeypatch, capsys):
+    """A limit is read against the store that writes like it: fsynced with 4 threads, into the page cache with 8
+    (store/writer.py: writer_threads); --writers N measures both with N."""
+    calls = []
+    monkeypatch.setattr(bandwidth, "measure", lambda d, fsync, writers, *a: calls.append((fsync, writers))
+                        or bandwidth.DiskFigure(fsync, 10**9, [1.0]))
+    assert cli.main(["bench", "disk", "--dir", str(tmp_path)]) == 0
+    assert calls == [(True, 4), (False, 8)]
+    out = capsys.readouterr().out
+    assert "4 writers x 4 files x 512 MiB a round (the store's writes, fsync)" in out
+    assert "8 writers x 4 files x 512 MiB a round (the store's writes, page cache)" in out
+    calls.clear()
+    assert cli.main(["bench", "disk", "--dir", str(tmp_path), "--writers", "3"]) == 0
+    assert calls == [(True, 3), (False, 3)]
 
 
 def test_cli_bench_disk_refuses_what_cannot_run_naming_the_fix(tmp_path, monkeypatch, capsys):
@@ -70,8 +86,8 @@ def test_cli_bench_disk_refuses_what_cannot_run_naming_the_fix(tmp_path, monkeyp
     assert "--writers 0: give a positive number" in capsys.readouterr().err
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**30, 9 * 2**30, 2**30))
-    assert cli.main(["bench", "disk", "--dir", str(tmp_path)]) == 2  # 4 x 512 MiB at once, 1 GiB free
-    assert "need 2.0 GiB at once and 1.0 GiB are free; give a smaller --file-mb" in capsys.readouterr().err
+    assert cli.main(["bench", "disk", "--dir", str(tmp_path)]) == 2  # 8 x 512 MiB at once (page cache), 1 GiB free
+    assert "8 writers x 512 MiB need 4.0 GiB at once and 1.0 GiB are free; give a smaller --file-mb" in capsys.readouterr().err
     monkeypatch.undo()
 
     def full(fd):

@@ -217,6 +217,48 @@ def test_pinned_buffers_of_another_dtype_neither_count_nor_stay(tmp_path):
     assert old == []  # the float32 buffers were let go, not kept pinned beside the new ones
 
 
+def test_every_writer_thread_can_hold_a_shard_while_the_capture_fills_more():
+    """A page-cache store writes with 8 threads (store/writer.py: writer_threads). With 8 pinned buffers at most,
+    8 shards in the writer left the capture none to fill: it waited for a write, and the GPU with it. The limit
+    is the writer's threads and 4 more."""
+    import threading
+
+    from eagle3.extract.capture import ShardFiller
+
+    class HoldingWriter:  # 8 threads, each holding its shard (a write in progress)
+        threads = 8
+
+        def __init__(self):
+            self.held = []
+
+        def submit(self, build, on_done):
+            self.held.append(on_done)
+
+    writer = HoldingWriter()
+    f = ShardFiller(writer, N_LAYERS, H, torch.bfloat16, capacity=8, pin=False)
+    prompts = [[i + 1] * 8 for i in range(12)]
+    f.announce([Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(8, dtype=torch.uint8))
+                for i, p in enumerate(prompts)])
+
+    def fill(n):
+        for i in range(n):
+            f.arrived(f.reserve(f"r{i}", prompts[i], 0).buf, 8)
+
+    filling = threading.Thread(target=fill, args=(12,), daemon=True)
+    filling.start()  # shard i is sealed (handed to the writer) when request i + 1 needs a buffer
+    filling.join(timeout=2)
+    assert not filling.is_alive(), f"the capture waited with {len(writer.held)} shards in 8 writer threads"
+    assert len(writer.held) == 11 and f.allocated == 12
+    more = threading.Thread(target=f.reserve, args=("r12", [99] * 8, 0), daemon=True)
+    f.announce([Announced("s12", torch.tensor([99] * 8, dtype=torch.int32), torch.ones(8, dtype=torch.uint8))])
+    more.start()  # beyond the limit: back-pressure until the writer hands a buffer back
+    more.join(timeout=1)
+    assert more.is_alive(), "a 13th pinned buffer was allocated: the limit is the writer's 8 threads and 4 more"
+    writer.held[0]()
+    more.join(timeout=5)
+    assert not more.is_alive() and f.allocated == 12
+
+
 @pytest.mark.parametrize("mode", ["host", "store"])
 def test_the_forward_issues_no_copy_to_the_host(tmp_path, monkeypatch, mode):
     """A device-to-host copy issued in the forward queues ahead of the engine's own small copies of the step
