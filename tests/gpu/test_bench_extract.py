@@ -28,8 +28,8 @@ committed), so a writer's drain overlaps the next batch's prefill as in a long r
     d2h            device-to-pinned-host copy bandwidth on one side stream (the null sink's limit)
 The host has 63 GB of free disk and a 64x512 run of 32 batches is 60 GB of states (57,344 B/token): the store and
 vllm_ehs modes delete their oldest committed (closed) files once their folder holds more than DISK_WINDOW bytes
-(files not yet committed count too), from a thread the loop never waits for, as a trainer consuming a spool would. A deleted page-cache file may never reach
-the disk (both non-fsync modes alike).
+(files not yet committed count too), from a thread the loop never waits for, as a trainer consuming a spool would.
+A deleted page-cache file may never reach the disk (both non-fsync modes alike).
 Every record's extra_info holds tokens_per_s; the last test computes the ratios, checks the acceptance targets
 and the profile's baselines, and writes bench_summary.json. Each eagle3 figure also reports where its capture
 time went (capture_timing: back-pressure wait, time in the capture, the copies' GPU time and bandwidth).

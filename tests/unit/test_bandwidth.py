@@ -87,7 +87,8 @@ def test_cli_bench_disk_refuses_what_cannot_run_naming_the_fix(tmp_path, monkeyp
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**30, 9 * 2**30, 2**30))
     assert cli.main(["bench", "disk", "--dir", str(tmp_path)]) == 2  # 8 x 512 MiB at once (page cache), 1 GiB free
-    assert "8 writers x 512 MiB need 4.0 GiB at once and 1.0 GiB are free; give a smaller --file-mb" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "8 writers x 512 MiB need 4.0 GiB at once and 1.0 GiB are free; give a smaller --file-mb" in err
     monkeypatch.undo()
 
     def full(fd):
