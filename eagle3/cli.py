@@ -64,7 +64,8 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="hf backend device")
     p.add_argument("--tp", type=int, default=1, help="vllm backend tensor parallel size")
     p.add_argument("--capture", choices=["auto", "hooks", "aux", "direct"], default="auto",
-                   help="vllm capture strategy (direct: experimental, see eagle3/extract/vllm_compat.py)")
+                   help="vllm capture strategy (auto: direct where vLLM's runner can be wrapped, else aux, "
+                        "else hooks; see eagle3/extract/vllm_compat.py)")
     p.add_argument("--gpu-mem", type=float, default=0.85, help="vllm gpu_memory_utilization")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (faster; a crash may lose recent shards)")
     p.add_argument("--state-dtype", choices=["bfloat16", "fp8"], default="bfloat16",

@@ -41,7 +41,7 @@ class ExtractConfig:
     writer_threads: int = 1
     fsync: bool = True
     tp: int = 1                             # vllm backend
-    capture: str = "auto"                   # vllm backend: auto | hooks | aux
+    capture: str = "auto"                   # vllm backend: auto (direct, else aux, else hooks) | hooks | aux | direct
     vllm_kwargs: dict = field(default_factory=dict)
     selfcheck: int = 4                      # prompts for the final-state self-check before storing (0 = skip)
     recipe: dict | None = None              # the CLI options, recorded for `extract --resume` (recipe.py)

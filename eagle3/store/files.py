@@ -1,4 +1,5 @@
-"""Durable writes: temp name, fsync, rename, fsync the folder; every byte goes through write_chunks."""
+"""Durable writes: temp name, fsync, rename, fsync the folder (a shard's folder: once per commit, folder.py); every
+byte goes through write_chunks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, Callable, Sequence
 from eagle3.store.format import StoreError
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -67,8 +68,9 @@ def checksum_matches(path: Path, shard: dict) -> bool:
 
 
 def atomic_write(path: Path, chunks: Sequence[memoryview | bytes], fsync: bool = True,
-                 fault: Callable[[str], None] | None = None) -> tuple[str, int]:
-    """Write to .tmp-NAME, fsync, rename over NAME, fsync the folder. Returns ("ALGO:HEX" checksum, bytes).
+                 fault: Callable[[str], None] | None = None, sync_dir: bool = True) -> tuple[str, int]:
+    """Write to .tmp-NAME, fsync, rename over NAME, fsync the folder (``sync_dir=False``: the caller does, once for
+    many files, before anything names them). Returns ("ALGO:HEX" checksum, bytes).
 
     On any error the temp file is removed and the destination is untouched.
     """
@@ -91,8 +93,8 @@ def atomic_write(path: Path, chunks: Sequence[memoryview | bytes], fsync: bool =
         if fault:
             fault("before_rename")
         os.replace(tmp, path)
-        if fsync:
-            _fsync_dir(path.parent)
+        if fsync and sync_dir:
+            fsync_dir(path.parent)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:

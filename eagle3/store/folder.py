@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from eagle3.store.files import atomic_write_json
+from eagle3.store.files import atomic_write_json, fsync_dir
 from eagle3.store.format import (
     MANIFEST,
     SCHEMA_VERSION,
@@ -108,6 +108,9 @@ class Store:
             new_ids |= set(info.sample_ids)
         manifest = dict(self.manifest, shards=self.shards + [asdict(i) for i in infos],
                         updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        if fsync:  # the shards' renames (their writers fsynced only the data), before a manifest names them
+            for folder in sorted({(self.root / i.file).parent for i in infos}):
+                fsync_dir(folder)
         if fault:
             fault("before_manifest")
         atomic_write_json(self.root / MANIFEST, manifest, fsync=fsync, fault=fault)

@@ -29,9 +29,11 @@ log = logging.getLogger(__name__)
 
 def write_shard(root: Path, name: str, tensors: dict[str, torch.Tensor], spec: StoreSpec,
                 sample_ids: Sequence[str], fsync: bool = True, fault=None, writer: str | None = None) -> ShardInfo:
-    """One shard file from ready tensors (zero-copy views), atomically."""
+    """One shard file from ready tensors (zero-copy views), atomically; its rename reaches the disk with the commit
+    that names it (Store.commit fsyncs the shards folder once: a folder fsync in each writer thread forced a journal
+    commit that waited on the other writers' data)."""
     sha, nbytes = atomic_write(Path(root) / name, safetensors_chunks(tensors, shard_meta(spec, sample_ids, writer)),
-                               fsync, fault)
+                               fsync, fault, sync_dir=False)
     return ShardInfo(name, sha, nbytes, len(sample_ids), int(tensors["input_ids"].shape[0]), list(sample_ids))
 
 

@@ -142,3 +142,38 @@ def test_manifest_problems_are_explained(tmp_path):
         Store.open(tmp_path)
     with pytest.raises(StoreError, match="not a store"):
         Store.open(tmp_path / "nothing")
+
+
+def test_shard_renames_reach_the_disk_once_per_commit_before_the_manifest_names_them(tmp_path, monkeypatch):
+    """A writer thread fsyncs its shard's data but not the shards folder: that fsync forces a journal commit that
+    waits on the other writers' data (ext4, data=ordered). The commit fsyncs the folder once, before the manifest
+    that names the shards is renamed into place, so a crash never leaves a manifest naming a shard that is gone."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        events.append(("fsync-dir" if os.path.isdir(path) else "fsync", os.path.basename(path)))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    store = Store.open(tmp_path, SPEC, create=True)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    w = ShardWriter(tmp_path, SPEC, 0, shard_samples=1, threads=2)
+    for i in range(3):
+        w.add(*_sample(i, 5))
+    infos = w.flush()
+    w.close()
+    names = sorted(os.path.basename(i.file) for i in infos)
+    assert len(names) == 3
+    for n in names:  # each shard's data is on the disk before its name appears
+        assert events.index(("fsync", f".tmp-{n}")) < events.index(("rename", n))
+    assert not [e for e in events if e[0] == "fsync-dir"], "a writer thread fsynced the shards folder"
+    events.clear()
+    store.commit(infos)
+    assert events.count(("fsync-dir", "shards")) == 1
+    assert events.index(("fsync-dir", "shards")) < events.index(("rename", "manifest.json"))
+    assert events[-1] == ("fsync-dir", tmp_path.name)  # and the manifest's own rename

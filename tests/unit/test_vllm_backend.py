@@ -11,6 +11,7 @@ import torch
 
 from eagle3.data.conversations import random_samples
 from eagle3.extract import extract
+from eagle3.extract import vllm_compat as compat
 from eagle3.extract.capture import COPY_CHUNK_BYTES
 from eagle3.extract.hf_backend import HFBackend
 from eagle3.extract.rpc import Expect, LayerStack, ReplyError, normalize_reply
@@ -114,6 +115,18 @@ def test_vllm_backend_store_equals_the_hf_reference(fake, tiny_kimi, tmp_path, h
         assert all(w.model_runner._eagle3_direct_layers == list(IDS) for w in llm.workers)
     # only the owner (TP rank 0) held a writer; every rank counted the same tokens
     assert [w._e3["owner"] for w in llm.workers] == [True] + [False] * (tp - 1)
+
+
+def test_auto_capture_is_direct_where_the_runner_can_be_wrapped_else_aux_else_hooks(fake, monkeypatch):
+    """The default capture: direct (a plain engine with async scheduling: 0.905x plain on the H200 in session 11
+    where aux's engine reached 0.845x), aux on a vLLM whose V1 runner lacks what direct wraps, hooks without
+    extract_hidden_states."""
+    assert compat.pick_strategy("auto") == "direct"
+    older = type("GPUModelRunner", (), {"_setup_eagle3_aux_hidden_state_outputs": lambda self: None})
+    monkeypatch.setattr(sys.modules["vllm.v1.worker.gpu_model_runner"], "GPUModelRunner", older)  # no _model_forward
+    assert compat.pick_strategy("auto") == "aux"
+    monkeypatch.delattr(sys.modules["vllm.config.speculative"].SpeculativeConfig, "uses_extract_hidden_states")
+    assert compat.pick_strategy("auto") == "hooks"
 
 
 @pytest.mark.parametrize("capture,tp", [("hooks", 1), ("aux", 2), ("direct", 2)])
