@@ -1,6 +1,9 @@
 """Benchmark history -> regression checks and the Markdown + PNG report."""
 
 import json
+import os
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -391,6 +394,44 @@ def test_the_targets_hold_the_capture_extraction_uses_by_default_and_the_other_i
     assert failures == ["kimi-depth 64x512: fsynced store / plain prefill 0.91x (< 0.95)"]
 
 
+def test_direct_s_null_sink_failure_splits_its_engine_s_cost_from_the_capture_s(monkeypatch):
+    """Session 13: count_direct 0.90x plain, host_direct 0.84x; generate() 7% slower than plain's and each batch's
+    RPC 4.6 ms. plain_auxout (direct's engine, its model returning the aux layers' states, no capture attached)
+    says how much of that is vLLM's aux outputs: the failure names it and count_direct / plain_auxout."""
+    from tests.gpu import test_bench_extract as gb
+
+    measured = json.loads((Path(__file__).parents[2] / "results/h200-vllm0.26.0-session13/bench_summary.json")
+                          .read_text())["tokens_per_s"]
+    monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
+    _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct")
+    assert failures[0] == ("null sink (--capture direct) / plain prefill 0.84x (< 0.9): count (--capture direct) "
+                           "reaches 0.90x plain")
+    auxout = dict(measured, **{"plain_auxout/64x512": 0.93 * measured["plain/64x512"]})
+    summary, failures = gb.acceptance(auxout, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct")
+    assert failures[0].endswith("reaches 0.90x plain; the engine alone, its model returning the aux states "
+                                "(plain_auxout), 0.93x; count_direct/plain_auxout 0.96x")
+    assert round(summary["ratios"]["64x512"]["plain_auxout/plain"], 2) == 0.93
+
+
+def test_the_plain_auxout_engine_is_direct_s_engine_without_a_capture(monkeypatch, tmp_path):
+    """Its model returns the aux states (the layer ids in the hf config, the worker extension that wraps the
+    runner) and nothing takes them: eagle3_setup, which attaches the capture, is never called."""
+    from eagle3.extract import vllm_compat
+    from tests.gpu import test_bench_extract as gb
+
+    seen = {}
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: seen.update(kw)))
+    target = types.SimpleNamespace(path=tmp_path, load_format="dummy", local=True, tp=1,
+                                   profile=types.SimpleNamespace(layer_ids=(2, 4, 5, 8)))
+    gb._plain_llm(target, aux_outputs=True)
+    assert seen["hf_overrides"] == {vllm_compat.DIRECT_KEY: [2, 4, 5, 8]} and seen["async_scheduling"] is True
+    assert seen["worker_extension_cls"] == vllm_compat.WORKER_EXTENSION
+    seen.clear()
+    gb._plain_llm(target)
+    assert "hf_overrides" not in seen and "worker_extension_cls" not in seen
+    assert "plain_auxout" in gb.PLAIN_MODES
+
+
 def test_the_benchmark_reports_its_rate_per_quarter_and_their_spread():
     from tests.gpu import test_bench_extract as gb
 
@@ -415,3 +456,27 @@ def test_a_sink_names_how_the_benchmark_loop_runs_it():
     for bad in ("host_wole", "hots", "host_nofsync", "count_fp8", "store_gil_gil", ""):
         with pytest.raises(ValueError, match="sink"):
             o(bad)
+
+
+@pytest.mark.parametrize("make", ["_plain_llm", "_ehs_llm"])
+def test_the_benchmark_s_own_engines_start_in_the_capture_engines_environment(monkeypatch, tmp_path, make):
+    """Session 13: kimi-depth's plain engine, the benchmark's first, forked its worker after the driver had touched
+    CUDA and died ("Cannot re-initialize CUDA in forked subprocess"); the capture's engines start spawned
+    (vllm_compat.prepare_environment). plain and vllm_ehs are read against them: the same environment, the same
+    model runner."""
+    from tests.gpu import test_bench_extract as gb
+
+    for k in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_FLASHINFER_SAMPLER"):
+        monkeypatch.setenv(k, "")  # recorded as it was: the test leaves the process's environment as it found it
+        monkeypatch.delenv(k)
+    seen = {}
+
+    class LLM:
+        def __init__(self, **kw):
+            seen.update({k: os.environ.get(k) for k in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_USE_V2_MODEL_RUNNER")})
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    target = types.SimpleNamespace(path=tmp_path, load_format="dummy", local=True, tp=1,
+                                   profile=types.SimpleNamespace(layer_ids=(2, 4, 5, 8)))
+    getattr(gb, make)(target, *([tmp_path / "out"] if make == "_ehs_llm" else []))
+    assert seen == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_USE_V2_MODEL_RUNNER": "0"}

@@ -3,6 +3,7 @@
 The same code runs against real vLLM in tests/gpu/."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -150,7 +151,6 @@ def test_exactly_one_rank_writes_as_its_reply_and_the_files_say(fake, tiny_kimi,
     """With identical bytes, racing writers on several ranks would leave a correct-looking store: check who
     wrote from each rank's own collect reply and from the writer recorded in every shard file."""
     import json
-    import os
 
     from safetensors import safe_open
 
@@ -532,6 +532,7 @@ def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went
     else:
         assert "gil" not in loop.session.capture_timing
     assert (timing["window_max_GB"] > 0) == mode.startswith("store")  # committed bytes the window held at most
+    assert timing["window_GB"] == loop.window.limit / 1e9 > 0  # what it trimmed to (_disk_window), in the report
     if mode.startswith("host"):  # the options reached the worker's capture, or the comparison measures nothing
         assert loop.store is None and cap.pool.sem._value == (8 if mode == "host_slots8" else 4)
         assert cap.copy_chunk_bytes == (0 if mode == "host_whole" else COPY_CHUNK_BYTES)
@@ -568,7 +569,6 @@ def test_a_short_figure_runs_on_after_the_page_cache_is_written(monkeypatch, min
     with vllm_ehs's last 8.6 GB dirty, written back during it), and a figure shorter than MIN_SECONDS runs on
     with more of the same prompts, up to MAX_BATCHES (mini-Kimi's 32 batches took 4 s: 0.877 against a 0.90
     target, within plain's own spread of 6.8%). Tokens/s counts the batches timed."""
-    import os
     import time
     from types import SimpleNamespace
 
@@ -603,7 +603,6 @@ def test_a_short_figure_runs_on_after_the_page_cache_is_written(monkeypatch, min
 
 
 def test_the_disk_s_bytes_written_come_from_its_block_device_s_sectors(tmp_path):
-    import os
 
     from tests.gpu import test_bench_extract as gb
 
@@ -664,6 +663,34 @@ def test_the_benchmark_window_counts_the_folder_s_files_not_yet_handed_over(tmp_
     assert window.kept == 10 and window.max_kept == 25
 
 
+def test_the_benchmark_window_stays_under_the_kernel_s_background_writeback_threshold(tmp_path, monkeypatch):
+    """H200, session 13: with 8 GiB kept, vllm_ehs peaked at 12.09 GB dirty, just under the kernel's background
+    writeback threshold (10% of ~117 GB); the page-cache store crossed it, its oldest files went under writeback,
+    the window's unlinks waited on the disk (37 s of them in a 24 s figure), 40 GB piled up and the store fell to
+    0.23x vllm_ehs. Which sink tipped first measured the threshold, not the sinks: the window keeps a third of it."""
+    from tests.gpu import test_bench_extract as gb
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text(f"nr_dirty 10\nnr_dirty_threshold {6 * 2**30 // page}\n"
+                      f"nr_dirty_background_threshold {3 * 2**30 // page}\nnr_writeback 0\n")
+    assert gb._dirty_background_bytes(str(vmstat)) == 3 * 2**30
+    assert gb._disk_window(str(vmstat)) == 2**30  # a third of 3 GiB
+    vmstat.write_text(f"nr_dirty_background_threshold {96 * 2**30 // page}\n")
+    assert gb._disk_window(str(vmstat)) == gb.DISK_WINDOW == 8 << 30  # a host with more memory: the cap
+    assert gb._dirty_background_bytes(str(tmp_path / "none")) is None
+    assert gb._disk_window(str(tmp_path / "none")) == gb.DISK_WINDOW
+    monkeypatch.setattr(gb, "_disk_window", lambda: 30)
+    (tmp_path / "out").mkdir()
+    window = gb._Window(tmp_path / "out")
+    paths = [tmp_path / "out" / f"f{i}" for i in range(3)]
+    for p in paths:
+        p.write_bytes(b"x" * 15)
+    window.add([(str(p), 15) for p in paths])
+    window.drain()
+    assert window.limit == 30 and [p.exists() for p in paths] == [False, True, True]  # trimmed to the window
+
+
 def test_the_direct_capture_takes_only_an_engine_started_for_it(fake):
     """direct: the worker extension's import wraps the runner; an engine started without the capture's layer ids
     (a plain one, as the benchmark's) keeps its model as it was, and the capture refuses it, or one started with
@@ -692,7 +719,6 @@ def test_the_direct_capture_takes_only_an_engine_started_for_it(fake):
 @pytest.mark.parametrize("chosen", [None, "1"])
 def test_extraction_engines_skip_flashinfer_s_sampler_unless_the_user_chose(monkeypatch, chosen):
     """Extraction samples one greedy token; FlashInfer's sampler would only be JIT-compiled at the engine's start."""
-    import os
 
     from eagle3.extract import vllm_compat
 
