@@ -332,7 +332,8 @@ class CaptureStats:
         token-budget steps, and any further steps the engine ran for it; ``gil``: GilSampler.summary()."""
         timing = {"steps": self.steps, "bytes_to_host": self.bytes_to_host, "wait_s": round(self.wait_s, 4),
                   "stage_s": round(self.stage_s, 4), "copy_s": round(self.copy_s, 4),
-                  "pinned_allocs": self.pinned_allocs, "step_tokens": {str(n): k for n, k in self.step_tokens.most_common(8)}}
+                  "pinned_allocs": self.pinned_allocs,
+                  "step_tokens": {str(n): k for n, k in self.step_tokens.most_common(8)}}
         if self.gil is not None:
             timing["gil"] = self.gil.summary()
         return timing

@@ -399,8 +399,8 @@ def _plain_llm(target, async_scheduling: bool = True, aux_outputs: bool = False)
     whose capture is never attached (eagle3_setup is not called)."""
     import vllm
 
-    direct = dict(hf_overrides={vllm_compat.DIRECT_KEY: list(target.profile.layer_ids)},
-                  worker_extension_cls=vllm_compat.WORKER_EXTENSION) if aux_outputs else {}
+    direct = {"hf_overrides": {vllm_compat.DIRECT_KEY: list(target.profile.layer_ids)},
+              "worker_extension_cls": vllm_compat.WORKER_EXTENSION} if aux_outputs else {}
     return vllm.LLM(**_common_engine_args(target), async_scheduling=async_scheduling, **direct), None
 
 
