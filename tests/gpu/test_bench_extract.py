@@ -395,13 +395,15 @@ def live(target, engines):
 
 
 def _plain_llm(target, async_scheduling: bool = True, aux_outputs: bool = False):
-    """aux_outputs: the direct capture's engine (engine_kwargs(strategy="direct")'s layer ids and worker extension),
-    whose capture is never attached (eagle3_setup is not called)."""
+    """aux_outputs: the direct capture's engine (vllm_compat.direct_engine_kwargs and the worker extension), whose
+    capture is never attached (eagle3_setup is not called)."""
     import vllm
 
-    direct = {"hf_overrides": {vllm_compat.DIRECT_KEY: list(target.profile.layer_ids)},
-              "worker_extension_cls": vllm_compat.WORKER_EXTENSION} if aux_outputs else {}
-    return vllm.LLM(**_common_engine_args(target), async_scheduling=async_scheduling, **direct), None
+    kw = dict(_common_engine_args(target), async_scheduling=async_scheduling)
+    if aux_outputs:
+        kw.update(vllm_compat.direct_engine_kwargs(target.profile.layer_ids),
+                  worker_extension_cls=vllm_compat.WORKER_EXTENSION)
+    return vllm.LLM(**kw), None
 
 
 def _ehs_llm(target, out):

@@ -603,7 +603,6 @@ def test_a_short_figure_runs_on_after_the_page_cache_is_written(monkeypatch, min
 
 
 def test_the_disk_s_bytes_written_come_from_its_block_device_s_sectors(tmp_path):
-
     from tests.gpu import test_bench_extract as gb
 
     dev = os.stat(tmp_path).st_dev
