@@ -142,7 +142,9 @@ class ShardFiller:
         self.where: dict[str, Placement] = {}  # request id -> its rows
         self.recomputed = 0  # rows seen again after a preemption (not copied twice)
         self.done: set[str] = set()  # requests whose prompt rows are all placed, or that failed (cleared per batch)
-        self.expected: dict[tuple[int, ...], deque[Announced]] = defaultdict(deque)
+        # announced samples by their input ids as int32 bytes (a memcpy to key; a tuple of ints cost the announce
+        # RPC ~0.7 ms and the forward ~1.5 ms a 64x512 batch on a 2-core CPU, while the engine waited)
+        self.expected: dict[bytes, deque[Announced]] = defaultdict(deque)
         self.lock = threading.Lock()
         self.released = threading.Condition(self.lock)
         # pinned buffers at most (back-pressure beyond): one in each writer thread, and 4 more queued or filling
@@ -155,7 +157,17 @@ class ShardFiller:
 
     def announce(self, samples: Sequence[Announced]) -> None:
         for s in samples:
-            self.expected[tuple(s.input_ids.tolist())].append(s)
+            self.expected[s.input_ids.to(torch.int32).numpy().tobytes()].append(s)
+
+    def withdraw(self, sample_ids: Sequence[str]) -> None:
+        """Forget announced samples that will not be generated."""
+        gone = set(sample_ids)
+        for key in list(self.expected):
+            kept = deque(s for s in self.expected[key] if s.sample_id not in gone)
+            if kept:
+                self.expected[key] = kept
+            else:
+                del self.expected[key]
 
     def outstanding(self) -> list[str]:
         return [s.sample_id for q in self.expected.values() for s in q]
@@ -187,15 +199,15 @@ class ShardFiller:
             self.errors.append(f"request {req}: first captured rows start at token {computed}, not 0 - the engine "
                                "skipped computing a prefix (prefix caching must be off for extraction)")
             return None
-        key = tuple(int(t) for t in prompt)
+        key = np.asarray(prompt, dtype=np.int32).tobytes()
+        t = len(key) // 4
         q = self.expected.get(key)
         if not q:
-            self.errors.append(f"request {req}: its prompt ({len(key)} tokens) matches no announced sample")
+            self.errors.append(f"request {req}: its prompt ({t} tokens) matches no announced sample")
             return None
         sample = q.popleft()
         if not q:
             del self.expected[key]
-        t = len(key)
         if self.open is None or self.open.used + t > self.open.capacity:
             self.seal()
             self.open = self._buffer(t)
@@ -285,9 +297,27 @@ class PinnedPool:
 
     def __init__(self, slots: int, pin: bool):
         self.free: list[torch.Tensor] = []  # 1-D buffers
+        self.slots = slots
         self.sem = threading.Semaphore(slots)
         self.pin, self.lock = pin, threading.Lock()
-        self.allocations = 0  # buffers pinned so far (each one: ~0.1-0.3 s a GiB, in the forward)
+        self.allocations = 0  # buffers pinned so far (each one: ~0.1-0.3 s a GiB; in the forward, unless by fill)
+
+    @staticmethod
+    def _size(n: int) -> int:
+        return 1 << max(20, (n - 1).bit_length())  # powers of two: few distinct sizes to reuse
+
+    def fill(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Pin now (not in the forward) a free buffer for every slot that fits ``shape`` (the largest step)."""
+        n = 1
+        for d in shape:
+            n *= d
+        with self.lock:
+            have = sum(1 for t in self.free if t.dtype == dtype and t.numel() >= n)
+        for _ in range(self.slots - have):
+            buf = torch.empty(self._size(n), dtype=dtype, pin_memory=self.pin)
+            self.allocations += 1
+            with self.lock:
+                self.free.append(buf)
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The smallest free buffer that fits (a small step taking the large one made the next large step pin)."""
@@ -299,8 +329,7 @@ class PinnedPool:
             fits = [i for i, t in enumerate(self.free) if t.dtype == dtype and t.numel() >= n]
             buf = self.free.pop(min(fits, key=lambda i: self.free[i].numel())) if fits else None
         if buf is None:
-            size = 1 << max(20, (n - 1).bit_length())  # powers of two: few distinct sizes to reuse
-            buf = torch.empty(size, dtype=dtype, pin_memory=self.pin)
+            buf = torch.empty(self._size(n), dtype=dtype, pin_memory=self.pin)
             self.allocations += 1
         return buf, buf[:n].view(shape)
 
@@ -369,10 +398,13 @@ class Capturer:
         self.thread.start()
 
     def start(self, mode: str, writer=None, shard_tokens: int = 8192, dtype: torch.dtype | None = None,
-              copy_chunk_bytes: int = COPY_CHUNK_BYTES, gil_sampler: bool = False) -> None:
+              copy_chunk_bytes: int = COPY_CHUNK_BYTES, gil_sampler: bool = False,
+              max_step_tokens: int | None = None, step_dtype: torch.dtype | None = None) -> None:
         """Begin a session in ``mode`` storing states as ``dtype`` (default: as before), copying to the host in
         chunks of ``copy_chunk_bytes`` (0: a step's copies at once), with a GilSampler if asked (benchmarks: how
-        long this process's threads wait for the GIL); ``stop`` (or another start) ends it."""
+        long this process's threads wait for the GIL); ``stop`` (or another start) ends it. Host mode pins its
+        buffers here, one a slot for a step of ``max_step_tokens`` (the engine's token budget) of the model's
+        ``step_dtype`` (what it copies unless fp8), not in the forward."""
         if mode not in self.MODES:
             raise ValueError(f"capture mode {mode!r} not in {self.MODES}")
         if mode == "store" and writer is None:
@@ -386,6 +418,12 @@ class Capturer:
             self.stats.gil = GilSampler().start()
         self.filler = ShardFiller(writer, self.n_layers, self.hidden, self.dtype, shard_tokens, self.cuda,
                                   free=self.shard_buffers) if mode == "store" else None
+        if mode == "host" and max_step_tokens:
+            fp8 = self.dtype == torch.float8_e4m3fn  # quantized on the device: e4m3 states and float32 scales
+            states = self.dtype if fp8 else step_dtype or self.dtype
+            self.pool.fill((max_step_tokens, self.n_layers, self.hidden), states)
+            if fp8:
+                self.pool.fill((max_step_tokens, self.n_layers), torch.float32)
 
     def stop(self) -> None:
         self.drain()

@@ -23,6 +23,9 @@ from eagle3.targets.layers import default_layer_ids, validate_layer_ids
 from eagle3.targets.presets import config_hash, read_model_config
 
 log = logging.getLogger(__name__)
+# batches announced to the engine's workers in one RPC at most (vLLM): the submit of the first, the next ones' ride
+# on it (VLLMSession also caps the tokens); their shards are collected, and committed, together
+ANNOUNCE_BATCHES = 8
 
 
 @dataclass
@@ -159,9 +162,9 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
     committer = BackgroundCommitter(store, fsync=cfg.fsync, fault=fault)  # overlaps the next batch
     try:
         session = open_session(backend, store, cfg, fault)
-        for start in range(0, len(todo), cfg.batch_size):
-            batch = todo[start : start + cfg.batch_size]
-            infos = session.submit(batch)
+        batches = [todo[start : start + cfg.batch_size] for start in range(0, len(todo), cfg.batch_size)]
+        for i, batch in enumerate(batches):
+            infos = session.submit(batch, ahead=batches[i + 1 : i + ANNOUNCE_BATCHES])
             committer.commit(infos)
             written_tokens += sum(i.num_tokens for i in infos)
             written_bytes += sum(i.bytes for i in infos)
@@ -268,7 +271,8 @@ class _LocalSession:
                                   shard_tokens(store.spec, cfg.shard_tokens),
                                   cfg.shard_samples, cfg.fsync, threads=cfg.writer_threads, fault=fault)
 
-    def submit(self, batch: Sequence[Sample]):
+    def submit(self, batch: Sequence[Sample], ahead: Sequence[Sequence[Sample]] = ()):
+        """``ahead`` (the batches that come next) is the vLLM session's to announce; here nothing needs it."""
         states = self.backend.capture(batch)
         if self.fault:
             self.fault("after_batch")

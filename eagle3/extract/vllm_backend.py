@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from typing import Sequence
 
 from eagle3.data.conversations import Sample
@@ -70,6 +71,10 @@ class VLLMBackend:
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self.llm.generate([{"prompt_token_ids": list(t)} for t in token_lists], params, use_tqdm=False)
 
+    def attach(self, on: bool) -> None:
+        """The direct capture's callback on or off (benchmarks: the engine's cost without a capture taking states)."""
+        self.call("eagle3_attach", bool(on), keys=frozenset({"rank", "attached"}))
+
     def top_logprobs(self, samples: Sequence[Sample], k: int):
         """The engine's own next-token distribution after each sample (max_tokens=1, logprobs=k)."""
         from vllm import SamplingParams
@@ -110,15 +115,23 @@ class VLLMBackend:
             del llm
 
 
+def _some(ids: list[str]) -> str:
+    return ", ".join(ids[:3]) + (f" ... ({len(ids)})" if len(ids) > 3 else "")
+
+
 class VLLMSession:
-    """One extraction run over an open store: announce, generate, collect, commit. Each submit makes one RPC
-    before its prefill: the previous batch's collect, which carries this batch's announcement (the engine idles
-    during an RPC: session 11 measured 3.4 ms a batch for a separate announce). A batch's shards, and its checks
-    (tokens computed, samples captured), come with the next submit or finish; its copies overlap the next
-    prefill. A prefill that fails loses the previous batch's shards with its own (uncommitted: a rerun redoes
-    them). With ``seal_each_batch`` a batch is announced, generated and sealed in its own submit, which returns
-    once every sample of it is in a written shard (online training's spool reserves room per batch, and its
-    trainer must not wait on a shard still open)."""
+    """One extraction run over an open store: announce, generate, collect, commit. A submit makes at most one RPC
+    before its prefill: the collect of the batches generated since the last one, which carries this batch's
+    announcement and that of the batches the caller says come next (``ahead``, up to ANNOUNCE_TOKENS tokens in
+    all): their submits then make none (the engine idles during an RPC: 4.6 ms a batch on the H200 in session 13,
+    beside 122 ms of plain generate). Batches' shards, and their checks (tokens computed, samples captured), come
+    with the next collect or finish; their copies overlap the next prefill. A prefill that fails loses the
+    uncollected batches' shards with its own (uncommitted: a rerun redoes them). Batches announced ahead and never
+    submitted are withdrawn by finish. With ``seal_each_batch`` a batch is announced, generated and sealed in its
+    own submit, which returns once every sample of it is in a written shard (online training's spool reserves room
+    per batch, and its trainer must not wait on a shard still open)."""
+
+    ANNOUNCE_TOKENS = 1 << 18  # tokens announced in one RPC at most (64x512 batches: 8; the worker keeps them)
 
     def __init__(self, backend: VLLMBackend, store: Store | None, cfg, mode: str = "store",
                  seal_each_batch: bool = False, slots: int = 4, copy_chunk_bytes: int = COPY_CHUNK_BYTES,
@@ -138,10 +151,12 @@ class VLLMSession:
         # the driver's seconds per phase of submit (the engine idles during the RPCs: none in plain prefill);
         # expect_s: a separate announce (seal_each_batch only), collect_s: the collect and the announce it carries
         self.phase_s = {"expect_s": 0.0, "generate_s": 0.0, "collect_s": 0.0}
-        self.pending_tokens: int | None = None  # prompt tokens of the submitted batch not yet collected
+        self.pending_tokens: int | None = None  # prompt tokens of the submitted batches not yet collected
+        self.announced: deque[list[str]] = deque()  # sample ids of batches announced ahead, not yet submitted
 
-    def submit(self, batch: Sequence[Sample]) -> list[ShardInfo]:
-        """The shards completed since the last submit (this batch's own, too, with seal_each_batch)."""
+    def submit(self, batch: Sequence[Sample], ahead: Sequence[Sequence[Sample]] = ()) -> list[ShardInfo]:
+        """The shards completed since the last collect (this batch's own, too, with seal_each_batch). ``ahead``:
+        the batches the caller will submit next, in order (announced with this one while they fit)."""
         tokens = sum(len(s) for s in batch)
         if self.seal_each_batch:
             t0 = time.perf_counter()
@@ -152,10 +167,27 @@ class VLLMSession:
             infos = self._collect("eagle3_collect", tokens, False, True)
             self.phase_s["collect_s"] += time.perf_counter() - t0
             return infos
-        t0 = time.perf_counter()
-        infos = self._collect("eagle3_collect", self.pending_tokens, False, False, list(pack_announcement(batch)))
-        self.phase_s["collect_s"] += time.perf_counter() - t0
-        self.pending_tokens = tokens
+        infos: list[ShardInfo] = []
+        ids = [s.sample_id for s in batch]
+        if self.announced:
+            want = self.announced.popleft()
+            if want != ids:
+                raise ValueError(f"submitted a batch of samples {_some(ids)}, but the next batch announced ahead "
+                                 f"holds {_some(want)}: submit the batches passed as `ahead`, in their order")
+        else:
+            group, room = [batch], self.ANNOUNCE_TOKENS - tokens
+            for b in ahead:
+                room -= sum(len(s) for s in b)
+                if room < 0:
+                    break
+                group.append(b)
+            t0 = time.perf_counter()
+            infos = self._collect("eagle3_collect", self.pending_tokens, False, False,
+                                  list(pack_announcement([s for b in group for s in b])))
+            self.phase_s["collect_s"] += time.perf_counter() - t0
+            self.pending_tokens = 0
+            self.announced.extend([s.sample_id for s in b] for b in group[1:])
+        self.pending_tokens = (self.pending_tokens or 0) + tokens
         self._generate(batch)
         return infos
 
@@ -165,7 +197,10 @@ class VLLMSession:
         self.phase_s["generate_s"] += time.perf_counter() - t0
 
     def finish(self) -> list[ShardInfo]:
-        infos = self._collect("eagle3_close", self.pending_tokens)
+        """Every shard not yet reported; batches announced ahead and never submitted are withdrawn."""
+        withdrawn = [sid for ids in self.announced for sid in ids]
+        self.announced.clear()
+        infos = self._collect("eagle3_close", self.pending_tokens, withdrawn)
         self.pending_tokens = None
         return infos
 
@@ -181,8 +216,8 @@ class VLLMSession:
                              "(TP rank 0) may write: racing writers would overwrite each other's files")
         tokens = records[0]["tokens"]
         if expected_tokens is not None and tokens - self.tokens < expected_tokens:
-            raise StoreError(f"the engine computed {tokens - self.tokens} prompt tokens for a batch of "
-                             f"{expected_tokens}: some were skipped (prefix caching?)")
+            raise StoreError(f"the engine computed {tokens - self.tokens} prompt tokens for batches of "
+                             f"{expected_tokens} since the last check: some were skipped (prefix caching?)")
         self.tokens = tokens
         owner = next(r for r in records if r["owner"])
         if owner["recomputed"] > self.recomputed:

@@ -252,6 +252,12 @@ def step_layout(runner):
     return StepLayout(req_ids, starts, computed, prompts)
 
 
+def max_step_tokens(runner) -> int | None:
+    """The most tokens one forward step computes (the V1 runner's max_num_tokens: the scheduler's token budget)."""
+    n = getattr(runner, "max_num_tokens", None)
+    return int(n) if n else None
+
+
 def patch_runner_for_direct_capture(runner_cls) -> bool:
     """Wrap the V1 runner class (once) for the direct strategy: at load, a model whose hf config carries DIRECT_KEY
     in an engine without a speculative method returns its aux layers' states as EAGLE-3 targets do (the runner

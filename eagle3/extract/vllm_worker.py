@@ -90,6 +90,14 @@ class CaptureExtension:
             log.exception("capture failed in a forward step")
             cap.add_error(f"capture step: {type(e).__name__}: {e}")
 
+    def eagle3_attach(self, on: bool) -> dict:
+        """Direct only: hand each step's aux states to the capture (on), or to nothing (off: the engine as it runs
+        without a capture, its model still returning them; the benchmark's plain_auxout)."""
+        if self._e3["strategy"] != "direct":
+            raise RuntimeError(f"only the direct capture detaches (this engine's is {self._e3['strategy']})")
+        self.model_runner._eagle3_direct = self._e3_on_step if on else None
+        return {"rank": self._e3["par"]["tp_rank"], "attached": bool(on)}
+
     def eagle3_open(self, cfg: dict) -> dict:
         """Start a session. cfg: mode (store | host | count), hidden_size, dtype, slots, copy_chunk_bytes,
         gil_sampler, and for store: root, spec, start_index, shard_tokens, fsync, writer_threads."""
@@ -110,7 +118,9 @@ class CaptureExtension:
         e3["capturer"].start(mode, writer, shard_tokens=cfg.get("shard_tokens") or 8192,
                              dtype=getattr(torch, cfg.get("dtype", "bfloat16")),
                              copy_chunk_bytes=cfg.get("copy_chunk_bytes", COPY_CHUNK_BYTES),
-                             gil_sampler=bool(cfg.get("gil_sampler")))
+                             gil_sampler=bool(cfg.get("gil_sampler")),
+                             max_step_tokens=compat.max_step_tokens(self.model_runner),
+                             step_dtype=getattr(self.model_runner, "dtype", None))
         return {"rank": e3["par"]["tp_rank"], "mode": mode}
 
     def eagle3_expect(self, sample_ids: list, lengths: list, ids: bytes, masks: bytes) -> dict:
@@ -120,20 +130,25 @@ class CaptureExtension:
             cap.filler.announce(unpack_announcement(sample_ids, lengths, ids, masks))
         return {"rank": self._e3["par"]["tp_rank"], "announced": len(sample_ids)}
 
-    def eagle3_collect(self, final: bool = False, seal: bool = False, announce: list | None = None) -> dict:
+    def eagle3_collect(self, final: bool = False, seal: bool = False, announce: list | None = None,
+                       withdraw: list | None = None) -> dict:
         """After generate(): report the shards the writer has finished and any errors. By default it does not wait
         for the copies of the batch's last steps to reach the host: the next batch's prefill overlaps them
         (waiting here idled the GPU for one copy per batch). Samples matched, rows placed and tokens counted are
         known without waiting (they are settled inside the forward); a failed copy is reported by a later collect
         or by close. ``seal`` (online training): wait for the copies, close the open shard and wait for the writer,
         so every sample of the batch is in a reported shard. ``final``: the same, at the end of a session.
-        ``announce`` (eagle3_expect's four values): the next batch, announced once this one is collected, so the
-        engine idles through one RPC between batches, not two."""
+        ``announce`` (eagle3_expect's four values): the next batches, announced once these are collected, so the
+        engine idles through one RPC between groups of batches, not two a batch. ``withdraw``: sample ids announced
+        and never to be generated (a session that ended early), forgotten before the check that every announced
+        sample was captured."""
         e3, cap = self._e3, self._e3["capturer"]
         whole = final or seal  # every sample announced so far must be in a reported shard
         if whole:
             cap.drain()
         errors = cap.take_errors()
+        if cap.filler is not None and withdraw:
+            cap.filler.withdraw(withdraw)
         if cap.filler is not None:
             outstanding = cap.filler.outstanding()
             if outstanding:
@@ -160,9 +175,9 @@ class CaptureExtension:
                 "recomputed": cap.filler.recomputed if cap.filler else 0, "writer": writer is not None,
                 "files_written": list(writer.written) if writer is not None else [], "timing": cap.stats.timing()}
 
-    def eagle3_close(self) -> dict:
-        """Seal and write the open shard, wait for every write; returns the last shards."""
-        reply = self.eagle3_collect(final=True)
+    def eagle3_close(self, withdraw: list | None = None) -> dict:
+        """Seal and write the open shard, wait for every write; returns the last shards. ``withdraw``: as collect's."""
+        reply = self.eagle3_collect(final=True, withdraw=withdraw)
         self._e3["capturer"].stop()
         if self._e3["writer"] is not None:
             self._e3["writer"].close()

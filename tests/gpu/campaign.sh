@@ -7,6 +7,7 @@
 #   tests/gpu/campaign.sh online:660 bench  STEP:SECONDS stops that step (SIGINT, then SIGKILL 30 s later) after SECONDS
 #   BENCH_SHAPES=64x512 BENCH_MODES="plain host" (mini-Kimi), BENCHKD_SHAPES / _MODES / _BATCHES (kimi-depth; by
 #   default 32 batches of plain count host store disk, ~14 min at 64x512) narrow the benchmarks (tests/gpu/test_bench_extract.py)
+#   E2E_K="trained_draft" narrows the e2e step (default "not online": the draft test and fp8's)
 #   DIRECTBENCH_K="(direct and not preemption) or bench_extract" narrows directbench's value checks (default: all of direct's)
 #   BENCH_TESTS="FILE::test_b FILE::test_a FILE::test_ratios..." runs the mini-Kimi benchmark's tests in that order (a
 #   short lease measures first what matters most; default tests/gpu, in file order)
@@ -54,7 +55,7 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   aux)      step aux $PT -m gpu tests/gpu -k "not ($NEW)" --gpu-out "$OUT/aux" ;;
   depth)    step depth $PT -m kimi_depth tests/gpu --gpu-out "$OUT/depth" ;;
   online)   step online $PT -m e2e tests/gpu -k online --gpu-out "$OUT/online" ;;
-  e2e)      step e2e $PT -m e2e tests/gpu -k "not online" --gpu-out "$OUT/e2e" ;;
+  e2e)      step e2e $PT -m e2e tests/gpu -k "${E2E_K:-not online}" --gpu-out "$OUT/e2e" ;;
   fp8)      step fp8 $PT -m e2e tests/gpu -k fp8 --gpu-out "$OUT/fp8" ;;
   probe)    step probe python3 tests/gpu/probe_d2h_interference.py ;;  # ~60 s; the capture's copies, whole vs chunked
   bench)    EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} step bench $PT -s -m benchmark \

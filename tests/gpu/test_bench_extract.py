@@ -7,8 +7,9 @@ committed), so a writer's drain overlaps the next batch's prefill as in a long r
 
     plain          vLLM prefill, no capture (compiled, CUDA graphs, async scheduling as vLLM defaults to)
     plain_sync     the same without async scheduling, like every extract_hidden_states engine (ours, vllm_ehs)
-    plain_auxout   direct's engine with no capture attached: its model returns the aux layers' states, nothing
-                   takes them (what vLLM's aux outputs cost, apart from the capture's callback and RPCs)
+    plain_auxout   direct's engine (the capture modes' own, no second start) with its capture detached: its model
+                   returns the aux layers' states, nothing takes them (what vLLM's aux outputs and the capture
+                   engine's settings cost, apart from the capture's callback and RPCs)
     vllm_ehs       vLLM's own extract_hidden_states + ExampleHiddenStatesConnector (every file closed)
     count          eagle3 aux capture, nothing copied out (the capture path's own overhead)
     host           eagle3 aux capture, states copied to pinned host memory and dropped (the null sink)
@@ -136,18 +137,24 @@ def wanted(mode: str) -> None:
         pytest.skip(f"{mode} not in EAGLE3_BENCH_MODES={' '.join(sorted(MODES))}")
 
 
-def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start=lambda: None, **extra) -> int:
+def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start=lambda: None, lookahead=False,
+              **extra) -> int:
     """Warm up; write the page cache's dirty data to the disk (an earlier figure's files: the kernel would write
     them back during this one); then time the loop over BATCHES batches, or more up to MAX_BATCHES until
-    MIN_SECONDS have passed, up to `finish` (files closed); record tokens/s. Returns the batches timed."""
+    MIN_SECONDS have passed, up to `finish` (files closed); record tokens/s. Returns the batches timed.
+    ``lookahead``: run_batch(batch, ahead) gets the batches that may follow, as extract.run's session does (those
+    the clock leaves unsubmitted are withdrawn by `finish`)."""
     b, t = (int(x) for x in key.split("/")[1].split("x"))
     bs = batches(target, b, t)
     out = {}
 
+    def each(i, end):
+        return (bs[i], bs[i + 1 : min(end, i + extract.ANNOUNCE_BATCHES)]) if lookahead else (bs[i],)
+
     def loop():
         start()
-        for batch in bs[:WARMUP]:
-            run_batch(batch)
+        for i in range(WARMUP):
+            run_batch(*each(i, WARMUP))
         finish()
         start()
         t_sync = time.perf_counter()
@@ -156,8 +163,8 @@ def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start
         written = _disk_bytes_written(tempfile.gettempdir())
         t0 = time.perf_counter()
         ends = []
-        for batch in bs[WARMUP:]:
-            run_batch(batch)
+        for i in range(WARMUP, len(bs)):
+            run_batch(*each(i, len(bs)))
             ends.append(time.perf_counter())
             if len(ends) >= BATCHES and ends[-1] - t0 >= MIN_SECONDS:
                 break
@@ -394,16 +401,10 @@ def live(target, engines):
     lv.close()
 
 
-def _plain_llm(target, async_scheduling: bool = True, aux_outputs: bool = False):
-    """aux_outputs: the direct capture's engine (vllm_compat.direct_engine_kwargs and the worker extension), whose
-    capture is never attached (eagle3_setup is not called)."""
+def _plain_llm(target, async_scheduling: bool = True):
     import vllm
 
-    kw = dict(_common_engine_args(target), async_scheduling=async_scheduling)
-    if aux_outputs:
-        kw.update(vllm_compat.direct_engine_kwargs(target.profile.layer_ids),
-                  worker_extension_cls=vllm_compat.WORKER_EXTENSION)
-    return vllm.LLM(**kw), None
+    return vllm.LLM(**_common_engine_args(target), async_scheduling=async_scheduling), None
 
 
 def _ehs_llm(target, out):
@@ -472,9 +473,16 @@ def test_plain_prefill(benchmark, target, shape, live, mode):
     async scheduling for that method): count/plain_sync is what the aux engine costs beyond that; plain_auxout:
     direct's engine, no capture: count_direct/plain_auxout is what the capture's callback and RPCs cost."""
     wanted(mode)
-    plain_llm, _ = live.llm(mode, lambda: _plain_llm(target, async_scheduling=mode != "plain_sync",
-                                                     aux_outputs=mode == "plain_auxout"))
     b, t = shape
+    if mode == "plain_auxout":  # the direct capture's own engine (no second start), its capture detached
+        backend = live.backend("direct")
+        backend.attach(False)
+        try:
+            sustained(benchmark, target, f"{mode}/{b}x{t}", lambda batch: _generate(backend.llm, batch))
+        finally:
+            backend.attach(True)
+        return
+    plain_llm, _ = live.llm(mode, lambda: _plain_llm(target, async_scheduling=mode != "plain_sync"))
     sustained(benchmark, target, f"{mode}/{b}x{t}", lambda batch: _generate(plain_llm, batch))
 
 
@@ -555,9 +563,9 @@ class _Loop:
         self.timing["window_max_GB"] = self.window.max_kept / 1e9
         self.timing["window_GB"] = self.window.limit / 1e9  # what it trims to (_disk_window)
 
-    def run_batch(self, batch):
+    def run_batch(self, batch, ahead=()):
         t0 = time.perf_counter()
-        infos = self.session.submit(batch)
+        infos = self.session.submit(batch, ahead)
         self.timing["submit_s"] += time.perf_counter() - t0
         self._commit(infos)
 
@@ -593,7 +601,8 @@ def test_eagle3_aux_capture(benchmark, target, live, tmp_path, shape, mode):
     sink, strategy = bench.split_mode(mode)
     loop = _Loop(live.backend(strategy), target, sink, tmp_path / "store")
     bpt = target.profile.bytes_per_token // (2 if mode == "store_fp8" else 1)
-    n = sustained(benchmark, target, f"{mode}/{b}x{t}", loop.run_batch, loop.finish, loop.start, bytes_per_token=bpt)
+    n = sustained(benchmark, target, f"{mode}/{b}x{t}", loop.run_batch, loop.finish, loop.start, lookahead=True,
+                  bytes_per_token=bpt)
     loop.drain()
     _report_capture_timing(benchmark, f"{mode}/{b}x{t}", loop.session.capture_timing)
     _REPORT["put"](f"loop_timing[{mode}/{b}x{t}]", {k: round(v, 3) for k, v in loop.timing.items()})

@@ -184,6 +184,8 @@ class FakeLLM:
                                              types.SimpleNamespace(**(kw.get("hf_overrides") or {})),
                                              kw.get("speculative_config"))
             w.model_runner.load_model()
+            w.model_runner.max_num_tokens = self.token_budget  # the V1 runner's: the scheduler's token budget
+            w.model_runner.dtype = torch.float32  # the model's (the reference's states)
             self.workers.append(w)
         self.counter = 0
         self.preemptions = 0

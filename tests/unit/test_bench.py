@@ -1,5 +1,6 @@
 """Benchmark history -> regression checks and the Markdown + PNG report."""
 
+import contextlib
 import json
 import os
 import sys
@@ -413,22 +414,38 @@ def test_direct_s_null_sink_failure_splits_its_engine_s_cost_from_the_capture_s(
     assert round(summary["ratios"]["64x512"]["plain_auxout/plain"], 2) == 0.93
 
 
-def test_the_plain_auxout_engine_is_direct_s_engine_without_a_capture(monkeypatch, tmp_path):
-    """Its model returns the aux states (the layer ids in the hf config, the worker extension that wraps the
-    runner) and nothing takes them: eagle3_setup, which attaches the capture, is never called."""
-    from eagle3.extract import vllm_compat
+@pytest.mark.parametrize("fails", [False, True])
+def test_plain_auxout_measures_the_direct_engine_with_its_capture_detached(monkeypatch, fails):
+    """The capture modes' own direct engine (no second start: ~130 s of a lease at mini-Kimi), its model returning
+    the aux states, nothing taking them while the figure runs; attached again afterwards, also when it fails."""
     from tests.gpu import test_bench_extract as gb
 
-    seen = {}
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: seen.update(kw)))
-    target = types.SimpleNamespace(path=tmp_path, load_format="dummy", local=True, tp=1,
-                                   profile=types.SimpleNamespace(layer_ids=(2, 4, 5, 8)))
-    gb._plain_llm(target, aux_outputs=True)
-    assert seen["hf_overrides"] == {vllm_compat.DIRECT_KEY: [2, 4, 5, 8]} and seen["async_scheduling"] is True
-    assert seen["worker_extension_cls"] == vllm_compat.WORKER_EXTENSION
-    seen.clear()
-    gb._plain_llm(target)
-    assert "hf_overrides" not in seen and "worker_extension_cls" not in seen
+    states, used = [], []
+
+    class Backend:
+        llm = object()
+        attached = True
+
+        def attach(self, on):
+            self.attached = on
+            states.append(on)
+
+    backend = Backend()
+
+    def sustained(benchmark, target, key, run_batch, *a, **k):
+        used.append((key, backend.attached))
+        run_batch(["sample"])
+        if fails:
+            raise RuntimeError("engine died")
+
+    monkeypatch.setattr(gb, "sustained", sustained)
+    monkeypatch.setattr(gb, "_generate", lambda llm, batch: used.append(llm))
+    monkeypatch.setattr(gb, "MODES", None)
+    live = types.SimpleNamespace(backend=lambda strategy: backend if strategy == "direct" else None,
+                                 llm=lambda *a: pytest.fail("plain_auxout started an engine of its own"))
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+        gb.test_plain_prefill(None, None, (64, 512), live, "plain_auxout")
+    assert used == [("plain_auxout/64x512", False), Backend.llm] and states == [False, True]
     assert "plain_auxout" in gb.PLAIN_MODES
 
 

@@ -206,22 +206,26 @@ def test_ranks_that_disagree_are_reported(fake, tiny_kimi, tmp_path, monkeypatch
                     progress=False)
 
 
-def test_the_last_batch_is_checked_by_finish(fake, tiny_kimi, tmp_path, monkeypatch):
-    """A batch's checks come with the next RPC (its collect carries the next announcement): the last batch's come
-    with the close. An engine that skipped a prompt token of the last batch must not pass."""
+@pytest.mark.parametrize("selfcheck", [4, 0], ids=["selfcheck-batch", "announced-group"])
+def test_the_last_batch_is_checked_by_finish(fake, tiny_kimi, tmp_path, monkeypatch, selfcheck):
+    """A batch's checks come with the next RPC (its collect carries the next announcement): the last batches' come
+    with the close, every batch since the last collect counted. An engine that skipped a prompt token must not
+    pass: the self-check's one batch, or the run's 2 batches announced together (no self-check)."""
     from eagle3.extract import vllm_worker
 
     real = vllm_worker.CaptureExtension.eagle3_close
 
-    def short(self):
-        r = real(self)
+    def short(self, *args):
+        r = real(self, *args)
         r["tokens"] -= 1
         return r
 
     monkeypatch.setattr(vllm_worker.CaptureExtension, "eagle3_close", short)
-    with pytest.raises(StoreError, match="computed .* prompt tokens for a batch of"):
-        extract.run(_cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="aux"), samples=_samples()[:8],
-                    progress=False)
+    samples = _samples()[:8]
+    n = sum(len(s) for s in (samples[:4] if selfcheck else samples))
+    with pytest.raises(StoreError, match=f"computed {n - 1} prompt tokens for batches of {n} since the last check"):
+        extract.run(_cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="aux", selfcheck=selfcheck),
+                    samples=samples, progress=False)
 
 
 def test_resume_after_a_crash_with_the_vllm_backend(fake, tiny_kimi, tmp_path, hf_store):
@@ -292,6 +296,25 @@ def test_benchmark_sinks_run_repeatedly_without_leaking_buffers(fake, tiny_kimi,
         assert timing["bytes_to_host"] == 0 and timing["stage_s"] == 0.0  # count returns before any capture
 
 
+def test_the_null_sink_pins_its_buffers_when_the_session_opens_never_in_the_forward(fake, tiny_kimi, tmp_path):
+    """Pinning host memory takes ~0.1-0.3 s a GiB, and a buffer the pool lacks is pinned inside the forward: the
+    engine stalls. On the H200 (session 13) host_direct's first quarter ran at 200k tok/s, the others ~236k. Host mode
+    pins a buffer for each slot, each as large as the engine's largest step (its token budget), when it opens."""
+    from eagle3.extract.vllm_backend import VLLMSession
+
+    cfg = _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="direct")
+    backend = extract.make_backend(cfg, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
+    session = VLLMSession(backend, None, cfg, mode="host", slots=3)
+    cap = fake.last.workers[0]._e3["capturer"]
+    step_elements = fake.token_budget * len(IDS) * 128
+    assert len(cap.pool.free) == 3 and all(b.numel() >= step_elements for b in cap.pool.free)
+    pinned = cap.pool.allocations
+    session.submit(_samples())
+    session.finish()
+    assert session.capture_timing["pinned_allocs"] == 0 and cap.pool.allocations == pinned
+    assert cap.stats.bytes_to_host == session.tokens * len(IDS) * 128 * 4  # the steps did reach the host buffers
+
+
 @pytest.mark.parametrize("seal", [False, True])
 def test_the_session_times_each_phase_of_submit(fake, tiny_kimi, tmp_path, monkeypatch, seal):
     """Where a batch's time goes on the driver: announcing it, the engine's generate, collecting shards. The RPCs
@@ -353,21 +376,62 @@ def test_a_page_cache_store_writes_with_more_threads_than_an_fsynced_one(fake, t
 
 
 @pytest.mark.parametrize("capture", ["aux", "direct"])
-def test_a_batch_costs_the_engine_one_rpc(fake, tiny_kimi, tmp_path, hf_store, capture):
-    """The engine idles during each RPC between batches (plain prefill has none): on the H200 (session 11,
-    mini-Kimi 64x512) the announce took 3.4 ms a batch and the collect 1.9 ms, beside 130 ms of generate. The
-    previous batch's collect carries the next batch's announcement: one RPC a batch, then the close."""
+@pytest.mark.parametrize("batch_size,announce_tokens,collects", [(5, None, 1), (5, 720, 2), (5, 1, 3), (1, None, 2)],
+                         ids=["all-at-once", "token-cap", "one-a-batch", "batch-cap"])
+def test_batches_announced_together_cost_the_engine_one_rpc(fake, tiny_kimi, tmp_path, hf_store, monkeypatch, capture,
+                                                           batch_size, announce_tokens, collects):
+    """The engine idles during each RPC between batches (plain prefill has none): on the H200 (session 13,
+    mini-Kimi 64x512) the collect that carries the next batch's announcement took 4.6 ms a batch beside 122 ms of
+    plain generate. extract.run announces up to ANNOUNCE_AHEAD batches and VLLMSession.ANNOUNCE_TOKENS tokens in
+    one collect: the batches after it make no RPC. Batches of 244, 469 and 183 tokens here: a cap of 720 tokens
+    announces the first two together; a cap below one batch, each alone; 14 batches of one sample, 8 then 6."""
+    from eagle3.extract.vllm_backend import VLLMSession
+
+    if announce_tokens is not None:
+        monkeypatch.setattr(VLLMSession, "ANNOUNCE_TOKENS", announce_tokens)
     out = tmp_path / "s"
-    extract.run(_cfg(tiny_kimi, out, backend="vllm", capture=capture), samples=_samples(), progress=False)
-    per_batch = [m for m, _ in _last_session(fake.last.rpc_log) if m in ("eagle3_expect", "eagle3_collect",
-                                                                          "eagle3_close")]
-    batches = -(-len(_samples()) // 5)
-    assert per_batch == ["eagle3_collect"] * batches + ["eagle3_close"], per_batch
+    extract.run(dataclasses.replace(_cfg(tiny_kimi, out, backend="vllm", capture=capture), batch_size=batch_size),
+                samples=_samples(), progress=False)
+    rpcs = [m for m, _ in _last_session(fake.last.rpc_log) if m in ("eagle3_expect", "eagle3_collect",
+                                                                      "eagle3_close")]
+    assert rpcs == ["eagle3_collect"] * collects + ["eagle3_close"], rpcs
     got = _read(out)  # and each batch was announced before its prefill: the states are the reference's
     assert got.keys() == hf_store.keys()
     for sid, ref in hf_store.items():
         for i in IDS:
             assert torch.equal(got[sid]["states"][i], ref["states"][i]), (sid, i)
+
+
+def test_batches_announced_ahead_and_never_submitted_are_withdrawn_at_finish(fake, tiny_kimi, tmp_path, hf_store):
+    """A loop that stops early (the benchmark's clock, a caller's own limit) leaves announced batches unsubmitted:
+    finish withdraws them, so they are neither reported as lost nor stored; what was submitted is stored whole."""
+    out = tmp_path / "s"
+    cfg = _cfg(tiny_kimi, out, backend="vllm", capture="direct")
+    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    store = Store.open(out, spec, create=True)
+    session = extract.open_session(extract.make_backend(cfg, spec), store, cfg)
+    s = _samples()
+    store.commit(session.submit(s[:5], ahead=[s[5:10], s[10:]]))
+    store.commit(session.submit(s[5:10]))
+    store.commit(session.finish())
+    got = _read(out)
+    assert sorted(got) == sorted(x.sample_id for x in s[:10])
+    for sid in got:
+        for i in IDS:
+            assert torch.equal(got[sid]["states"][i], hf_store[sid]["states"][i]), (sid, i)
+
+
+def test_a_batch_other_than_the_one_announced_ahead_is_refused_before_its_prefill(fake, tiny_kimi, tmp_path):
+    cfg = _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="aux")
+    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    store = Store.open(tmp_path / "s", spec, create=True)
+    session = extract.open_session(extract.make_backend(cfg, spec), store, cfg)
+    s = _samples()
+    session.submit(s[:5], ahead=[s[5:10]])
+    generated = fake.last.counter
+    with pytest.raises(ValueError, match=f"{s[10].sample_id}.*announced ahead.*{s[5].sample_id}"):
+        session.submit(s[10:])
+    assert fake.last.counter == generated  # refused before the engine saw it
 
 
 def test_a_batch_is_announced_in_a_few_objects_not_two_a_token(fake, tiny_kimi, tmp_path):
@@ -544,6 +608,62 @@ def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went
     for sid, ref in hf_store.items():
         for i in IDS:
             assert torch.equal(got[sid]["states"][i], ref["states"][i]), (sid, i)
+
+
+def test_the_benchmark_announces_ahead_as_extract_does_and_its_clock_may_stop_mid_group(fake, tiny_kimi, tmp_path,
+                                                                                        hf_store, monkeypatch):
+    """The store figures run extract.run's session: batches announced ahead (one RPC for several). The clock stops
+    the loop after BATCHES batches, with batches announced and never submitted: finish withdraws them, and the
+    store holds exactly the batches timed (the warm-up's store is gone), with the reference's states."""
+    from types import SimpleNamespace
+
+    from tests.gpu import test_bench_extract as gb
+
+    s = _samples()
+    groups = [s[i : i + 2] for i in range(0, len(s), 2)]  # 7 batches: 2 warm-up, then 2 timed of 5 announced
+    monkeypatch.setattr(gb, "BATCHES", 2)
+    monkeypatch.setattr(gb, "MIN_SECONDS", 0.0)
+    monkeypatch.setattr(gb, "batches", lambda target, b, t: groups)
+    monkeypatch.setattr(gb, "_profile", lambda target: "cpu-test")
+    monkeypatch.setattr(gb, "_vllm_version", lambda: "none")
+    monkeypatch.setattr(gb, "_disk_bytes_written", lambda path: None)
+    monkeypatch.setitem(gb._REPORT, "put", lambda key, value: None)
+    monkeypatch.setattr(os, "sync", lambda: None)
+    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    backend = extract.make_backend(_cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture="direct"), spec)
+    loop = gb._Loop(backend, SimpleNamespace(path=tiny_kimi), "store", tmp_path / "store")
+    benchmark = SimpleNamespace(pedantic=lambda fn, rounds, iterations: fn(), extra_info={})
+    n = gb.sustained(benchmark, SimpleNamespace(tp=1), "store/2x9", loop.run_batch, loop.finish, loop.start,
+                     lookahead=True)
+    loop.drain()
+    assert n == 2
+    timed = [m for m, _ in _last_session(fake.last.rpc_log) if m in ("eagle3_collect", "eagle3_close")]
+    assert timed == ["eagle3_collect", "eagle3_close"], timed  # 2 batches, one announcement
+    got = _read(tmp_path / "store")
+    assert sorted(got) == sorted(x.sample_id for g in groups[2:4] for x in g)
+    for sid in got:
+        for i in IDS:
+            assert torch.equal(got[sid]["states"][i], hf_store[sid]["states"][i]), (sid, i)
+
+
+def test_a_detached_direct_capture_leaves_the_engine_as_it_runs_without_one(fake, tiny_kimi, tmp_path):
+    """The benchmark's plain_auxout: direct's engine, its model returning the aux states, nothing taking them. With
+    the capture detached no step reaches it; attached again, every step does."""
+    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    backend = extract.make_backend(_cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="direct"), spec)
+    runner = fake.last.workers[0].model_runner
+    seen = []
+    backend.attach(False)
+    assert runner._eagle3_direct is None
+    runner._model_forward = lambda *a, **k: seen.append(1) or type(runner)._model_forward(runner, *a, **k)
+    backend.generate_prefill([s.input_ids for s in _samples()[:3]])
+    assert seen and fake.last.workers[0]._e3["last"] is None  # steps ran; the capture saw none
+    backend.attach(True)
+    backend.generate_prefill([s.input_ids for s in _samples()[:3]])
+    assert fake.last.workers[0]._e3["last"] is not None
+    hooks = extract.make_backend(_cfg(tiny_kimi, tmp_path / "h", backend="vllm", capture="hooks"), spec)
+    with pytest.raises(RuntimeError, match="direct"):
+        hooks.attach(False)
 
 
 def test_the_page_cache_sampler_reports_dirty_and_writeback_peaks(tmp_path):
