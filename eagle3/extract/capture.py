@@ -152,6 +152,7 @@ class ShardFiller:
         if max_buffers is None:
             max_buffers = max(8, getattr(writer, "threads", 0) + 4)
         self.max_buffers, self.allocated, self.in_writer = max_buffers, len(self.free), 0
+        self.pinned_late = 0  # buffers pinned when a request needed one (in the forward), not by pin_all
         self.errors: list[str] = []
         self.completed = 0
 
@@ -186,12 +187,25 @@ class ShardFiller:
                     break
                 self.released.wait(timeout=60)
             self.allocated += 1
-        cap = max(rows, self.capacity)
+        self.pinned_late += 1
+        return self._new(max(rows, self.capacity))
+
+    def _new(self, cap: int) -> ShardBuffer:
         scales = (torch.empty(cap, self.n_layers, dtype=torch.float32, pin_memory=self.pin)
                   if self.dtype == torch.float8_e4m3fn else None)
         return ShardBuffer(torch.empty(cap, dtype=torch.int32), torch.empty(cap, dtype=torch.uint8),
                            torch.empty(cap, self.n_layers, self.hidden, dtype=self.dtype, pin_memory=self.pin),
                            scales)
+
+    def pin_all(self) -> None:
+        """Pin now every buffer the filler may hold (max_buffers of ``capacity`` rows), so the forward pins none
+        (but for a sample longer than a shard)."""
+        with self.lock:
+            n, self.allocated = self.max_buffers - self.allocated, max(self.allocated, self.max_buffers)
+        for _ in range(n):
+            b = self._new(self.capacity)
+            with self.lock:
+                self.free.append(b)
 
     def reserve(self, req: str, prompt: Sequence[int], computed: int) -> Placement | None:
         """First sight of a request: its sample and rows. None (and an error) if it cannot be placed."""
@@ -352,7 +366,7 @@ class CaptureStats:
     wait_s: float = 0.0
     stage_s: float = 0.0
     copy_s: float = 0.0
-    pinned_allocs: int = 0  # host mode: buffers the session pinned (PinnedPool), in the forward
+    pinned_allocs: int = 0  # buffers the session pinned in the forward (host: PinnedPool's; store: shard buffers)
     step_tokens: Counter = field(default_factory=Counter)  # tokens in a step -> steps of that size
     gil: GilSampler | None = None  # a session's GIL sampler, if it asked for one
 
@@ -418,6 +432,8 @@ class Capturer:
             self.stats.gil = GilSampler().start()
         self.filler = ShardFiller(writer, self.n_layers, self.hidden, self.dtype, shard_tokens, self.cuda,
                                   free=self.shard_buffers) if mode == "store" else None
+        if mode == "store":
+            self.filler.pin_all()
         if mode == "host" and max_step_tokens:
             fp8 = self.dtype == torch.float8_e4m3fn  # quantized on the device: e4m3 states and float32 scales
             states = self.dtype if fp8 else step_dtype or self.dtype
@@ -475,6 +491,7 @@ class Capturer:
                 copies.append((view, src))
         else:
             f = self.filler
+            pinned = f.pinned_late
             for i, req in enumerate(layout.req_ids):
                 a, b, c = layout.starts[i], layout.starts[i + 1], layout.computed[i]
                 if b == a:
@@ -510,6 +527,7 @@ class Capturer:
                 if place.filled >= place.length:
                     del f.where[req]
                     f.done.add(req)
+            self.stats.pinned_allocs += f.pinned_late - pinned
         ready = None
         if staged.is_cuda:
             ready = torch.cuda.Event()

@@ -25,10 +25,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
     vm.dirty_expire_centisecs; df -h /tmp; findmnt -T /tmp; } > "$OUT/host.txt" 2>&1  # what the page cache may hold
 python3 -m eagle3.cli doctor > "$OUT/doctor.txt" 2>&1
 LIMIT=0
-gpu_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1; }
-settle() {  # up to 120 s for the previous step's processes to give the GPU back (an engine at 0.85 needs it)
-  local t=0; while [ "$(gpu_used)" -gt 2048 ] 2>/dev/null && [ $t -lt 120 ]; do sleep 5; t=$((t + 5)); done
-  echo "  GPU memory used before the step: $(gpu_used) MiB (waited ${t}s)" >> "$OUT/steps.txt"; }
+settle() { bash tests/gpu/settle.sh 60 >> "$OUT/steps.txt"; }  # the GPU given back, or its holders killed
 step() { local name=$1; shift; local t0=$(date +%s); settle; echo "$name started $(date +%T) limit=${LIMIT}s" >> "$OUT/steps.txt"
          if [ "$LIMIT" -gt 0 ]; then timeout -s INT -k 30 "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
          else "$@" > "$OUT/$name.log" 2>&1; fi; local rc=$?

@@ -12,14 +12,15 @@ Session 4 on the H200: the first run stopped at the test's own spool size (small
 output). Then found on CPU: on the vLLM path a batch's last shard stayed open (or unreported) until the next batch,
 so the online spool was cut at the longest sample (one fsynced shard and two manifest rewrites per ~1 sample) and
 a tight spool could wait forever. Now one sealed shard per extraction batch; each phase's time goes to report.json
-as it ends, and every thread's stack to online-stacks.txt every 120 s, so a slow or stuck run says where it is.
+as it ends, and every thread's stack to online-stacks.txt every 120 s, so a slow or stuck run says where it is
+(tests/gpu/stacks.py since session 14: faulthandler's dumps, which read other threads' frames without the GIL,
+crashed this test twice on the H200 with SIGSEGV mid-dump).
 Session 5 on the H200: PASSED in 522 s (acceptance 3.586 online and offline, 3,267 vs 3,327 tok/s, spool peak
 67.6 of 67.7 MB; results/h200-vllm0.26.0-session5/).
 """
 
 from __future__ import annotations
 
-import faulthandler
 import time
 
 import pytest
@@ -31,6 +32,7 @@ from eagle3.serve import evaluate
 from eagle3.targets import learnable
 from eagle3.train import online
 from eagle3.train.train import TrainConfig, train
+from tests.gpu.stacks import PeriodicStacks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -38,10 +40,13 @@ MAX_GAP = 0.05
 
 
 def test_online_training_matches_extract_then_train(tmp_path, report, gpu_out):
+    with PeriodicStacks(gpu_out / "online-stacks.txt", every=120):
+        _online_vs_offline(tmp_path, report)
+
+
+def _online_vs_offline(tmp_path, report):
     from eagle3.extract.vllm_backend import VLLMBackend
 
-    stacks = open(gpu_out / "online-stacks.txt", "w")  # noqa: SIM115 - written until the dumps are cancelled
-    faulthandler.dump_traceback_later(120, repeat=True, file=stacks)
     phases = {}
 
     def phase(name, t0):
@@ -86,8 +91,6 @@ def test_online_training_matches_extract_then_train(tmp_path, report, gpu_out):
                                                       k=3, max_tokens=64, num_prompts=64, gpu_memory_utilization=0.3,
                                                       shifted=False, baseline=False))
         phase(f"eval_{name}", t0)
-    faulthandler.cancel_dump_traceback_later()
-    stacks.close()
     acc = {k: r.draft.acceptance_length for k, r in runs.items()}
     summary = {"acceptance": {k: round(v, 3) for k, v in acc.items()},
                "loss_last": {"offline": off.losses[-1], "online": on.train.losses[-1]},

@@ -131,6 +131,32 @@ def test_a_preempted_request_never_lets_a_shard_go_out_with_rows_that_did_not_ar
     cap.close()
 
 
+def test_a_store_pins_its_buffers_at_start_and_counts_any_the_forward_pins(tmp_path):
+    """Every shard buffer is pinned when the store's session starts; only a sample longer than a shard needs one
+    pinned in the forward, and the session's pinned_allocs says so (what the benchmark reports beside a figure)."""
+    root = tmp_path / "s"
+    writer = ShardWriter(root, SPEC, 0, fsync=False)
+    Store.open(root, SPEC, create=True, fsync=False)
+    cap = Capturer(N_LAYERS, H, torch.float32)
+    cap.start("store", writer, shard_tokens=10)
+    assert len(cap.filler.free) == cap.filler.max_buffers == 8
+    prompts = {"short": list(range(1, 9)), "long": list(range(100, 125))}  # 8 rows fit a shard of 10; 25 do not
+    cap.filler.announce([Announced(k, torch.tensor(p, dtype=torch.int32), torch.ones(len(p), dtype=torch.uint8))
+                         for k, p in prompts.items()])
+    for name, pinned in (("short", 0), ("long", 1)):
+        p = prompts[name]
+        st = _states(p)
+        with torch.inference_mode():
+            cap.on_step([st[k] for k in range(N_LAYERS)], StepLayout([name], [0, len(p)], [0], [p]))
+        cap.drain()
+        assert cap.stats.pinned_allocs == pinned, name
+    assert cap.stats.timing()["pinned_allocs"] == 1
+    cap.filler.seal()
+    writer.flush()
+    writer.close()
+    cap.close()
+
+
 def test_a_skipped_prefix_and_an_unannounced_request_are_reported(tmp_path):
     import random
 
@@ -218,7 +244,8 @@ def test_pinned_buffers_of_another_dtype_neither_count_nor_stay(tmp_path):
     assert old == []  # the float32 buffers were let go, not kept pinned beside the new ones
 
 
-def test_every_writer_thread_can_hold_a_shard_while_the_capture_fills_more():
+@pytest.mark.parametrize("pinned_first", [False, True], ids=["pinned-as-needed", "pin_all"])
+def test_every_writer_thread_can_hold_a_shard_while_the_capture_fills_more(pinned_first):
     """A page-cache store writes with 8 threads (store/writer.py: writer_threads). With 8 pinned buffers at most,
     8 shards in the writer left the capture none to fill: it waited for a write, and the GPU with it. The limit
     is the writer's threads and 4 more."""
@@ -237,6 +264,9 @@ def test_every_writer_thread_can_hold_a_shard_while_the_capture_fills_more():
 
     writer = HoldingWriter()
     f = ShardFiller(writer, N_LAYERS, H, torch.bfloat16, capacity=8, pin=False)
+    if pinned_first:  # as a store session starts: every buffer pinned ahead, the limit the same
+        f.pin_all()
+        assert len(f.free) == f.allocated == 12
     prompts = [[i + 1] * 8 for i in range(12)]
     f.announce([Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(8, dtype=torch.uint8))
                 for i, p in enumerate(prompts)])
