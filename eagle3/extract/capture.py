@@ -24,6 +24,7 @@ every one of its rows has arrived once; rows that would skip past the watermark 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -322,9 +323,7 @@ class PinnedPool:
 
     def fill(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Pin now (not in the forward) a free buffer for every slot that fits ``shape`` (the largest step)."""
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         with self.lock:
             have = sum(1 for t in self.free if t.dtype == dtype and t.numel() >= n)
         for _ in range(self.slots - have):
@@ -336,9 +335,7 @@ class PinnedPool:
     def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The smallest free buffer that fits (a small step taking the large one made the next large step pin)."""
         self.sem.acquire()
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         with self.lock:
             fits = [i for i, t in enumerate(self.free) if t.dtype == dtype and t.numel() >= n]
             buf = self.free.pop(min(fits, key=lambda i: self.free[i].numel())) if fits else None

@@ -147,9 +147,9 @@ class CaptureExtension:
         if whole:
             cap.drain()
         errors = cap.take_errors()
-        if cap.filler is not None and withdraw:
-            cap.filler.withdraw(withdraw)
         if cap.filler is not None:
+            if withdraw:
+                cap.filler.withdraw(withdraw)
             outstanding = cap.filler.outstanding()
             if outstanding:
                 errors.append(f"{len(outstanding)} announced samples were not captured (e.g. {outstanding[:3]})")

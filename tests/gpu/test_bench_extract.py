@@ -15,8 +15,8 @@ committed), so a writer's drain overlaps the next batch's prefill as in a long r
     host           eagle3 aux capture, states copied to pinned host memory and dropped (the null sink)
     host_slots8    the null sink with 8 steps in flight instead of 4 (information: does back-pressure cost?)
     count_direct, host_direct, store_direct
-                   count, host and store with the experimental direct capture (a plain engine whose model returns
-                   the aux states: async scheduling kept; information until the GPU suite has checked its states)
+                   count, host and store with the direct capture, auto's (a plain engine whose model returns the
+                   aux states: async scheduling kept); the acceptance is asserted on these where auto picks direct
     count_gil_direct  count_direct with a GilSampler in the worker (a thread waking every 2 ms: how late the
                    engine's threads get the GIL, in capture_timing's gil); against count_direct, what that costs.
                    Session 11 ran it in every eagle3 mode and in no plain one; now only _gil sinks run it
@@ -690,7 +690,7 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
             "plain_sync/plain": over(got.get("plain_sync"), plain),
             "count/plain_sync": over(got.get("count"), got.get("plain_sync")),
             "host/plain_sync": over(got.get("host"), got.get("plain_sync")),
-            # information: the experimental direct capture (plain engine, async scheduling)
+            # the direct capture (plain engine, async scheduling): asserted where auto picks it (_targets)
             "count_direct/plain": over(got.get("count_direct"), plain),
             "plain_auxout/plain": over(got.get("plain_auxout"), plain),  # information: vLLM's aux outputs
             "count_direct/plain_auxout": over(got.get("count_direct"), got.get("plain_auxout")),

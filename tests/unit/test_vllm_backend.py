@@ -82,6 +82,16 @@ def _read(path):
     return {s["sample_id"]: s for s in Store.open(path).iter_samples()}
 
 
+def _assert_reference_states(got, reference, sample_ids=None):
+    """``got`` holds exactly ``sample_ids`` (default: every sample of ``reference``), each with the reference's states
+    at every layer id."""
+    want = sorted(reference) if sample_ids is None else sorted(sample_ids)
+    assert sorted(got) == want
+    for sid in want:
+        for i in IDS:
+            assert torch.equal(got[sid]["states"][i], reference[sid]["states"][i]), (sid, i)
+
+
 @pytest.fixture(scope="module")
 def hf_store(tiny_kimi, tmp_path_factory):
     out = tmp_path_factory.mktemp("hfstore") / "s"
@@ -140,10 +150,7 @@ def test_preempted_and_recomputed_requests_store_exactly_the_reference(fake, tin
     extract.run(_cfg(tiny_kimi, out, backend="vllm", capture=capture, tp=tp), samples=_samples(), progress=False)
     assert fake.last.preemptions >= 5
     got = _read(out)
-    assert got.keys() == hf_store.keys()
-    for sid, ref in hf_store.items():
-        for i in IDS:
-            assert torch.equal(got[sid]["states"][i], ref["states"][i]), (sid, i)
+    _assert_reference_states(got, hf_store)
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -335,10 +342,7 @@ def test_the_store_pins_its_shard_buffers_when_the_session_opens_never_in_the_fo
     store.commit(session.finish())
     assert session.capture_timing["pinned_allocs"] == 0
     got = _read(out)
-    assert got.keys() == hf_store.keys()
-    for sid, ref in hf_store.items():
-        for i in IDS:
-            assert torch.equal(got[sid]["states"][i], ref["states"][i]), (sid, i)
+    _assert_reference_states(got, hf_store)
 
 
 @pytest.mark.parametrize("seal", [False, True])
@@ -395,10 +399,7 @@ def test_a_page_cache_store_writes_with_more_threads_than_an_fsynced_one(fake, t
     # the last session's (the self-check's scratch store comes first), on its owner rank
     assert (fillers[-1].writer.threads, fillers[-1].max_buffers) == (threads, threads + 4)
     got = _read(out)
-    assert got.keys() == hf_store.keys()
-    for sid, ref in hf_store.items():
-        for i in IDS:
-            assert torch.equal(got[sid]["states"][i], ref["states"][i]), (sid, i)
+    _assert_reference_states(got, hf_store)
 
 
 @pytest.mark.parametrize("capture", ["aux", "direct"])
@@ -422,10 +423,7 @@ def test_batches_announced_together_cost_the_engine_one_rpc(fake, tiny_kimi, tmp
                                                                       "eagle3_close")]
     assert rpcs == ["eagle3_collect"] * collects + ["eagle3_close"], rpcs
     got = _read(out)  # and each batch was announced before its prefill: the states are the reference's
-    assert got.keys() == hf_store.keys()
-    for sid, ref in hf_store.items():
-        for i in IDS:
-            assert torch.equal(got[sid]["states"][i], ref["states"][i]), (sid, i)
+    _assert_reference_states(got, hf_store)
 
 
 def test_batches_announced_ahead_and_never_submitted_are_withdrawn_at_finish(fake, tiny_kimi, tmp_path, hf_store):
@@ -441,10 +439,7 @@ def test_batches_announced_ahead_and_never_submitted_are_withdrawn_at_finish(fak
     store.commit(session.submit(s[5:10]))
     store.commit(session.finish())
     got = _read(out)
-    assert sorted(got) == sorted(x.sample_id for x in s[:10])
-    for sid in got:
-        for i in IDS:
-            assert torch.equal(got[sid]["states"][i], hf_store[sid]["states"][i]), (sid, i)
+    _assert_reference_states(got, hf_store, [x.sample_id for x in s[:10]])
 
 
 def test_a_batch_other_than_the_one_announced_ahead_is_refused_before_its_prefill(fake, tiny_kimi, tmp_path):
@@ -562,10 +557,7 @@ def test_a_batch_returns_while_its_copies_are_still_in_flight(fake, tiny_kimi, t
     batch.join()
     store.commit(session.finish())
     got = _read(out)
-    assert got.keys() == hf_store.keys()
-    for sid, ref in hf_store.items():
-        for i in IDS:
-            assert torch.equal(got[sid]["states"][i], ref["states"][i]), (sid, i)
+    _assert_reference_states(got, hf_store)
 
 
 def test_a_copy_that_fails_after_its_batch_returned_is_reported_by_finish(fake, tiny_kimi, tmp_path, monkeypatch):
@@ -630,10 +622,7 @@ def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went
     assert cap.copy_chunk_bytes == COPY_CHUNK_BYTES
     assert timing["committer_batches"] >= 1 and 1 <= timing["committer_commits"] <= timing["committer_batches"]
     got = _read(tmp_path / "store")
-    assert got.keys() == hf_store.keys()
-    for sid, ref in hf_store.items():
-        for i in IDS:
-            assert torch.equal(got[sid]["states"][i], ref["states"][i]), (sid, i)
+    _assert_reference_states(got, hf_store)
 
 
 def test_the_benchmark_announces_ahead_as_extract_does_and_its_clock_may_stop_mid_group(fake, tiny_kimi, tmp_path,
@@ -666,10 +655,7 @@ def test_the_benchmark_announces_ahead_as_extract_does_and_its_clock_may_stop_mi
     timed = [m for m, _ in _last_session(fake.last.rpc_log) if m in ("eagle3_collect", "eagle3_close")]
     assert timed == ["eagle3_collect", "eagle3_close"], timed  # 2 batches, one announcement
     got = _read(tmp_path / "store")
-    assert sorted(got) == sorted(x.sample_id for g in groups[2:4] for x in g)
-    for sid in got:
-        for i in IDS:
-            assert torch.equal(got[sid]["states"][i], hf_store[sid]["states"][i]), (sid, i)
+    _assert_reference_states(got, hf_store, [x.sample_id for g in groups[2:4] for x in g])
 
 
 def test_a_detached_direct_capture_leaves_the_engine_as_it_runs_without_one(fake, tiny_kimi, tmp_path):
