@@ -122,22 +122,28 @@ def _some(ids: list[str]) -> str:
 class VLLMSession:
     """One extraction run over an open store: announce, generate, collect, commit. A submit makes at most one RPC
     before its prefill: the collect of the batches generated since the last one, which carries this batch's
-    announcement and that of the batches the caller says come next (``ahead``, up to ANNOUNCE_TOKENS tokens in
-    all): their submits then make none (the engine idles during an RPC: 4.6 ms a batch on the H200 in session 13,
-    beside 122 ms of plain generate). Batches' shards, and their checks (tokens computed, samples captured), come
-    with the next collect or finish; their copies overlap the next prefill. A prefill that fails loses the
-    uncollected batches' shards with its own (uncommitted: a rerun redoes them). Batches announced ahead and never
-    submitted are withdrawn by finish. With ``seal_each_batch`` a batch is announced, generated and sealed in its
-    own submit, which returns once every sample of it is in a written shard (online training's spool reserves room
-    per batch, and its trainer must not wait on a shard still open)."""
+    announcement and that of the batches the caller says come next (``ahead``, up to ANNOUNCE_TOKENS tokens and
+    ANNOUNCE_BYTES of states in all): their submits then make none (the engine idles during an RPC: 4.6 ms a batch
+    on the H200 in session 13, beside 122 ms of plain generate). Batches' shards, and their checks (tokens
+    computed, samples captured), come with the next collect or finish; their copies overlap the next prefill. A
+    prefill that fails loses the uncollected batches' shards with its own (uncommitted: a rerun redoes them).
+    Batches announced ahead and never submitted are withdrawn by finish. With ``seal_each_batch`` a batch is
+    announced, generated and sealed in its own submit, which returns once every sample of it is in a written shard
+    (online training's spool reserves room per batch, and its trainer must not wait on a shard still open)."""
 
     ANNOUNCE_TOKENS = 1 << 18  # tokens announced in one RPC at most (64x512 batches: 8; the worker keeps them)
+    # and states (bytes) announced in one RPC at most: a group's shards are committed only at the collect after it,
+    # so the store holds up to a group more than it has committed (a reader of the manifest cannot have them yet).
+    # With 8 mini-Kimi 64x512 batches a group (15 GB; session 15, H200) the page-cache store's folder reached 21 GB,
+    # past the kernel's writeback threshold (~12 GB), and fell to 0.27x vllm_ehs. 4 GiB: 2 of those batches.
+    ANNOUNCE_BYTES = 4 << 30
 
     def __init__(self, backend: VLLMBackend, store: Store | None, cfg, mode: str = "store",
                  seal_each_batch: bool = False, slots: int = 4, copy_chunk_bytes: int = COPY_CHUNK_BYTES,
                  gil_sampler: bool = False):
         self.backend, self.mode, self.seal_each_batch = backend, mode, seal_each_batch
         spec = store.spec if store is not None else backend.spec  # the store decides the states' dtype (fp8)
+        self.announce_tokens = min(self.ANNOUNCE_TOKENS, self.ANNOUNCE_BYTES // spec.bytes_per_token)
         threads = max(writer_threads(getattr(cfg, "fsync", True)), getattr(cfg, "writer_threads", 0) or 0)
         open_cfg = {"mode": mode, "hidden_size": spec.hidden_size, "dtype": spec.dtype, "writer_threads": threads,
                     "slots": slots, "copy_chunk_bytes": copy_chunk_bytes, "gil_sampler": gil_sampler}
@@ -175,7 +181,7 @@ class VLLMSession:
                 raise ValueError(f"submitted a batch of samples {_some(ids)}, but the next batch announced ahead "
                                  f"holds {_some(want)}: submit the batches passed as `ahead`, in their order")
         else:
-            group, room = [batch], self.ANNOUNCE_TOKENS - tokens
+            group, room = [batch], self.announce_tokens - tokens
             for b in ahead:
                 room -= sum(len(s) for s in b)
                 if room < 0:

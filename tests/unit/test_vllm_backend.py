@@ -403,19 +403,27 @@ def test_a_page_cache_store_writes_with_more_threads_than_an_fsynced_one(fake, t
 
 
 @pytest.mark.parametrize("capture", ["aux", "direct"])
-@pytest.mark.parametrize("batch_size,announce_tokens,collects", [(5, None, 1), (5, 720, 2), (5, 1, 3), (1, None, 2)],
-                         ids=["all-at-once", "token-cap", "one-a-batch", "batch-cap"])
+@pytest.mark.parametrize("batch_size,announce_tokens,announce_bytes,collects",
+                         [(5, None, None, 1), (5, 720, None, 2), (5, 1, None, 3), (1, None, None, 2),
+                          (5, None, 720, 2), (5, None, 1, 3)],
+                         ids=["all-at-once", "token-cap", "one-a-batch", "batch-cap", "byte-cap", "one-a-batch-bytes"])
 def test_batches_announced_together_cost_the_engine_one_rpc(fake, tiny_kimi, tmp_path, hf_store, monkeypatch, capture,
-                                                           batch_size, announce_tokens, collects):
+                                                           batch_size, announce_tokens, announce_bytes, collects):
     """The engine idles during each RPC between batches (plain prefill has none): on the H200 (session 13,
     mini-Kimi 64x512) the collect that carries the next batch's announcement took 4.6 ms a batch beside 122 ms of
-    plain generate. extract.run announces up to ANNOUNCE_AHEAD batches and VLLMSession.ANNOUNCE_TOKENS tokens in
+    plain generate. extract.run announces up to ANNOUNCE_BATCHES batches and VLLMSession.ANNOUNCE_TOKENS tokens in
     one collect: the batches after it make no RPC. Batches of 244, 469 and 183 tokens here: a cap of 720 tokens
-    announces the first two together; a cap below one batch, each alone; 14 batches of one sample, 8 then 6."""
+    announces the first two together; a cap below one batch, each alone; 14 batches of one sample, 8 then 6.
+    ANNOUNCE_BYTES caps the states a group holds (its shards are committed only at the next collect; 8 mini-Kimi
+    batches, 15 GB, pushed the page-cache store past the kernel's writeback threshold): given here in tokens'
+    worth of the store's bytes per token."""
     from eagle3.extract.vllm_backend import VLLMSession
 
     if announce_tokens is not None:
         monkeypatch.setattr(VLLMSession, "ANNOUNCE_TOKENS", announce_tokens)
+    if announce_bytes is not None:
+        per_token = extract.store_spec(tiny_kimi, IDS, "bfloat16").bytes_per_token
+        monkeypatch.setattr(VLLMSession, "ANNOUNCE_BYTES", announce_bytes * per_token)
     out = tmp_path / "s"
     extract.run(dataclasses.replace(_cfg(tiny_kimi, out, backend="vllm", capture=capture), batch_size=batch_size),
                 samples=_samples(), progress=False)
