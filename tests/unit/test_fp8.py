@@ -133,13 +133,16 @@ def _install_fake(monkeypatch, tiny_kimi):
                       reference_logits=logits)
 
 
-def test_fp8_through_the_vllm_capture_path_and_resume(tiny_kimi, small_data, tmp_path, monkeypatch, stores, capsys):
-    """The fake vLLM at TP 2 (aux capture): the worker quantizes on the device side; the owner writes e4m3 +
-    scales. Its states equal the hf fp8 store's within one e4m3 step (the fake replays float32 states, the hf
-    path quantizes its bf16 output). Then the CLI's --state-dtype fp8 is recorded and kept by --resume."""
+@pytest.mark.parametrize("capture", ["aux", "direct"])
+def test_fp8_through_the_vllm_capture_path_and_resume(tiny_kimi, small_data, tmp_path, monkeypatch, stores, capsys,
+                                                      capture):
+    """The fake vLLM at TP 2 (aux capture, and direct: the default): the worker quantizes on the device side; the
+    owner writes e4m3 + scales. Its states equal the hf fp8 store's within one e4m3 step (the fake replays float32
+    states, the hf path quantizes its bf16 output). Then the CLI's --state-dtype fp8 is recorded and kept by
+    --resume."""
     _install_fake(monkeypatch, tiny_kimi)
     out = tmp_path / "v"
-    extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(out), backend="vllm", capture="aux", tp=2,
+    extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(out), backend="vllm", capture=capture, tp=2,
                                       dtype=FP8, layer_ids=IDS, selfcheck=0, batch_size=8,
                                       data=DataConfig([str(small_data)], max_len=128, max_samples=16)), progress=False)
     assert verify.verify(out).ok
