@@ -497,3 +497,26 @@ def test_the_benchmark_s_own_engines_start_in_the_capture_engines_environment(mo
                                    profile=types.SimpleNamespace(layer_ids=(2, 4, 5, 8)))
     getattr(gb, make)(target, *([tmp_path / "out"] if make == "_ehs_llm" else []))
     assert seen == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def test_a_page_cache_store_below_target_says_when_the_kernel_wrote_back_during_its_figure(monkeypatch):
+    """Sessions 13 and 15: the page-cache store fell to 0.23x / 0.27x vllm_ehs once its folder outgrew the kernel's
+    background writeback threshold, which vllm_ehs stayed under; the failure gave only the ratio, and the cause
+    took an evening of reading reports. It now gives both figures' writeback and dirty peaks. Replayed on session
+    15's run 1 (capture direct, results/h200-vllm0.26.0-session15/): the only target it missed."""
+    from tests.gpu import test_bench_extract as gb
+
+    measured = _measured("session15")
+    report = json.loads((Path(__file__).parents[2] / "results/h200-vllm0.26.0-session15/bench-report.json").read_text())
+    peaks = {k[len("sustained["):-1]: {f: v[f] for f in ("dirty_max_GB", "writeback_max_GB")}
+             for k, v in report.items() if k.startswith("sustained[")}
+    monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
+    plain = "page-cache store (--capture direct) / vLLM's extract_hidden_states 0.27x (< 1.0)"
+    _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct", peaks=peaks)
+    assert failures == [plain + ": the kernel wrote back up to 2.03 GB while it ran (dirty up to 20.32 GB; vllm_ehs "
+                        "0.00 and 7.10 GB): past the background writeback threshold the figure measures the disk "
+                        "and the unlinks that wait on it, not the sink"]
+    calm = dict(peaks, **{"store_nofsync_direct/64x512": {"dirty_max_GB": 3.0, "writeback_max_GB": 0.0}})
+    for p in (calm, None):  # no writeback during the figure, or no peaks recorded: the ratio alone
+        _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct", peaks=p)
+        assert failures == [plain]

@@ -740,6 +740,8 @@ def test_a_short_figure_runs_on_after_the_page_cache_is_written(monkeypatch, min
     # what reached the disk while the clock ran (the fsynced store against the disk's limit measured apart)
     rate = 6 / got["seconds"]
     assert got["disk_written_GB"] == 6.0 and abs(got["disk_write_GB_per_s"] - rate) < 0.05 * rate
+    # the page cache's peaks, for the acceptance's reason when a page-cache figure misses (_writeback)
+    assert gb.PEAKS["mode/2x3"] == {k: got[k] for k in ("dirty_max_GB", "writeback_max_GB")}
 
 
 def test_the_disk_s_bytes_written_come_from_its_block_device_s_sectors(tmp_path):
