@@ -114,7 +114,7 @@ class CaptureExtension:
             writer = ShardWriter(cfg["root"], StoreSpec.from_json(cfg["spec"]), cfg["start_index"],
                                  fsync=cfg["fsync"], threads=cfg.get("writer_threads", 2),
                                  writer_id=f"tp{e3['par']['tp_rank']} pid {os.getpid()}")
-        e3["writer"] = writer
+        e3["writer"], e3["files_reported"] = writer, 0  # files_reported: how many of writer.written replies named
         e3["capturer"].start(mode, writer, shard_tokens=cfg.get("shard_tokens") or 8192,
                              dtype=getattr(torch, cfg.get("dtype", "bfloat16")),
                              copy_chunk_bytes=cfg.get("copy_chunk_bytes", COPY_CHUNK_BYTES),
@@ -168,12 +168,14 @@ class CaptureExtension:
                 errors.append(f"shard writer: {type(ex).__name__}: {ex}")
         if announce is not None:
             self.eagle3_expect(*announce)
-        writer = e3["writer"]
+        writer, new_files = e3["writer"], []
+        if writer is not None:  # the files written since the last reply (the whole list grew with the session)
+            new_files, e3["files_reported"] = writer.written[e3["files_reported"]:], len(writer.written)
         return {"rank": e3["par"]["tp_rank"], "owner": e3["owner"], "steps": cap.stats.steps,
                 "tokens": cap.stats.tokens, "bytes_to_host": cap.stats.bytes_to_host,
                 "completed": cap.filler.completed if cap.filler else 0, "shards": shards, "errors": errors,
                 "recomputed": cap.filler.recomputed if cap.filler else 0, "writer": writer is not None,
-                "files_written": list(writer.written) if writer is not None else [], "timing": cap.stats.timing()}
+                "files_written": new_files, "timing": cap.stats.timing()}
 
     def eagle3_close(self, withdraw: list | None = None) -> dict:
         """Seal and write the open shard, wait for every write; returns the last shards. ``withdraw``: as collect's."""

@@ -156,7 +156,9 @@ def test_preempted_and_recomputed_requests_store_exactly_the_reference(fake, tin
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_exactly_one_rank_writes_as_its_reply_and_the_files_say(fake, tiny_kimi, tmp_path, monkeypatch, tp):
     """With identical bytes, racing writers on several ranks would leave a correct-looking store: check who
-    wrote from each rank's own collect reply and from the writer recorded in every shard file."""
+    wrote from each rank's own collect replies and from the writer recorded in every shard file. Each reply names
+    the files written since the last one (a whole session's list, resent at every collect, grew with the run:
+    ~57,000 shards for Kimi's full job)."""
     import json
 
     from safetensors import safe_open
@@ -168,23 +170,54 @@ def test_exactly_one_rank_writes_as_its_reply_and_the_files_say(fake, tiny_kimi,
 
     def spy(self, method, *args, keys=frozenset()):
         records = real(self, method, *args, keys=keys)
+        if method == "eagle3_open":
+            replies.clear()  # the last session's (the self-check's scratch store has one first)
         if method in ("eagle3_collect", "eagle3_close"):
             replies.append(records)
         return records
 
     monkeypatch.setattr(VLLMBackend, "call", spy)
     out = tmp_path / "s"
-    extract.run(_cfg(tiny_kimi, out, backend="vllm", capture="hooks", tp=tp), samples=_samples(), progress=False)
+    extract.run(dataclasses.replace(_cfg(tiny_kimi, out, backend="vllm", capture="hooks", tp=tp), shard_tokens=256),
+                samples=_samples(), progress=False)
     final = replies[-1]
     assert len(final) == tp
     assert [r["rank"] for r in final if r["writer"]] == [0]
-    assert all(r["files_written"] == [] for r in final if r["rank"] != 0)
+    assert all(r["files_written"] == [] for records in replies for r in records if r["rank"] != 0)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert sorted(final[0]["files_written"]) == sorted(s["file"] for s in manifest["shards"])
+    owner = [f for records in replies for r in records if r["rank"] == 0 for f in r["files_written"]]
+    assert sorted(owner) == sorted(s["file"] for s in manifest["shards"])  # each file once, in one reply
     assert sorted(p.name for p in (out / "shards").iterdir()) == sorted(s["file"].split("/")[1] for s in manifest["shards"])
     for shard in manifest["shards"]:
         with safe_open(str(out / shard["file"]), framework="pt") as f:
             assert f.metadata()["writer"] == f"tp0 pid {os.getpid()}"
+
+
+def test_each_collect_names_only_the_files_written_since_the_last_one(fake, tiny_kimi, tmp_path, monkeypatch):
+    """A reply sent the session's whole list of files written, at every collect: in Kimi's full job (~57,000
+    shards of 512 MiB) each RPC, while the engine idles, would carry tens of thousands of names. Sealed batches (as
+    online training's) put each batch's shards in its own reply: the next reply must not name them again."""
+    from eagle3.extract.vllm_backend import VLLMBackend
+
+    named = []
+    real = VLLMBackend.call
+
+    def spy(self, method, *args, keys=frozenset()):
+        records = real(self, method, *args, keys=keys)
+        if method in ("eagle3_collect", "eagle3_close"):
+            named.append(next(r["files_written"] for r in records if r["owner"]))
+        return records
+
+    cfg = dataclasses.replace(_cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="direct"), shard_tokens=256)
+    store = Store.open(tmp_path / "s", extract.store_spec(tiny_kimi, IDS, "bfloat16"), create=True)
+    session = extract.open_session(extract.make_backend(cfg, store.spec), store, cfg, seal_each_batch=True)
+    monkeypatch.setattr(VLLMBackend, "call", spy)
+    s = _samples()
+    for batch in (s[:5], s[5:10], s[10:]):
+        store.commit(session.submit(batch))
+    store.commit(session.finish())
+    files = [sh["file"] for sh in store.shards]
+    assert sum(1 for n in named if n) >= 3 and [f for n in named for f in n] == files, (named, files)
 
 
 def test_prefix_caching_loses_states_and_is_caught(fake, tiny_kimi, tmp_path):
