@@ -502,7 +502,7 @@ def test_the_benchmark_s_own_engines_start_in_the_capture_engines_environment(mo
 def test_a_page_cache_store_below_target_says_when_the_kernel_wrote_back_during_its_figure(monkeypatch):
     """Sessions 13 and 15: the page-cache store fell to 0.23x / 0.27x vllm_ehs once its folder outgrew the kernel's
     background writeback threshold, which vllm_ehs stayed under; the failure gave only the ratio, and the cause
-    took an evening of reading reports. It now gives both figures' writeback and dirty peaks. Replayed on session
+    had to be dug out of the report. It now gives both figures' writeback and dirty peaks. Replayed on session
     15's run 1 (capture direct, results/h200-vllm0.26.0-session15/): the only target it missed."""
     from tests.gpu import test_bench_extract as gb
 
