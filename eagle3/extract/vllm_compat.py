@@ -152,8 +152,9 @@ def engine_kwargs(model: str, *, strategy: str, layer_ids: tuple[int, ...], tp: 
             "method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
         }
-    elif strategy == "direct":
-        kw.update(direct_engine_kwargs(layer_ids))
+    elif strategy == "direct":  # a plain engine: vLLM schedules the next step while the GPU runs this one
+        kw["hf_overrides"] = {DIRECT_KEY: list(layer_ids)}
+        kw["async_scheduling"] = True
     kw.update(extra or {})
     known = engine_fields()
     dropped = sorted(k for k in kw if k not in known and k != "model")
@@ -163,12 +164,6 @@ def engine_kwargs(model: str, *, strategy: str, layer_ids: tuple[int, ...], tp: 
         else:
             raise ValueError(f"vLLM {installed_version()} EngineArgs has no {k!r}")
     return kw
-
-
-def direct_engine_kwargs(layer_ids: tuple[int, ...]) -> dict[str, Any]:
-    """What makes a plain engine direct's (with the worker extension): the layer ids in its hf config, and async
-    scheduling, which vLLM schedules the next step with while the GPU runs this one."""
-    return {"hf_overrides": {DIRECT_KEY: list(layer_ids)}, "async_scheduling": True}
 
 
 def collective_rpc(llm, method: str, args: tuple = ()) -> Any:
