@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle3.extract.rpc import Expect, Record, normalize_reply
-from eagle3.extract.vllm_compat import WORKER_EXTENSION
+from eagle3.extract.vllm_compat import WORKER_EXTENSION, prepare_environment
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,16 @@ class SpecRun:
     accepted: int
     tokens: int
     seconds: float
+    acceptance_se: float = field(init=False)  # standard error of acceptance_length: the spread over drafts / sqrt(n)
+
+    def __post_init__(self):
+        # Chain drafts: per_position[p] * drafts = c_p, the drafts whose first p+1 tokens were all accepted, so a
+        # draft that accepted x tokens counts in c_0..c_{x-1}: sum x = sum c_p and sum x^2 = sum (2p+1) c_p.
+        n = self.drafts
+        c = [f * n for f in self.per_position]
+        s1, s2 = sum(c), sum((2 * p + 1) * cp for p, cp in enumerate(c))
+        var = (s2 - s1 * s1 / n) / (n - 1) if n > 1 else math.nan
+        self.acceptance_se = math.sqrt(max(var, 0.0) / n) if n > 1 else math.nan
 
     @property
     def tokens_per_s(self) -> float:
@@ -70,7 +81,8 @@ class EvalReport:
 
     def lines(self) -> list[str]:
         d = self.draft
-        out = [f"draft          acceptance length {d.acceptance_length:.3f} (k={self.config['k']}), per position "
+        out = [f"draft          acceptance length {d.acceptance_length:.3f} +- {d.acceptance_se:.3f} over "
+               f"{d.drafts} drafts (k={self.config['k']}), per position "
                + ", ".join(f"{p:.3f}" for p in d.per_position) + f"; {d.tokens_per_s:,.0f} tok/s"]
         if self.shifted:
             s = self.shifted
@@ -167,6 +179,7 @@ def run(cfg: EvalConfig) -> EvalReport:
         prompts = [list(p) for p in cfg.prompt_ids[: cfg.num_prompts]]
     else:
         prompts = load_prompts(cfg, AutoTokenizer.from_pretrained(cfg.target))
+    prepare_environment()  # the V1 runner (V2 has no drafter) and spawned workers, as the capture's engines
     draft_cfg = json.loads((Path(cfg.draft) / "config.json").read_text())
     ids = list(draft_cfg["eagle_aux_hidden_state_layer_ids"])
     common = dict(model=cfg.target, dtype="bfloat16", enforce_eager=True, max_model_len=2048, tensor_parallel_size=cfg.tp,

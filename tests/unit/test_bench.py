@@ -24,7 +24,7 @@ def _history(tmp_path, run, values, profile="h200-mini-kimi"):
 def test_bundled_baselines_have_both_profiles():
     b = bench.load_baselines()
     assert b["8xrtx6000-kimi-k2.5"]["tokens_per_s"]["store/extract"] == 2280
-    assert b["h200-mini-kimi"]["tokens_per_s"]["plain/64x512"] == 261665
+    assert b["h200-mini-kimi"]["tokens_per_s"]["plain/64x512"] > 200_000  # updated from each acceptance run
 
 
 def test_regression_fires_only_below_the_margin():
@@ -42,7 +42,8 @@ def test_report_writes_a_table_and_a_plot(tmp_path):
     assert cli.main(["bench", "report", "--history", str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
     md = (tmp_path / "rep" / "throughput.md").read_text()
     assert "| 2026-12-02T10:00 | h200-mini-kimi | store/64x512 | 150,000 | 150,000 | 0.48x | - | no |" in md
-    assert "| 2026-12-02T10:00 | h200-mini-kimi | plain/64x512 | 310,000 | 310,000 | 1.00x | 1.18x | no |" in md
+    vs = 310000 / bench.load_baselines()["h200-mini-kimi"]["tokens_per_s"]["plain/64x512"]
+    assert f"| 2026-12-02T10:00 | h200-mini-kimi | plain/64x512 | 310,000 | 310,000 | 1.00x | {vs:.2f}x | no |" in md
     png = (tmp_path / "rep" / "throughput.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
@@ -57,7 +58,8 @@ def test_report_gives_each_figure_s_spread_within_its_run(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(data))
     md = bench.report([tmp_path / "b.json"], tmp_path / "r")[0].read_text()
     assert "| vs baseline | regression | spread in its run |" in md
-    assert "| plain/64x512 | 300,000 | 300,000 | 1.00x | 1.15x | no | 6.7% |" in md
+    vs = 300000 / bench.load_baselines()["h200-mini-kimi"]["tokens_per_s"]["plain/64x512"]
+    assert f"| plain/64x512 | 300,000 | 300,000 | 1.00x | {vs:.2f}x | no | 6.7% |" in md
     assert "| host/64x512 | 270,000 | 270,000 | 0.90x | - | no | - |" in md  # recorded before quarters existed
 
 
