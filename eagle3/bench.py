@@ -211,7 +211,7 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
 
     png = out / "throughput.png"
     trends(records, baselines, png)
-    bars(records, out / "throughput-latest.png", disks)
+    bars(records, out / "throughput-latest.png", disks, baselines)
     return md, png
 
 
@@ -260,13 +260,24 @@ def per_gpu(r: Record) -> float:
 CLUSTER = "8xrtx6000-kimi-k2.5"  # the cluster's baseline: Kimi-K2.5 extraction on 8 GPUs
 
 
+def cluster_figure(baselines: dict[str, dict]) -> tuple[float, int] | None:
+    """The cluster's Kimi-K2.5 extraction: (tok/s on all its GPUs, GPUs), or None without that baseline."""
+    base = baselines.get(CLUSTER, {}).get("tokens_per_s", {}).get("store/extract")
+    return (base, int(baselines[CLUSTER].get("gpus", 8))) if base else None
+
+
+def is_depth_store(r: Record) -> bool:
+    """A store figure at Kimi's compute per token (kimi-depth): the one to set beside the cluster's."""
+    return "kimi-depth" in r.profile and split_mode(r.key.split("/")[0])[0] == "store"
+
+
 def cluster_lines(records: list[Record], baselines: dict[str, dict]) -> list[str]:
     """kimi-depth (Kimi's compute per token on one GPU) per GPU beside the cluster's figure per GPU."""
-    base = baselines.get(CLUSTER, {}).get("tokens_per_s", {}).get("store/extract")
-    depth = [r for r in records if "kimi-depth" in r.profile and split_mode(r.key.split("/")[0])[0] == "store"]
-    if not base or not depth:
+    fig = cluster_figure(baselines)
+    depth = [r for r in records if is_depth_store(r)]
+    if not fig or not depth:
         return []
-    gpus = int(baselines[CLUSTER].get("gpus", 8))
+    base, gpus = fig
     out = ["", f"Kimi's compute per token, per GPU, against the cluster's {base:,} tok/s on {gpus} GPUs "
                f"({base / gpus:,.0f} per GPU):"]
     for r in depth:
@@ -274,14 +285,17 @@ def cluster_lines(records: list[Record], baselines: dict[str, dict]) -> list[str
     return out
 
 
-def bars(records: list[Record], path: Path, disks: dict | None = None) -> list[str]:
+def bars(records: list[Record], path: Path, disks: dict | None = None, cluster: dict | None = None) -> list[str]:
     """One figure a person can read from one run: the newest run of each profile, a bar per mode for each
     shape, each labelled with its ratio to plain prefill of the same shape, and a disk-bound mode's bar with its
-    limit (a black tick and the ratio to it; ``disks`` as load_disks returns). Returns the labels drawn
-    ("profile key ratio")."""
+    limit (a black tick and the ratio to it; ``disks`` as load_disks returns). With ``cluster`` (baselines
+    holding the cluster's figure), kimi-depth's panel draws the cluster's tok/s per GPU as a dashed line and
+    labels each store bar with its multiple of it. Returns the labels drawn ("profile key ratio")."""
     import matplotlib.pyplot as plt
 
     lim = limits(records, disks or {})
+    fig_cluster = cluster_figure(cluster or {})
+    per_gpu_cluster = fig_cluster[0] / fig_cluster[1] if fig_cluster else None
     profiles = sorted({r.profile for r in records})
     labels: list[str] = []
     fig, axes = plt.subplots(len(profiles), 1, figsize=(12, 4.5 * len(profiles)), squeeze=False)
@@ -309,18 +323,26 @@ def bars(records: list[Record], path: Path, disks: dict | None = None) -> list[s
                         ax.hlines(limit, x - width / 2, x + width / 2, colors="black", linewidth=2)
                         text += f"; {r.tokens_per_s / limit:.2f}x of limit"
                         top = max(top, limit)
+                    if per_gpu_cluster and is_depth_store(r):
+                        text += f"; {per_gpu(r) / per_gpu_cluster:.1f}x cluster/GPU"
                     ax.annotate(text, (x, top), ha="center", va="bottom", fontsize=7, rotation=90)
                     labels.append(f"{prof} {r.key} {text}")
         ax.set_xticks(range(len(shapes)))
         ax.set_xticklabels(shapes)
         limited = [lim[k][0] for k in ((r.run, r.profile, r.key) for r in rs) if k in lim]
-        # room for the labels, longer where they carry a limit
-        ax.set_ylim(0, (1.6 if limited else 1.15) * max([r.tokens_per_s for r in rs] + limited, default=1))
+        beside_cluster = bool(per_gpu_cluster) and any(is_depth_store(r) for r in rs)
+        # room for the labels, longer where they carry a limit or the cluster's multiple
+        ax.set_ylim(0, (1.6 if limited or beside_cluster else 1.15)
+                    * max([r.tokens_per_s for r in rs] + limited, default=1))
         if limited:
             ax.hlines([], 0, 0, colors="black", linewidth=2, label="limit: min(plain, disk B/s / B a token)")
+        if beside_cluster:
+            base, gpus = fig_cluster
+            ax.axhline(per_gpu_cluster, color="black", linestyle="--", linewidth=1,
+                       label=f"cluster: {per_gpu_cluster:,.0f} tok/s per GPU ({base:,} on {gpus} GPUs)")
         ax.set_ylabel("tokens/s (sustained)")
         ax.set_title(f"{prof}, run {latest}: tokens/s per mode, labelled with the ratio to plain prefill")
-        legend = ax.legend(fontsize=7, ncol=4)
+        legend = ax.legend(fontsize=7, ncol=4, loc="upper left")
         labels += [f"{prof} legend {t.get_text()}" for t in legend.get_texts()]
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()

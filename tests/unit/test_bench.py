@@ -107,7 +107,7 @@ def test_a_non_editable_install_carries_the_baselines_and_the_bundled_data(tmp_p
     assert eval(profiles) == sorted(bench.load_baselines()) and len(eval(profiles)) >= 2
 
 
-def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines(tmp_path):
+def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines(tmp_path, monkeypatch):
     """Issue 14's report: a PNG of one run (bars per mode, labelled with the ratio to plain), kimi-depth per GPU
     beside the cluster's 2,280 tok/s on 8 GPUs, and --update-baselines writing the newest run per profile."""
     import shutil
@@ -127,6 +127,8 @@ def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines
     hist("2026-12-03T11:00", {"store/extract": 2400}, "8xrtx6000-kimi-k2.5", gpus=8)
     base = tmp_path / "base"
     shutil.copytree(bench.BASELINES, base)
+    drawn, bars = [], bench.bars
+    monkeypatch.setattr(bench, "bars", lambda *a, **k: drawn.extend(bars(*a, **k)) or drawn)
     assert cli.main(["bench", "report", "--history", str(tmp_path / "h"), "--out", str(tmp_path / "r"),
                      "--baselines", str(base), "--update-baselines"]) == 0
     md = (tmp_path / "r" / "throughput.md").read_text()
@@ -137,11 +139,20 @@ def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines
     assert "- 2026-12-02T10:00 h200-kimi-depth store_direct/64x512: 7,900 tok/s per GPU = 27.7x" in md  # either capture
     png = tmp_path / "r" / "throughput-latest.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert any("cluster/GPU" in x for x in drawn)  # the report's PNG sets kimi-depth beside the cluster
+    monkeypatch.undo()
     labels = bench.bars(bench.load_history([tmp_path / "h"]), tmp_path / "b.png")
     assert [x for x in labels if x.startswith("h200")] == ["h200-kimi-depth plain/16x512 1.00x", "h200-kimi-depth plain/64x512 1.00x",
                       "h200-kimi-depth hooks_host/64x512 0.74x", "h200-kimi-depth store/16x512 0.97x",
                       "h200-kimi-depth legend plain", "h200-kimi-depth legend hooks_host",
                       "h200-kimi-depth legend store"]  # the newest run; a mode measured at one shape only is named
+    # with the cluster's figure, the kimi-depth panel draws its per-GPU line and puts a store bar beside it
+    labels = bench.bars(bench.load_history([tmp_path / "h"]), tmp_path / "c.png", cluster=bench.load_baselines())
+    depth = [x for x in labels if x.startswith("h200-kimi-depth")]
+    assert "h200-kimi-depth store/16x512 0.97x; 27.4x cluster/GPU" in depth, depth
+    assert "h200-kimi-depth hooks_host/64x512 0.74x" in depth  # not a store: no cluster figure
+    assert "h200-kimi-depth legend cluster: 285 tok/s per GPU (2,280 on 8 GPUs)" in depth, depth
+    assert not [x for x in labels if "cluster" in x and not x.startswith("h200-kimi-depth")]
     new = json.loads((base / "h200-kimi-depth.json").read_text())
     bundled = json.loads((bench.BASELINES / "h200-kimi-depth.json").read_text())
     newest = {"plain/16x512": 8000, "store/16x512": 7800, "plain/64x512": 8100, "hooks_host/64x512": 6000}
