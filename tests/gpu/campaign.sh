@@ -12,11 +12,8 @@
 #   BENCH_TESTS="FILE::test_b FILE::test_a FILE::test_ratios..." runs the mini-Kimi benchmark's tests in that order (a
 #   short lease measures first what matters most; default tests/gpu, in file order)
 set -u
-OUT=${CAMPAIGN_OUT:-/tmp/campaign}   # wait.sh reads /tmp/campaign
-SRC=${CAMPAIGN_SRC:-/tmp/eagle3-src}  # a private copy: the working tree may be re-synced while this runs
-# A host can come back with an earlier lease's results (session 16: a day-old online/report.json and e2e evals):
-# they are moved aside, so that nothing there is read as this run's
-[ -e "$OUT" ] && mv "$OUT" "$OUT.$(date +%s)"
+OUT=/tmp/campaign
+SRC=/tmp/eagle3-src          # a private copy: the working tree may be re-synced while this runs
 rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" && cp -r . "$SRC" && cd "$SRC"
 export PYTHONPATH="$SRC:/tmp/site:/tmp/gpu:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 # Every engine warms up FlashInfer's top-p/top-k sampler, JIT-compiled on a fresh host (flashinfer_python, no
