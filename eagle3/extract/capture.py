@@ -320,9 +320,10 @@ class PinnedPool:
         self.pin, self.lock = pin, threading.Lock()
         self.allocations = 0  # buffers pinned so far (each one: ~0.1-0.3 s a GiB; in the forward, unless by fill)
 
-    @staticmethod
-    def _size(n: int) -> int:
-        return 1 << max(20, (n - 1).bit_length())  # powers of two: few distinct sizes to reuse
+    def _pin(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new buffer of at least n elements (a power of two: few distinct sizes to reuse), counted."""
+        self.allocations += 1
+        return torch.empty(1 << max(20, (n - 1).bit_length()), dtype=dtype, pin_memory=self.pin)
 
     def fill(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Pin now (not in the forward) a free buffer for every slot that fits ``shape`` (the largest step)."""
@@ -330,8 +331,7 @@ class PinnedPool:
         with self.lock:
             have = sum(1 for t in self.free if t.dtype == dtype and t.numel() >= n)
         for _ in range(self.slots - have):
-            buf = torch.empty(self._size(n), dtype=dtype, pin_memory=self.pin)
-            self.allocations += 1
+            buf = self._pin(n, dtype)
             with self.lock:
                 self.free.append(buf)
 
@@ -343,8 +343,7 @@ class PinnedPool:
             fits = [i for i, t in enumerate(self.free) if t.dtype == dtype and t.numel() >= n]
             buf = self.free.pop(min(fits, key=lambda i: self.free[i].numel())) if fits else None
         if buf is None:
-            buf = torch.empty(self._size(n), dtype=dtype, pin_memory=self.pin)
-            self.allocations += 1
+            buf = self._pin(n, dtype)
         return buf, buf[:n].view(shape)
 
     def put(self, buf: torch.Tensor) -> None:

@@ -65,6 +65,18 @@ class SpecRun:
         return self.tokens / self.seconds
 
 
+def gap_verdict(base: SpecRun, other: SpecRun, max_gap: float) -> dict:
+    """``other``'s acceptance against ``base``'s: the gap, its standard error, and whether the measurement decides a
+    bar of ``max_gap``: it resolves it (a gap of max_gap at least 2 standard errors from 0), or the gap is past it by
+    more than 2 standard errors. Then whether the gap is within the bar."""
+    gap = other.acceptance_length - base.acceptance_length
+    se = math.hypot(base.acceptance_se, other.acceptance_se)
+    resolved = se <= max_gap / 2
+    return {"gap": round(gap, 4), "gap_se": round(se, 4), "resolved": resolved,
+            "decided": resolved or abs(gap) - 2 * se > max_gap,
+            "within": resolved and abs(gap) <= max_gap, "drafts": [base.drafts, other.drafts]}
+
+
 @dataclass
 class EvalReport:
     config: dict

@@ -14,8 +14,8 @@ with speculative_config method eagle3 and k = 3 on held-out prompts.
   not asserted: on this small target adjacent layers differ too little (3.74 vs 3.79 in the first campaign).
 - fp8 states (issue 14): the same samples stored as e4m3 + scales, a draft trained on them with seed 0: its
   acceptance within 0.05 of the bf16 seed-0 draft; bytes and the states' error against bf16 reported. The gap is
-  judged only where the measurement decides it (gap_verdict: an error of at most 0.025, or a gap past the bar by
-  more than 2 errors). In session 16, on 64 prompts, 3.764 fp8 vs 3.821 bf16 missed the bar by 0.007 with a
+  judged only where the measurement decides it (evaluate.gap_verdict: an error of at most 0.025, or a gap past
+  the bar by more than 2 errors). In session 16, on 64 prompts, 3.764 fp8 vs 3.821 bf16 missed the bar by 0.007 with a
   standard error of 0.08 on the gap: undecided.
   Its own test since session 4 (`-k fp8` runs the shared chain + it); PASSED on the H200 in session 5: 3.846 fp8
   vs 3.810 bf16, 0.509 of the bytes (results/h200-vllm0.26.0-session5/).
@@ -45,24 +45,6 @@ MIN_ACCEPTANCE_LENGTH = 1.8
 SPREAD_FACTOR = 3.0
 MIN_SPREAD = 0.02  # a floor, so two seeds that happen to agree closely do not make the control trivial
 FP8_MAX_GAP = 0.05  # issue 14: a draft trained on fp8 states within 0.05 acceptance of the bf16 one (same seed)
-# Held-out prompts per served draft. Session 16 served 64 (~9 answer tokens each): 162 drafts, a standard error of
-# ~0.05 on each acceptance, the size of the fp8 bar itself (3.764 fp8 vs 3.821 bf16 could not be told apart).
-# 1024 give ~2,600 drafts: ~0.013 each, ~0.018 on a difference of two.
-EVAL_PROMPTS = 1024
-
-
-def gap_verdict(bf16, fp8, max_gap: float = FP8_MAX_GAP) -> dict:
-    """fp8's acceptance against bf16's (SpecRuns): the gap, its standard error, and whether the measurement decides
-    the bar: it resolves it (a gap of max_gap at least 2 standard errors from 0), or the gap is past it by more
-    than 2 standard errors. Then whether the gap is within the bar."""
-    gap = fp8.acceptance_length - bf16.acceptance_length
-    se = math.hypot(bf16.acceptance_se, fp8.acceptance_se)
-    resolved = se <= max_gap / 2
-    return {"gap": round(gap, 4), "gap_se": round(se, 4), "resolved": resolved,
-            "decided": resolved or abs(gap) - 2 * se > max_gap,
-            "within": resolved and abs(gap) <= max_gap, "drafts": [bf16.drafts, fp8.drafts]}
-
-
 def misaligned_copy(store, out):
     """The store with every sample's aux states moved one position earlier: row t holds token t+1's aux states."""
     from tests.unit.conftest import rewrite_shards
@@ -110,7 +92,7 @@ def chain(tmp_path_factory, gpu_out, report):
     def serve(name, draft, first=False):
         r = evaluate.run(evaluate.EvalConfig(
             target=str(target), draft=draft, out=str(tmp / f"eval-{name}"), k=3, max_tokens=64,
-            num_prompts=EVAL_PROMPTS, gpu_memory_utilization=0.2, shifted=first, baseline=first))
+            num_prompts=learnable.EVAL_PROMPTS, gpu_memory_utilization=0.2, shifted=first, baseline=first))
         shutil.copy(tmp / f"eval-{name}" / "eval.json", gpu_out / f"e2e_eval_{name}.json")
         return r
 
@@ -153,7 +135,7 @@ def test_fp8_states_train_a_draft_served_as_well_as_bf16(chain, report):
     report("e2e_fp8_states", dict(fp8, tokens_per_s=round(ex8.tokens_per_s), selfcheck=ex8.selfcheck))
     r8 = chain["serve"]("fp8", chain["fit"]("fp8", store8, 0))
     acc = {"seed0": chain["seed0"].draft.acceptance_length, "fp8": r8.draft.acceptance_length}
-    verdict = gap_verdict(chain["seed0"].draft, r8.draft)
+    verdict = evaluate.gap_verdict(chain["seed0"].draft, r8.draft, FP8_MAX_GAP)
     summary = {"acceptance": {k: round(v, 3) for k, v in acc.items()},
                "fp8_vs_bf16_same_seed": verdict, "fp8_states": fp8}
     report("e2e_fp8_summary", summary)

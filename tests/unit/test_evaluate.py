@@ -77,18 +77,19 @@ def test_the_fp8_bar_is_judged_only_where_the_measurement_decides_it():
     """Session 16's figures (64 prompts): bf16 457 accepted in 162 drafts (3.821), fp8 456 in 165 (3.764). The gap,
     -0.057, is past the 0.05 bar, and its standard error (0.08) is larger than the bar: neither a pass nor a real
     miss. The same shares over 16x the drafts decide it; a gap past the bar that is resolved fails."""
-    from tests.gpu.test_draft_acceptance import FP8_MAX_GAP, gap_verdict
+    from eagle3.serve.evaluate import gap_verdict
+    from tests.gpu.test_draft_acceptance import FP8_MAX_GAP
 
     bf16 = [3] * 148 + [2] * 6 + [1] + [0] * 7
     fp8 = [3] * 147 + [2] * 7 + [1] + [0] * 10
-    v = gap_verdict(_run_of(bf16), _run_of(fp8))
+    v = gap_verdict(_run_of(bf16), _run_of(fp8), FP8_MAX_GAP)
     assert math.isclose(v["gap"], -0.0574, abs_tol=1e-4) and 0.07 < v["gap_se"] < 0.09
     assert not v["resolved"] and not v["decided"] and not v["within"]
-    wide = gap_verdict(_run_of(bf16 * 16), _run_of(fp8 * 16))
+    wide = gap_verdict(_run_of(bf16 * 16), _run_of(fp8 * 16), FP8_MAX_GAP)
     # the same gap, now a real miss
     assert wide["resolved"] and wide["decided"] and wide["gap_se"] < 0.025 and not wide["within"]
-    near = gap_verdict(_run_of(bf16 * 16), _run_of(bf16 * 15 + fp8))
+    near = gap_verdict(_run_of(bf16 * 16), _run_of(bf16 * 15 + fp8), FP8_MAX_GAP)
     assert near["resolved"] and abs(near["gap"]) < FP8_MAX_GAP and near["within"]
     # a draft that learned far less from fp8 states: unresolved at 64 prompts, yet past the bar by > 2 errors
-    poor = gap_verdict(_run_of(bf16), _run_of([3] * 100 + [1] * 30 + [0] * 35))
+    poor = gap_verdict(_run_of(bf16), _run_of([3] * 100 + [1] * 30 + [0] * 35), FP8_MAX_GAP)
     assert not poor["resolved"] and poor["decided"] and not poor["within"], poor
