@@ -9,9 +9,9 @@ margin below which a run counts as a regression.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 BASELINES = Path(__file__).parent / "bundled" / "baselines"
 
@@ -30,16 +30,26 @@ def load_baselines(folder: str | Path | None = None) -> dict[str, dict]:
     return {json.loads(p.read_text())["profile"]: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
 
 
-def regression(record: Record, baselines: dict[str, dict]) -> str | None:
-    """A message when the record is more than the profile's margin below its baseline, else None."""
+def regression(record: Record, baselines: dict[str, dict], disks: dict[str, float] | None = None) -> str | None:
+    """A message when the record is more than the profile's margin below its baseline, else None. A disk-bound
+    figure (disk_of) is read at ``disks``, its run's disk bandwidth ({"fsync" | "page_cache": bytes/s}): where
+    that is below the baseline's own (its ``disk_bytes_per_s``), the baseline scales down with it. A slower disk
+    is the host's, not a regression (session 17: the fsynced store 25,836 tok/s at 1.39 GB/s, 1.06x its limit,
+    against 33,136 at 1.88 GB/s); a faster one leaves the baseline as it is."""
     base = baselines.get(record.profile)
     if not base or record.key not in base["tokens_per_s"]:
         return None
     want = base["tokens_per_s"][record.key]
+    kind = disk_of(record.key.split("/")[0])
+    now, then = (disks or {}).get(kind), base.get("disk_bytes_per_s", {}).get(kind)
+    scaled = f" scaled to this run's {kind} bandwidth ({now / 1e9:.2f} of {then / 1e9:.2f} GB/s)" \
+        if now and then and now < then else ""
+    if scaled:
+        want *= now / then
     floor = want * (1 - base.get("margin", 0.1))
     if record.tokens_per_s < floor:
         return (f"{record.profile} {record.key}: {record.tokens_per_s:,.0f} tok/s is below the baseline "
-                f"{want:,.0f} minus {base.get('margin', 0.1):.0%} ({floor:,.0f})")
+                f"{want:,.0f}{scaled} minus {base.get('margin', 0.1):.0%} ({floor:,.0f})")
     return None
 
 
@@ -118,6 +128,28 @@ def disk_of(mode: str) -> str | None:
     return DISK_OF_MODE.get(sink, "fsync" if sink.startswith("store") else None)
 
 
+def loop_step_tokens(seq_len: int, max_batched_tokens: int) -> list[int]:
+    """Token counts a step of the benchmark's loop can hold: whole prompts of seq_len tokens, as many as the
+    engine's max_num_batched_tokens takes (one chunk of that budget where a prompt is longer)."""
+    return [seq_len * k for k in range(1, max_batched_tokens // seq_len + 1)] or [max_batched_tokens]
+
+
+def warm_steps(step_tokens: Iterable[int], config_of: Callable[[int], object] | None) -> list[int]:
+    """The smallest step size (tokens) of each distinct kernel config ``config_of`` picks among ``step_tokens``;
+    every size where config_of is None. vLLM compiles its Triton MoE kernel once per config, which it picks by a
+    step's token count (the nearest key of a tuned grid: 2,048 and 3,072 tokens share one config, 512 and 4,096
+    another), about 1.4 s at the first step that meets one. On the H200, kimi-depth's figures met one inside
+    their timed loop in sessions 11, 16 and 17 (that quarter 14-20% slow: session 17's fsynced store 0.936x plain,
+    against 0.99x in its other quarters); a warm-up of one step per config takes it out of the clock."""
+    sizes = sorted(set(step_tokens))
+    if config_of is None:
+        return sizes
+    seen: dict[str, int] = {}
+    for m in sizes:
+        seen.setdefault(json.dumps(config_of(m), sort_keys=True, default=str), m)
+    return sorted(seen.values())
+
+
 def disk_limit(plain: float | None, disk_bytes_per_s: float | None, bytes_per_token: float) -> float | None:
     """Tokens/s a disk-bound mode can reach: plain prefill's, or what the disk writes at bytes_per_token a token
     (None when either was not measured)."""
@@ -192,7 +224,7 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
         shape = r.key.split("/")[1] if "/" in r.key else ""
         p = plain.get((r.run, r.profile, shape))
         base = baselines.get(r.profile, {}).get("tokens_per_s", {}).get(r.key)
-        reg = regression(r, baselines)
+        reg = regression(r, baselines, disks.get((r.run, r.profile)))
         vs_plain = f"{r.tokens_per_s / p:.2f}x" if p else "-"
         vs_base = f"{r.tokens_per_s / base:.2f}x" if base else "-"
         # (max - min) / median of the figure's rate per quarter of its batches (GPU benchmark, since session 7)
@@ -354,7 +386,9 @@ def bars(records: list[Record], path: Path, disks: dict | None = None, cluster: 
 def update_baselines(history: Iterable[str | Path], folder: str | Path, margin: float = 0.15) -> list[Path]:
     """Write each profile's newest run into FOLDER/<profile>.json as its baseline (kept: hardware, model,
     margin and keys the run did not measure). Returns the files written."""
+    history = list(history)
     records = load_history(history)
+    disks = load_disks(history)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     files = {json.loads(p.read_text())["profile"]: p for p in sorted(folder.glob("*.json"))}  # any file name
@@ -365,6 +399,15 @@ def update_baselines(history: Iterable[str | Path], folder: str | Path, margin: 
         base = json.loads(path.read_text()) if path.exists() else {"profile": prof, "margin": margin}
         base.setdefault("tokens_per_s", {}).update(
             {r.key: round(r.tokens_per_s) for r in records if r.profile == prof and r.run == latest})
+        # the disks the run measured, which its disk-bound figures are read at (regression); a kind it did not
+        # measure no longer matches the figures just written
+        measured = disks.get((latest, prof), {})
+        kinds = {disk_of(r.key.split("/")[0]) for r in records if r.profile == prof and r.run == latest}
+        held = {k: v for k, v in base.get("disk_bytes_per_s", {}).items() if k not in kinds}
+        held.update({k: round(v) for k, v in measured.items()})
+        base.pop("disk_bytes_per_s", None)
+        if held:
+            base["disk_bytes_per_s"] = held
         base["source"] = f"eagle3 bench report --update-baselines, run {latest}"
         path.write_text(json.dumps(base, indent=1) + "\n")
         written.append(path)

@@ -1,9 +1,10 @@
 """Sustained extraction throughput, with its baselines measured in the same run (pytest -m benchmark on the
-GPU host). Each figure is the production loop over EAGLE3_BENCH_BATCHES (default 32) batches after 2 warm-up
-batches, or more (up to 4x) until EAGLE3_BENCH_MIN_SECONDS (default 15) have passed: the same prompts for every
-mode, the clock started once the page cache's dirty data is on the disk (os.sync, not timed: an earlier figure's
-files would be written back during this one) and stopped only when every file is closed (and, for the store,
-committed), so a writer's drain overlaps the next batch's prefill as in a long run.
+GPU host). Each figure is the production loop over EAGLE3_BENCH_BATCHES (default 32) batches after a warm-up (a
+step per MoE kernel config the loop can meet, then 2 batches), or more (up to 4x) until EAGLE3_BENCH_MIN_SECONDS
+(default 15) have passed: the same prompts for every mode, the clock started once the page cache's dirty data is
+on the disk (os.sync, not timed: an earlier figure's files would be written back during this one) and stopped only
+when every file is closed (and, for the store, committed), so a writer's drain overlaps the next batch's prefill
+as in a long run.
 
     plain          vLLM prefill, no capture (compiled, CUDA graphs, async scheduling as vLLM defaults to)
     plain_sync     the same without async scheduling, like every extract_hidden_states engine (ours, vllm_ehs)
@@ -133,6 +134,43 @@ def batches(target, b: int, t: int) -> list[list]:
     return _PROMPTS[(b, t)]
 
 
+MAX_BATCHED_TOKENS = 16384  # every engine here: _common_engine_args, conftest's Engines
+_WARM: dict[int, list[list]] = {}  # prompt length -> warm-up batches (warm_batches)
+
+
+def moe_config_of(target):
+    """vLLM's choice of Triton MoE kernel config by a step's token count, for the target's bf16 experts at its TP
+    (fused_moe.try_get_optimal_moe_config, called as its TritonExperts calls it), or None where the target has no
+    routed experts or that function is not there as called (then every step size is warmed: bench.warm_steps)."""
+    c = target.profile.hf_config
+    experts, inter, topk = c.get("n_routed_experts"), c.get("moe_intermediate_size"), c.get("num_experts_per_tok")
+    if not (experts and inter and topk):
+        return None
+    n, h = inter // target.tp, target.profile.hidden_size
+
+    def pick(m: int):  # w1 [E, 2N, H], w2 [E, H, N]; dtype None: bf16 weights and activations
+        from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+        return try_get_optimal_moe_config((experts, 2 * n, h), (experts, h, n), topk, None, m)
+
+    try:
+        pick(MAX_BATCHED_TOKENS)
+    except Exception:  # noqa: BLE001 - another vLLM (or none): warm every size instead
+        return None
+    return pick
+
+
+def warm_batches(target, t: int) -> list[list]:
+    """A batch per step size of bench.warm_steps (size / t prompts of t tokens, one engine step each), prompts of
+    their own (no id shared with the timed batches, which a store session would refuse)."""
+    if t not in _WARM:
+        sizes = bench.warm_steps(bench.loop_step_tokens(t, MAX_BATCHED_TOKENS), moe_config_of(target))
+        counts = [max(1, m // t) for m in sizes]
+        flat = random_samples(sum(counts), t, target.profile.vocab_size, seed=2000 + t)
+        _WARM[t] = [flat[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
+    return _WARM[t]
+
+
 def wanted(mode: str) -> None:
     if MODES is not None and mode not in MODES:
         pytest.skip(f"{mode} not in EAGLE3_BENCH_MODES={' '.join(sorted(MODES))}")
@@ -140,13 +178,15 @@ def wanted(mode: str) -> None:
 
 def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start=lambda: None, lookahead=False,
               **extra) -> int:
-    """Warm up; write the page cache's dirty data to the disk (an earlier figure's files: the kernel would write
-    them back during this one); then time the loop over BATCHES batches, or more up to MAX_BATCHES until
-    MIN_SECONDS have passed, up to `finish` (files closed); record tokens/s. Returns the batches timed.
+    """Warm up (a step per MoE kernel config the loop can meet, warm_batches, then WARMUP batches); write the page
+    cache's dirty data to the disk (an earlier figure's files: the kernel would write them back during this one);
+    then time the loop over BATCHES batches, or more up to MAX_BATCHES until MIN_SECONDS have passed, up to
+    `finish` (files closed); record tokens/s. Returns the batches timed.
     ``lookahead``: run_batch(batch, ahead) gets the batches that may follow, as extract.run's session does (those
     the clock leaves unsubmitted are withdrawn by `finish`)."""
     b, t = (int(x) for x in key.split("/")[1].split("x"))
     bs = batches(target, b, t)
+    warm = warm_batches(target, t)
     out = {}
 
     def each(i, end):
@@ -154,6 +194,8 @@ def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start
 
     def loop():
         start()
+        for batch in warm:  # one step per MoE kernel config the loop can meet: compiled before the clock
+            run_batch(*((batch, ()) if lookahead else (batch,)))
         for i in range(WARMUP):
             run_batch(*each(i, WARMUP))
         finish()
@@ -163,6 +205,7 @@ def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start
         out["sync_s"] = round(time.perf_counter() - t_sync, 2)
         written = _disk_bytes_written(tempfile.gettempdir())
         t0 = time.perf_counter()
+        out["clock"] = [time.strftime("%H:%M:%S")]  # wall time: set against the engine log's (a JIT warning's)
         ends = []
         for i in range(WARMUP, len(bs)):
             run_batch(*each(i, len(bs)))
@@ -171,6 +214,7 @@ def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start
                 break
         finish()
         out["seconds"] = time.perf_counter() - t0
+        out["clock"].append(time.strftime("%H:%M:%S"))
         out["batches"] = len(ends)
         after = _disk_bytes_written(tempfile.gettempdir())
         out["disk"] = {} if None in (written, after) else {
@@ -181,7 +225,8 @@ def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start
     with _PageCache() as cache:
         benchmark.pedantic(loop, rounds=1, iterations=1)
     n = out["batches"]
-    extra = dict(extra, **cache.peaks, **out["quarters"], **out["disk"], sync_before_s=out["sync_s"])
+    extra = dict(extra, **cache.peaks, **out["quarters"], **out["disk"], sync_before_s=out["sync_s"],
+                 warm_step_tokens=[sum(len(s) for s in batch) for batch in warm], timed_clock=out["clock"])
     tps = n * b * t / out["seconds"]
     RESULTS[key] = tps
     SPREADS[key] = out["quarters"]["spread"]
@@ -357,7 +402,7 @@ def _common_engine_args(target) -> dict:
     started after the driver touched CUDA dies (session 13, kimi-depth's plain)."""
     vllm_compat.prepare_environment()
     return dict(model=str(target.path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=8192,
-                max_num_batched_tokens=16384, skip_tokenizer_init=True, load_format=target.load_format,
+                max_num_batched_tokens=MAX_BATCHED_TOKENS, skip_tokenizer_init=True, load_format=target.load_format,
                 gpu_memory_utilization=0.14 if target.local else 0.85,
                 kernel_config={"enable_flashinfer_autotune": False}, tensor_parallel_size=target.tp)
 
@@ -713,7 +758,7 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
         ratios["16x512"]["store/hf"] = over(results.get("store/16x512"), results["hf/16x512"])  # information only
     summary["ratios"] = ratios
     summary["regressions"] = [m for k, v in results.items() if "/" in k
-                              for m in [bench.regression(bench.Record("now", profile, k, v, {}), baselines)] if m]
+                              for m in [bench.regression(bench.Record("now", profile, k, v, {}), baselines, disk)] if m]
 
     by_capture = {c: _targets(ratios, results, profile_name, bpt, sfx, peaks or {}) for c, sfx in CAPTURES.items()}
     summary["acceptance"] = {"capture": capture, **by_capture}

@@ -18,6 +18,7 @@ from eagle3.extract.hf_backend import HFBackend
 from eagle3.extract.rpc import Expect, LayerStack, ReplyError, normalize_reply
 from eagle3.store.folder import Store
 from eagle3.store.format import StoreError
+from eagle3.targets import presets
 
 from . import fake_vllm
 from .conftest import hold_back_capture_consumer
@@ -687,12 +688,18 @@ def test_the_benchmark_announces_ahead_as_extract_does_and_its_clock_may_stop_mi
     monkeypatch.setattr(os, "sync", lambda: None)
     spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
     backend = extract.make_backend(_cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture="direct"), spec)
+    monkeypatch.setattr(gb, "_WARM", {})
+    monkeypatch.setattr(gb, "moe_config_of", lambda target: lambda m: m >= 18)  # 2 configs: warm steps of 9, 18
     loop = gb._Loop(backend, SimpleNamespace(path=tiny_kimi), "store", tmp_path / "store")
     benchmark = SimpleNamespace(pedantic=lambda fn, rounds, iterations: fn(), extra_info={})
-    n = gb.sustained(benchmark, SimpleNamespace(tp=1), "store/2x9", loop.run_batch, loop.finish, loop.start,
-                     lookahead=True)
+    target = SimpleNamespace(tp=1, profile=presets.from_name("tiny-kimi"))
+    n = gb.sustained(benchmark, target, "store/2x9", loop.run_batch, loop.finish, loop.start, lookahead=True)
     loop.drain()
     assert n == 2
+    # the warm-up's session: a step of each warm size (1 and 2 prompts, ids of their own), then its 2 batches
+    opened = [i for i, (m, _) in enumerate(fake.last.rpc_log) if m == "eagle3_open"]
+    warm = [m for m, _ in fake.last.rpc_log[opened[-2] + 1 : opened[-1]] if m in ("eagle3_collect", "eagle3_close")]
+    assert warm == ["eagle3_collect"] * 3 + ["eagle3_close"], warm
     timed = [m for m, _ in _last_session(fake.last.rpc_log) if m in ("eagle3_collect", "eagle3_close")]
     assert timed == ["eagle3_collect", "eagle3_close"], timed  # 2 batches, one announcement
     got = _read(tmp_path / "store")
@@ -764,8 +771,9 @@ def test_a_short_figure_runs_on_after_the_page_cache_is_written(monkeypatch, min
         time.sleep(0.04)
         events.append(batch[0])
 
+    monkeypatch.setattr(gb, "warm_batches", lambda target, t: [["warm"]])  # a step per MoE config: first
     n = gb.sustained(benchmark, SimpleNamespace(tp=1), "mode/2x3", run_batch, start=lambda: events.append("start"))
-    assert events[:5] == ["start", 0, 1, "start", "sync"] and events[5:] == list(range(2, 2 + n))
+    assert events[:6] == ["start", "warm", 0, 1, "start", "sync"] and events[6:] == list(range(2, 2 + n))
     assert n == {"BATCHES": 4, "MAX_BATCHES": 12}.get(timed, n) and (4 < n < 12 or timed != "more"), n
     got = reported["sustained[mode/2x3]"]
     assert got["batches"] == benchmark.extra_info["batches"] == n
