@@ -9,6 +9,7 @@ grep -h -A12 "^FAILED-NOW" "$C"/*.log 2>/dev/null | cut -c1-300 | tail -60  # fa
 for d in online benchkd fp8; do  # what these long steps measured so far (report.json is written as they go)
   [ -f "$C/$d/report.json" ] && { echo "== $d/report.json"; head -c 1500 "$C/$d/report.json"; echo; }
 done
+for f in "$C"/*/jit_in_clock.txt; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
 latest=$(ls -t "$C"/*.log 2>/dev/null | head -1); echo "== tail of $latest"; tail -n 25 "$latest" 2>/dev/null | cut -c1-300
 if [ -n "${OUT:-}" ]; then
   tar czf "$OUT/campaign.tgz" -C /tmp --exclude='*.safetensors' campaign 2>/dev/null

@@ -703,3 +703,30 @@ def test_a_page_cache_store_below_target_says_when_the_kernel_wrote_back_during_
     for p in (calm, None):  # no writeback during the figure, or no peaks recorded: the ratio alone
         _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct", peaks=p)
         assert failures == [plain]
+
+
+def test_the_campaign_names_each_figure_that_had_a_kernel_compiled_inside_its_clock(tmp_path, capsys):
+    """Session 17's kimi-depth log (results/h200-vllm0.26.0-session17/benchkd.log.gz): plain's engine compiled
+    fused_moe_kernel at 03:29:42, in its warm-up; the store's at 03:33:06, in its first timed quarter. That run's
+    report had no clock times yet; the ones here are where its two figures ran."""
+    import gzip
+
+    from tests.gpu import jit_in_clock as jc
+
+    run = Path(__file__).parents[2] / "results/h200-vllm0.26.0-session17"
+    log = tmp_path / "benchkd.log"
+    log.write_bytes(gzip.decompress((run / "benchkd.log.gz").read_bytes()))
+    assert jc.compiles(log.read_text()) == [("03:29:42", "fused_moe_kernel"), ("03:33:06", "fused_moe_kernel")]
+    report = json.loads((run / "benchkd-report.json").read_text())
+    report["sustained[plain/16x512]"]["timed_clock"] = ["03:29:44", "03:30:16"]
+    report["sustained[store_direct/16x512]"]["timed_clock"] = ["03:33:04", "03:33:39"]
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    assert jc.main([str(log), str(tmp_path / "report.json")]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "plain/16x512: no JIT inside its clock",
+        "store_direct/16x512: JIT INSIDE ITS CLOCK: fused_moe_kernel at 03:33:06",
+        f"2 JIT warning(s) in {log}; 2 figure(s) with a clock in {tmp_path / 'report.json'}"]
+    report["sustained[store_direct/16x512]"]["timed_clock"] = ["03:33:07", "03:33:39"]  # warmed before the clock
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    assert jc.main([str(log), str(tmp_path / "report.json")]) == 0
+    assert jc.inside("00:00:05", "23:59:50", "00:00:20") and not jc.inside("12:00:00", "23:59:50", "00:00:20")

@@ -1,0 +1,56 @@
+"""Which benchmark figures had a kernel compiled inside their clock (run by campaign.sh after bench and benchkd).
+
+    python3 tests/gpu/jit_in_clock.py STEP.log REPORT.json
+
+vLLM's JIT monitor logs, from the engine's process, "Triton kernel JIT compilation during inference: NAME" with
+the wall time; each figure's report entry (sustained[KEY]) holds its clock's wall times (timed_clock, HH:MM:SS).
+A compile inside a clock costs ~1.4 s of it (session 17: kimi-depth's fsynced store, 0.936x plain). Prints a line
+per figure and exits 1 where any figure had one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+# (EngineCore pid=3977) WARNING 12-04 03:33:06 [jit_monitor.py:135] Triton kernel JIT compilation during inference:
+# fused_moe_kernel. This causes a latency spike; ...
+JIT = re.compile(r"(\d\d:\d\d:\d\d) \[jit_monitor\.py:\d+\] .*JIT compilation during inference: ([\w.]+)")
+
+
+def compiles(log_text: str) -> list[tuple[str, str]]:
+    """(HH:MM:SS, kernel) of each JIT warning in the log, in order."""
+    return [(m.group(1), m.group(2).rstrip(".")) for m in JIT.finditer(log_text)]
+
+
+def inside(t: str, start: str, end: str) -> bool:
+    """t within [start, end] (HH:MM:SS strings; a clock across midnight wraps)."""
+    return start <= t <= end if start <= end else t >= start or t <= end
+
+
+def figures(report: dict, jits: list[tuple[str, str]]) -> dict[str, list[tuple[str, str]]]:
+    """figure key -> the compiles inside its clock, for each figure whose report gives its clock."""
+    out = {}
+    for name, entry in report.items():
+        clock = entry.get("timed_clock") if name.startswith("sustained[") and isinstance(entry, dict) else None
+        if clock and len(clock) == 2:
+            out[name[len("sustained[") : -1]] = [(t, k) for t, k in jits if inside(t, *clock)]
+    return out
+
+
+def main(argv: list[str]) -> int:
+    log, report = argv
+    with open(log, errors="replace") as f:
+        jits = compiles(f.read())
+    with open(report) as f:
+        found = figures(json.load(f), jits)
+    for key, hits in found.items():
+        said = ", ".join(f"{k} at {t}" for t, k in hits)
+        print(f"{key}: {'JIT INSIDE ITS CLOCK: ' + said if hits else 'no JIT inside its clock'}")
+    print(f"{len(jits)} JIT warning(s) in {log}; {len(found)} figure(s) with a clock in {report}")
+    return 1 if any(found.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
