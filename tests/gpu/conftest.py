@@ -23,6 +23,8 @@ from eagle3.store.folder import Store
 from eagle3.targets import presets, tiny
 from eagle3.targets.presets import TargetProfile
 
+MAX_BATCHED_TOKENS = 16384  # every engine of the suite and its benchmarks: the most tokens one engine step holds
+
 
 def pytest_runtest_logreport(report):
     """A failure's reason in the log as it happens (the campaign polls the log; pytest prints failures only at
@@ -98,7 +100,7 @@ class Engines:
             self.cache[strategy] = VLLMBackend(
                 str(self.target.path), self.spec, tp=self.target.tp, capture=strategy,
                 gpu_memory_utilization=0.2 if self.target.local else 0.85, max_model_len=8192,
-                max_num_batched_tokens=16384, log_level="INFO", load_format=self.target.load_format)
+                max_num_batched_tokens=MAX_BATCHED_TOKENS, log_level="INFO", load_format=self.target.load_format)
             self.report(f"engine_start_s[{strategy}]", round(self.cache[strategy].start_seconds, 1))
         return self.cache[strategy]
 

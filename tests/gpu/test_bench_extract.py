@@ -55,6 +55,7 @@ store_nofsync 178,414 vs vllm_ehs 180,664 (0.99x; its commits were still in the 
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import os
 import queue
@@ -78,6 +79,8 @@ from eagle3.store.committer import BackgroundCommitter
 from eagle3.store.folder import Store
 from eagle3.store.format import FP8, SHARD_BYTES, StoreSpec
 from eagle3.store.threads import writer_threads
+
+from .conftest import MAX_BATCHED_TOKENS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.benchmark]
 
@@ -134,7 +137,6 @@ def batches(target, b: int, t: int) -> list[list]:
     return _PROMPTS[(b, t)]
 
 
-MAX_BATCHED_TOKENS = 16384  # every engine here: _common_engine_args, conftest's Engines
 _WARM: dict[int, list[list]] = {}  # prompt length -> warm-up batches (warm_batches)
 
 
@@ -166,8 +168,8 @@ def warm_batches(target, t: int) -> list[list]:
     if t not in _WARM:
         sizes = bench.warm_steps(bench.loop_step_tokens(t, MAX_BATCHED_TOKENS), moe_config_of(target))
         counts = [max(1, m // t) for m in sizes]
-        flat = random_samples(sum(counts), t, target.profile.vocab_size, seed=2000 + t)
-        _WARM[t] = [flat[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
+        flat = iter(random_samples(sum(counts), t, target.profile.vocab_size, seed=2000 + t))
+        _WARM[t] = [list(itertools.islice(flat, c)) for c in counts]
     return _WARM[t]
 
 

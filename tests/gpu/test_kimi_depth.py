@@ -24,6 +24,7 @@ from eagle3.store import verify
 from eagle3.store.folder import Store
 from eagle3.targets import presets, tiny
 
+from .conftest import MAX_BATCHED_TOKENS
 from .test_extract_vllm import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kimi_depth]
@@ -39,7 +40,7 @@ def depth(tmp_path_factory, report):
     assert spec.layer_ids == (2, 30, 58, 61)
     t0 = time.perf_counter()
     backend = VLLMBackend(str(folder), spec, capture="aux", gpu_memory_utilization=0.85, max_model_len=4096,
-                          max_num_batched_tokens=16384, load_format="dummy", log_level="INFO")
+                          max_num_batched_tokens=MAX_BATCHED_TOKENS, load_format="dummy", log_level="INFO")
     report("kimi_depth_engine_start_s", round(time.perf_counter() - t0, 1))
     report("kimi_depth_unit_norms", backend.unit_norms())
     yield prof, folder, backend
