@@ -150,6 +150,17 @@ def warm_steps(step_tokens: Iterable[int], config_of: Callable[[int], object] | 
     return sorted(seen.values())
 
 
+def warm_prompts(step_tokens: Iterable[int], max_prompt: int) -> list[list[int]]:
+    """Prompt lengths (tokens) of a warm batch per step size: one prompt where it fits max_prompt (the engine's
+    longest prompt), which the engine cannot split across steps as it splits a batch of short prompts by what
+    has reached it; else the fewest prompts that hold the step, within a token of each other."""
+    out = []
+    for m in step_tokens:
+        n = -(-m // max_prompt)
+        out.append([m // n + (i >= n - m % n) for i in range(n)])
+    return out
+
+
 def disk_limit(plain: float | None, disk_bytes_per_s: float | None, bytes_per_token: float) -> float | None:
     """Tokens/s a disk-bound mode can reach: plain prefill's, or what the disk writes at bytes_per_token a token
     (None when either was not measured)."""

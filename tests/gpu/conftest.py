@@ -24,6 +24,7 @@ from eagle3.targets import presets, tiny
 from eagle3.targets.presets import TargetProfile
 
 MAX_BATCHED_TOKENS = 16384  # every engine of the suite and its benchmarks: the most tokens one engine step holds
+MAX_MODEL_LEN = 8192  # the capture engines' and the benchmark's: a prompt and its one sampled token
 
 
 def pytest_runtest_logreport(report):
@@ -99,8 +100,9 @@ class Engines:
                 self.close()
             self.cache[strategy] = VLLMBackend(
                 str(self.target.path), self.spec, tp=self.target.tp, capture=strategy,
-                gpu_memory_utilization=0.2 if self.target.local else 0.85, max_model_len=8192,
-                max_num_batched_tokens=MAX_BATCHED_TOKENS, log_level="INFO", load_format=self.target.load_format)
+                gpu_memory_utilization=0.2 if self.target.local else 0.85, max_model_len=MAX_MODEL_LEN,
+                max_num_batched_tokens=MAX_BATCHED_TOKENS, log_level="INFO", load_format=self.target.load_format,
+                extra_engine_args={"jit_monitor_verbose": True})  # every compile after warm-up logged, not the first
             self.report(f"engine_start_s[{strategy}]", round(self.cache[strategy].start_seconds, 1))
         return self.cache[strategy]
 

@@ -80,7 +80,7 @@ from eagle3.store.folder import Store
 from eagle3.store.format import FP8, SHARD_BYTES, StoreSpec
 from eagle3.store.threads import writer_threads
 
-from .conftest import MAX_BATCHED_TOKENS
+from .conftest import MAX_BATCHED_TOKENS, MAX_MODEL_LEN
 
 pytestmark = [pytest.mark.gpu, pytest.mark.benchmark]
 
@@ -163,13 +163,15 @@ def moe_config_of(target):
 
 
 def warm_batches(target, t: int) -> list[list]:
-    """A batch per step size of bench.warm_steps (size / t prompts of t tokens, one engine step each), prompts of
-    their own (no id shared with the timed batches, which a store session would refuse)."""
+    """A batch per step size of bench.warm_steps, one engine step each: one prompt of that many tokens
+    (bench.warm_prompts), prompts of their own (no id shared with the timed batches, which a store session would
+    refuse)."""
     if t not in _WARM:
         sizes = bench.warm_steps(bench.loop_step_tokens(t, MAX_BATCHED_TOKENS), moe_config_of(target))
-        counts = [max(1, m // t) for m in sizes]
-        flat = iter(random_samples(sum(counts), t, target.profile.vocab_size, seed=2000 + t))
-        _WARM[t] = [list(itertools.islice(flat, c)) for c in counts]
+        lengths = bench.warm_prompts(sizes, MAX_MODEL_LEN - 1)
+        flat = iter(random_samples(sum(map(len, lengths)), [n for each in lengths for n in each],
+                                   target.profile.vocab_size, seed=2000 + t))
+        _WARM[t] = [list(itertools.islice(flat, len(each))) for each in lengths]
     return _WARM[t]
 
 
@@ -403,9 +405,9 @@ def _common_engine_args(target) -> dict:
     workers, the V1 runner, vLLM's sampler: vllm_compat.prepare_environment), else a forked worker of an engine
     started after the driver touched CUDA dies (session 13, kimi-depth's plain)."""
     vllm_compat.prepare_environment()
-    return dict(model=str(target.path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=8192,
+    return dict(model=str(target.path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN,
                 max_num_batched_tokens=MAX_BATCHED_TOKENS, skip_tokenizer_init=True, load_format=target.load_format,
-                gpu_memory_utilization=0.14 if target.local else 0.85,
+                gpu_memory_utilization=0.14 if target.local else 0.85, jit_monitor_verbose=True,
                 kernel_config={"enable_flashinfer_autotune": False}, tensor_parallel_size=target.tp)
 
 

@@ -611,6 +611,21 @@ def test_a_warm_step_per_moe_kernel_config_the_benchmark_loop_can_meet():
     assert bench.warm_steps(steps, None) == steps  # vLLM's choice unknown: every size
 
 
+def test_a_warm_step_is_one_prompt_so_the_engine_cannot_split_it():
+    """Session 18: kimi-depth's plain engine still compiled fused_moe_kernel 1 s into its clock (quarters 6,830
+    then ~8,030 tok/s), after a warm batch of 4 prompts of 512 tokens meant to make one 2,048-token step. The
+    engine schedules what has reached it: the timed loop's 16-prompt batches ran as 1,024 + 7,168, 512 + 7,680,
+    2,048 + 6,144 tokens (the store's capture_timing), so 4 prompts need not make one step of 2,048. One prompt
+    of 2,048 tokens does (it fits the step budget); a step longer than the engine's longest prompt takes the
+    fewest prompts that hold it, within a token of each other."""
+    assert bench.warm_prompts([512, 2048], 8191) == [[512], [2048]]
+    assert bench.warm_prompts([16384], 8191) == [[5461, 5461, 5462]]
+    assert bench.warm_prompts([8191, 8192], 8191) == [[8191], [4096, 4096]]
+    for m in range(1, 40):
+        parts = bench.warm_prompts([m], 7)[0]
+        assert sum(parts) == m and max(parts) <= 7 and max(parts) - min(parts) <= 1 and len(parts) == -(-m // 7)
+
+
 def test_the_benchmark_asks_vllm_for_the_moe_config_of_the_target_s_experts_at_its_tp(monkeypatch):
     """As vLLM's TritonExperts asks (w1 [E, 2N, H], w2 [E, H, N], N the expert width at the target's TP, bf16):
     another shape reads another tuned file and warms the wrong configs. No experts, or no such function: None
@@ -656,9 +671,12 @@ def test_the_benchmark_runs_its_warm_steps_before_the_clock_with_prompts_of_thei
     events, ids = [], {"warm": set(), "timed": set()}
     clock = []
 
+    prompts = []  # each batch's prompt lengths
+
     def run_batch(batch, ahead=()):
         events.append(("run", sum(len(s) for s in batch), len(ahead)))
         ids["timed" if clock else "warm"].update(s.sample_id for s in batch)
+        prompts.append([len(s) for s in batch])
 
     def start():
         events.append("start")
@@ -677,9 +695,56 @@ def test_the_benchmark_runs_its_warm_steps_before_the_clock_with_prompts_of_thei
     assert n == 3
     assert events == ["start", ("run", 512, 0), ("run", 2048, 0), ("run", 8192, 1), ("run", 8192, 0), "finish",
                       "start", ("run", 8192, 2), ("run", 8192, 1), ("run", 8192, 0), "finish"]
-    assert len(ids["warm"]) == 1 + 4 + 32 and not ids["warm"] & ids["timed"]
+    assert prompts[:3] == [[512], [2048], [512] * 16]  # one prompt a warm step: the engine cannot split it
+    assert len(ids["warm"]) == 1 + 1 + 32 and not ids["warm"] & ids["timed"]
     figure = reported["sustained[store_direct/16x512]"]
     assert figure["warm_step_tokens"] == [512, 2048] and len(figure["timed_clock"]) == 2
+
+
+def test_the_jit_check_says_when_vllm_logged_only_each_engine_s_first_compile(tmp_path, capsys):
+    """vLLM's JIT monitor logs a compile with warning_once unless jit_monitor_verbose is on: each engine's first
+    only. Session 18's kimi-depth log (results/h200-vllm0.26.0-session18/) had one per engine: plain's 1 s into
+    its clock, the store's 4 s before its own; a second compile in the store's clock would not have shown, and
+    "no JIT inside its clock" would have been read as proof. The check now says when it cannot see a later one."""
+    import gzip
+
+    from tests.gpu import jit_in_clock as jc
+
+    run = Path(__file__).parents[2] / "results/h200-vllm0.26.0-session18"
+    log = tmp_path / "benchkd.log"
+    log.write_bytes(gzip.decompress((run / "benchkd.log.gz").read_bytes()))
+    report = run / "benchkd-report.json"
+    assert jc.main([str(log), str(report)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "plain/16x512: JIT INSIDE ITS CLOCK: fused_moe_kernel at 04:34:06",
+        "store_direct/16x512: no JIT inside its clock",
+        ("CAUTION: vLLM logged only each engine's first compile (jit_monitor_verbose off in 2 of 2 engines): a later "
+         "one inside a clock would not show"),
+        f"2 JIT warning(s) in {log}; 2 figure(s) with a clock in {report}"]
+
+
+def test_the_jit_check_names_the_config_of_each_kernel_compiled_in_a_clock(tmp_path, capsys):
+    """With jit_monitor_verbose, vLLM logs every compile with its constexprs (vllm/utils/jit_monitor.py,
+    _format_verbose_triton_compile_details): the check gives each hit's MoE block sizes, which say what the
+    warm-up missed."""
+    from tests.gpu import jit_in_clock as jc
+
+    args = ("INFO 12-04 05:00:00 [api_utils.py:273] non-default args: {'skip_tokenizer_init': True, "
+            "'jit_monitor_verbose': True, 'max_num_batched_tokens': 16384}\n")
+    hit = ("(EngineCore pid=7) WARNING 12-04 {t} [jit_monitor.py:131] Triton kernel JIT compilation during "
+           "inference: fused_moe_kernel (constexprs={{BLOCK_SIZE_M=128, GROUP_SIZE_M={g}, top_k=8}}; "
+           "signature={{EM='i32'}}; extra_compile_info={{}}; key='k'). This causes a latency spike; consider "
+           "extending warmup to cover this shape/config.\n")
+    log = tmp_path / "bench.log"
+    log.write_text(args + hit.format(t="05:00:03", g=64) + hit.format(t="05:00:09", g=16))
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"sustained[plain/16x512]": {"timed_clock": ["05:00:05", "05:00:40"]}}))
+    assert jc.compiles(log.read_text()) == [("05:00:03", "fused_moe_kernel"), ("05:00:09", "fused_moe_kernel")]
+    assert jc.main([str(log), str(report)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        ("plain/16x512: JIT INSIDE ITS CLOCK: fused_moe_kernel at 05:00:09 {BLOCK_SIZE_M=128, GROUP_SIZE_M=16, "
+         "top_k=8}"),
+        f"2 JIT warning(s) in {log}; 1 figure(s) with a clock in {report}"]
 
 
 def test_a_page_cache_store_below_target_says_when_the_kernel_wrote_back_during_its_figure(monkeypatch):
@@ -725,6 +790,8 @@ def test_the_campaign_names_each_figure_that_had_a_kernel_compiled_inside_its_cl
     assert capsys.readouterr().out.splitlines() == [
         "plain/16x512: no JIT inside its clock",
         "store_direct/16x512: JIT INSIDE ITS CLOCK: fused_moe_kernel at 03:33:06",
+        ("CAUTION: vLLM logged only each engine's first compile (jit_monitor_verbose off in 2 of 2 engines): a later "
+         "one inside a clock would not show"),
         f"2 JIT warning(s) in {log}; 2 figure(s) with a clock in {tmp_path / 'report.json'}"]
     report["sustained[store_direct/16x512]"]["timed_clock"] = ["03:33:07", "03:33:39"]  # warmed before the clock
     (tmp_path / "report.json").write_text(json.dumps(report))
