@@ -696,7 +696,8 @@ def test_the_benchmark_announces_ahead_as_extract_does_and_its_clock_may_stop_mi
     n = gb.sustained(benchmark, target, "store/2x9", loop.run_batch, loop.finish, loop.start, lookahead=True)
     loop.drain()
     assert n == 2
-    # the warm-up's session: a step of each warm size (1 and 2 prompts, ids of their own), then its 2 batches
+    # the warm-up's session: a step of each warm size (one prompt of 9, one of 18 tokens, ids of their own), then
+    # its 2 batches
     opened = [i for i, (m, _) in enumerate(fake.last.rpc_log) if m == "eagle3_open"]
     warm = [m for m, _ in fake.last.rpc_log[opened[-2] + 1 : opened[-1]] if m in ("eagle3_collect", "eagle3_close")]
     assert warm == ["eagle3_collect"] * 3 + ["eagle3_close"], warm
