@@ -42,10 +42,10 @@ def regression(record: Record, baselines: dict[str, dict], disks: dict[str, floa
     want = base["tokens_per_s"][record.key]
     kind = disk_of(record.key.split("/")[0])
     now, then = (disks or {}).get(kind), base.get("disk_bytes_per_s", {}).get(kind)
-    scaled = f" scaled to this run's {kind} bandwidth ({now / 1e9:.2f} of {then / 1e9:.2f} GB/s)" \
-        if now and then and now < then else ""
-    if scaled:
+    scaled = ""
+    if now and then and now < then:
         want *= now / then
+        scaled = f" scaled to this run's {kind} bandwidth ({now / 1e9:.2f} of {then / 1e9:.2f} GB/s)"
     floor = want * (1 - base.get("margin", 0.1))
     if record.tokens_per_s < floor:
         return (f"{record.profile} {record.key}: {record.tokens_per_s:,.0f} tok/s is below the baseline "

@@ -25,12 +25,7 @@ JIT = re.compile(r"(\d\d:\d\d:\d\d) \[jit_monitor\.py:\d+\] .*JIT compilation du
 ENGINE = re.compile(r"\d\d:\d\d:\d\d \[api_utils\.py:\d+\] non-default args: (.*)")
 
 
-def compiles(log_text: str) -> list[tuple[str, str]]:
-    """(HH:MM:SS, kernel) of each JIT warning in the log, in order."""
-    return [(t, k) for t, k, _ in _events(log_text)]
-
-
-def _events(log_text: str) -> list[tuple[str, str, str]]:
+def compiles(log_text: str) -> list[tuple[str, str, str]]:
     """(HH:MM:SS, kernel, its constexprs where logged verbose, else "") of each JIT warning, in order."""
     return [(m.group(1), m.group(2).rstrip("."), m.group(3) or "") for m in JIT.finditer(log_text)]
 
@@ -46,14 +41,13 @@ def inside(t: str, start: str, end: str) -> bool:
     return start <= t <= end if start <= end else t >= start or t <= end
 
 
-def figures(report: dict, jits: list[tuple]) -> dict[str, list[tuple]]:
-    """figure key -> the compiles inside its clock (each jit's first item its HH:MM:SS), for each figure whose
-    report gives its clock."""
+def figures(report: dict, jits: list[tuple[str, str, str]]) -> dict[str, list[tuple[str, str, str]]]:
+    """figure key -> the compiles inside its clock, for each figure whose report gives its clock."""
     out = {}
     for name, entry in report.items():
         clock = entry.get("timed_clock") if name.startswith("sustained[") and isinstance(entry, dict) else None
         if clock and len(clock) == 2:
-            out[name[len("sustained[") : -1]] = [j for j in jits if inside(j[0], *clock)]
+            out[name[len("sustained[") : -1]] = [(t, k, c) for t, k, c in jits if inside(t, *clock)]
     return out
 
 
@@ -61,7 +55,7 @@ def main(argv: list[str]) -> int:
     log, report = argv
     with open(log, errors="replace") as f:
         text = f.read()
-    jits = _events(text)
+    jits = compiles(text)
     with open(report) as f:
         found = figures(json.load(f), jits)
     for key, hits in found.items():

@@ -45,6 +45,8 @@ MIN_ACCEPTANCE_LENGTH = 1.8
 SPREAD_FACTOR = 3.0
 MIN_SPREAD = 0.02  # a floor, so two seeds that happen to agree closely do not make the control trivial
 FP8_MAX_GAP = 0.05  # issue 14: a draft trained on fp8 states within 0.05 acceptance of the bf16 one (same seed)
+
+
 def misaligned_copy(store, out):
     """The store with every sample's aux states moved one position earlier: row t holds token t+1's aux states."""
     from tests.unit.conftest import rewrite_shards

@@ -739,7 +739,9 @@ def test_the_jit_check_names_the_config_of_each_kernel_compiled_in_a_clock(tmp_p
     log.write_text(args + hit.format(t="05:00:03", g=64) + hit.format(t="05:00:09", g=16))
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"sustained[plain/16x512]": {"timed_clock": ["05:00:05", "05:00:40"]}}))
-    assert jc.compiles(log.read_text()) == [("05:00:03", "fused_moe_kernel"), ("05:00:09", "fused_moe_kernel")]
+    assert jc.compiles(log.read_text()) == [
+        ("05:00:03", "fused_moe_kernel", "{BLOCK_SIZE_M=128, GROUP_SIZE_M=64, top_k=8}"),
+        ("05:00:09", "fused_moe_kernel", "{BLOCK_SIZE_M=128, GROUP_SIZE_M=16, top_k=8}")]
     assert jc.main([str(log), str(report)]) == 1
     assert capsys.readouterr().out.splitlines() == [
         ("plain/16x512: JIT INSIDE ITS CLOCK: fused_moe_kernel at 05:00:09 {BLOCK_SIZE_M=128, GROUP_SIZE_M=16, "
@@ -781,7 +783,7 @@ def test_the_campaign_names_each_figure_that_had_a_kernel_compiled_inside_its_cl
     run = Path(__file__).parents[2] / "results/h200-vllm0.26.0-session17"
     log = tmp_path / "benchkd.log"
     log.write_bytes(gzip.decompress((run / "benchkd.log.gz").read_bytes()))
-    assert jc.compiles(log.read_text()) == [("03:29:42", "fused_moe_kernel"), ("03:33:06", "fused_moe_kernel")]
+    assert jc.compiles(log.read_text()) == [("03:29:42", "fused_moe_kernel", ""), ("03:33:06", "fused_moe_kernel", "")]
     report = json.loads((run / "benchkd-report.json").read_text())
     report["sustained[plain/16x512]"]["timed_clock"] = ["03:29:44", "03:30:16"]
     report["sustained[store_direct/16x512]"]["timed_clock"] = ["03:33:04", "03:33:39"]
