@@ -65,10 +65,12 @@ VLLM_KW = {"gpu_memory_utilization": 0.12, "max_model_len": 2048}
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory, gpu_out, report):
+def chain(request, tmp_path_factory, gpu_out, report):
     """What both tests share: the learnable target, its dialogues extracted with vLLM into a bf16 store, the seed-0
-    draft trained on it and served (with the layer-ids + 1 control and the no-draft baseline). `-k fp8` then
-    runs only this and the fp8 test."""
+    draft trained on it and served. The layer-ids + 1 control and the no-draft baseline (one more engine, ~40 s on
+    the H200) only where the test that reads them runs: `-k fp8` runs this and the fp8 test."""
+    controls = any(item.originalname == test_trained_draft_is_served_by_vllm_and_predicts_the_target.__name__
+                   for item in request.session.items)
     t0 = time.perf_counter()
     tmp = tmp_path_factory.mktemp("e2e")
     target = tmp / "target"
@@ -98,7 +100,7 @@ def chain(tmp_path_factory, gpu_out, report):
         shutil.copy(tmp / f"eval-{name}" / "eval.json", gpu_out / f"e2e_eval_{name}.json")
         return r
 
-    seed0 = serve("seed0", fit("seed0", store, 0), first=True)
+    seed0 = serve("seed0", fit("seed0", store, 0), first=controls)
     return {"tmp": tmp, "target": target, "data": data, "store": store, "fit": fit, "serve": serve, "seed0": seed0,
             "t0": t0}
 

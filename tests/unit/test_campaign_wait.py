@@ -1,0 +1,54 @@
+"""The GPU campaign's poll (tests/gpu/wait.sh): it must not sit out its limit where nothing runs.
+
+Session 19: the host that ran the campaign was taken back between two polls; the next poll landed on a fresh host
+with no campaign and waited its whole 560 s, which spent a third of the session's device time on nothing."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WAIT = Path(__file__).resolve().parents[1] / "gpu" / "wait.sh"
+
+
+def _wait(tmp_path, campaign: Path, limit: int = 30):
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", str(WAIT), str(limit)], capture_output=True, text=True, timeout=limit + 30,
+                         env=dict(env, CAMPAIGN=str(campaign)), cwd=tmp_path, check=False)
+    return out, time.monotonic() - t0
+
+
+def test_a_fresh_host_without_the_campaign_is_said_at_once(tmp_path):
+    out, seconds = _wait(tmp_path, tmp_path / "campaign")
+    assert seconds < 5, f"waited {seconds:.0f}s on a host with no campaign"
+    assert out.returncode == 3, out
+    assert "no campaign on this host" in out.stdout and "start it again" in out.stdout, out.stdout
+
+
+def test_a_campaign_that_died_without_finishing_ends_the_wait(tmp_path):
+    c = tmp_path / "campaign"
+    c.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (c / "pid").write_text(f"{dead.pid}\n")
+    (c / "steps.txt").write_text("bench started 05:00:00 limit=620s\n")
+    out, seconds = _wait(tmp_path, c)
+    assert seconds < 15, f"waited {seconds:.0f}s for a campaign that is not running"
+    assert out.returncode == 0, out
+    assert "finished: no (the campaign is not running)" in out.stdout, out.stdout
+    assert "bench started 05:00:00" in out.stdout, out.stdout
+
+
+def test_a_running_campaign_is_waited_for_until_it_writes_done(tmp_path):
+    c = tmp_path / "campaign"
+    c.mkdir()
+    live = subprocess.Popen(["bash", "-c", f"sleep 5; echo DONE > {c}/DONE"])
+    (c / "pid").write_text(f"{live.pid}\n")
+    try:
+        out, seconds = _wait(tmp_path, c)
+    finally:
+        live.kill()
+    assert 4 <= seconds < 20, f"returned after {seconds:.0f}s: the campaign wrote DONE after 5 s"
+    assert "finished: yes" in out.stdout, out.stdout
