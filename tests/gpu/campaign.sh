@@ -33,7 +33,8 @@ step() { local name=$1; shift; local t0=$(date +%s); settle; echo "$name started
          echo "$name rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$OUT/steps.txt"; }
 PT="python3 -m pytest -p no:cacheprovider -v -rA --durations=25"
 jit() { python3 tests/gpu/jit_in_clock.py "$OUT/$1.log" "$OUT/$1/report.json" > "$OUT/$1/jit_in_clock.txt" 2>&1; }  # a kernel compiled inside a figure's clock
-# bench, benchkd: -s, so the engines' own logs (start phases: compile, sampler warm-up, CUDA graphs) reach the step log
+# bench, benchkd: -s, so the engines' own logs (start phases: compile, sampler warm-up, CUDA graphs) reach the step log;
+# the acceptance test reads it (EAGLE3_ENGINE_LOG) for kernels compiled inside a figure's clock
 COPIES="hf_reference or indexing or training_states or preemption"  # the capture's copies, value-checked (~10 min: an engine start per test)
 BENCH_OUT=(--gpu-out "$OUT/bench" --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds)
 NEW="deepseek_draft or preemption or selfcheck_passes or (hf_reference and hooks) or indexing"
@@ -45,7 +46,8 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   direct)   step direct $PT tests/unit/test_vllm_contract.py tests/gpu -m "not benchmark and not e2e and not kimi_depth" \
                  -k direct --gpu-out "$OUT/direct" ;;  # the direct capture: contract, states, preemption (~500 s)
   directbench)  # direct's value checks, then the mini-Kimi benchmark, in one process: one start of the direct engine
-            EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} step directbench $PT -s \
+            EAGLE3_ENGINE_LOG="$OUT/directbench.log" EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} \
+            step directbench $PT -s \
                  tests/unit/test_vllm_contract.py tests/gpu/test_extract_vllm.py tests/gpu/test_preemption.py \
                  tests/gpu/test_bench_extract.py -m "benchmark or not (e2e or kimi_depth)" -k "${DIRECTBENCH_K:-direct or bench_extract}" \
                  "${BENCH_OUT[@]}" ;;
@@ -57,9 +59,10 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   e2e)      step e2e $PT -m e2e tests/gpu -k "${E2E_K:-not online}" --gpu-out "$OUT/e2e" ;;
   fp8)      step fp8 $PT -m e2e tests/gpu -k fp8 --gpu-out "$OUT/fp8" ;;
   probe)    step probe python3 tests/gpu/probe_d2h_interference.py ;;  # ~60 s; the capture's copies, whole vs chunked
-  bench)    EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} step bench $PT -s -m benchmark \
+  bench)    EAGLE3_ENGINE_LOG="$OUT/bench.log" EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} \
+            step bench $PT -s -m benchmark \
                  ${BENCH_TESTS:-tests/gpu} "${BENCH_OUT[@]}"; jit bench ;;
-  benchkd)  EAGLE3_BENCH_SHAPES=${BENCHKD_SHAPES:-} EAGLE3_BENCH_BATCHES=${BENCHKD_BATCHES:-32} EAGLE3_BENCH_MODES=${BENCHKD_MODES:-"plain count host store disk"} \
+  benchkd)  EAGLE3_ENGINE_LOG="$OUT/benchkd.log" EAGLE3_BENCH_SHAPES=${BENCHKD_SHAPES:-} EAGLE3_BENCH_BATCHES=${BENCHKD_BATCHES:-32} EAGLE3_BENCH_MODES=${BENCHKD_MODES:-"plain count host store disk"} \
             step benchkd $PT -s -m benchmark tests/gpu --target-profile kimi-depth --gpu-out "$OUT/benchkd" \
                  --benchmark-json="$OUT/benchkd/benchmark.json" --benchmark-columns=median,rounds; jit benchkd ;;
   report)   step report python3 -m eagle3.cli bench report --history $(ls "$OUT"/bench*/benchmark.json) --out "$OUT/bench" ;;

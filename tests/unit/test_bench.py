@@ -799,3 +799,143 @@ def test_the_campaign_names_each_figure_that_had_a_kernel_compiled_inside_its_cl
     (tmp_path / "report.json").write_text(json.dumps(report))
     assert jc.main([str(log), str(tmp_path / "report.json")]) == 0
     assert jc.inside("00:00:05", "23:59:50", "00:00:20") and not jc.inside("12:00:00", "23:59:50", "00:00:20")
+
+
+def test_a_bar_whose_figure_compiled_a_kernel_inside_its_clock_fails_the_acceptance(monkeypatch):
+    """Session 18's kimi-depth store read 1.014x plain, a pass, because plain compiled fused_moe_kernel 1 s into its
+    clock; only a person reading jit_in_clock.txt saw it. The acceptance now takes each figure's compiles inside
+    its clock: a bar resting on such a figure fails, naming the figure, kernel, time and block sizes; a figure no bar
+    reads is only reported. Replayed on session 17's mini-Kimi figures, which met every direct bar."""
+    from tests.gpu import test_bench_extract as gb
+
+    measured = _measured("session17")
+    monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
+    clean = {k: [] for k in measured if "/" in k}  # every figure: no compile inside its clock
+    summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct",
+                                      jit=clean)
+    assert failures == [] and summary["jit_in_clock"] == clean
+    hit = [("05:46:06", "fused_moe_kernel", "{GROUP_SIZE_M=64}")]
+    host, fsync, cache = ("null sink (--capture direct) / plain prefill", "fsynced store (--capture direct) / min(",
+                          "page-cache store (--capture direct) / vLLM's")
+    for figure, bars in [("plain/64x512", {host, fsync}), ("host_direct/64x512", {host}),
+                         ("store_direct/64x512", {fsync}), ("vllm_ehs/64x512", {cache}),
+                         ("store_nofsync_direct/64x512", {cache})]:
+        _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct",
+                                    jit=dict(clean, **{figure: hit}))
+        assert all(f"{figure} compiled fused_moe_kernel at 05:46:06 {{GROUP_SIZE_M=64}} inside its "
+                   "clock: not a sustained figure" in f for f in failures), (figure, failures)
+        assert {b for b in (host, fsync, cache) for f in failures if f.startswith(b)} == bars, (figure, failures)
+    summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct",
+                                      jit=dict(clean, **{"count_direct/64x512": hit}))
+    assert failures == [] and summary["jit_in_clock"]["count_direct/64x512"] == hit  # no bar reads count_direct
+    kd = {"plain/16x512": 8177.0, "store_direct/16x512": 8100.0}
+    _, failures = gb.acceptance(kd, "kimi-depth", 57344, "h200-kimi-depth", {}, capture="direct",
+                                jit={"plain/16x512": hit, "store_direct/16x512": []})
+    assert len(failures) == 1 and failures[0].startswith("kimi-depth 16x512: fsynced store (--capture direct) / "
+                                                         "plain prefill: plain/16x512 compiled"), failures
+    summary, failures = gb.acceptance(kd, "kimi-depth", 57344, "h200-kimi-depth", {}, capture="direct")
+    assert failures == [] and summary["jit_in_clock"] == "not checked"  # no engine log given (jit=None)
+
+
+def test_the_acceptance_reads_the_engines_log_it_is_given(tmp_path):
+    """EAGLE3_ENGINE_LOG (campaign.sh sets it to the step's log): the figures' compiles inside their clocks, from
+    session 19's kimi-depth log, where plain's two compiles came 3 s before its clock; a log without any engine's
+    start (pytest run without -s: the engines' output went elsewhere) or with an engine that logged only its first
+    compile cannot show a compile, and says so as a failure."""
+    import gzip
+
+    from tests.gpu import test_bench_extract as gb
+
+    run = Path(__file__).parents[2] / "results/h200-vllm0.26.0-session19"
+    log = tmp_path / "benchkd.log"
+    log.write_bytes(gzip.decompress((run / "benchkd.log.gz").read_bytes()))
+    clocks = {"plain/16x512": ["05:46:03", "05:46:35"]}
+    assert gb.jit_in_clocks(str(log), clocks) == ({"plain/16x512": []}, [])
+    hits, problems = gb.jit_in_clocks(str(log), {"plain/16x512": ["05:46:00", "05:46:35"]})
+    assert [(t, k) for t, k, _ in hits["plain/16x512"]] == [("05:46:00", "fused_moe_kernel")] * 2 and not problems
+    assert "GROUP_SIZE_M=64" in hits["plain/16x512"][0][2]
+    assert gb.jit_in_clocks(None, clocks) == (None, [])
+    empty = tmp_path / "empty.log"
+    empty.write_text("tests/gpu/test_bench_extract.py::test_plain_prefill[16x512-plain] PASSED\n")
+    assert gb.jit_in_clocks(str(empty), clocks)[1] == [
+        f"EAGLE3_ENGINE_LOG={empty} holds no engine's start: run pytest with -s, so the engines' output reaches it"]
+    quiet = tmp_path / "quiet.log"
+    quiet.write_bytes(gzip.decompress((run.parent / "h200-vllm0.26.0-session18/benchkd.log.gz").read_bytes()))
+    assert gb.jit_in_clocks(str(quiet), clocks)[1] == [
+        (f"EAGLE3_ENGINE_LOG={quiet}: 2 of 2 engines ran without jit_monitor_verbose; vLLM logged only each one's "
+         "first compile, so a later one inside a clock would not show")]
+    missing = tmp_path / "nowhere.log"
+    assert gb.jit_in_clocks(str(missing), clocks)[1] == [f"EAGLE3_ENGINE_LOG={missing}: no such file"]
+
+
+def test_the_clock_starts_and_ends_a_wall_second_apart_from_what_runs_around_it(monkeypatch):
+    """vLLM stamps its log to the second, as the figure's clock is: a warm-up compile in the clock's first second,
+    or the next figure's in its last, would read as inside it. The clock starts in a later second than the warm-up's
+    last step ended, and sustained returns in a later second than the clock ended."""
+    import time as _time
+
+    from tests.gpu import jit_in_clock as jc
+    from tests.gpu import test_bench_extract as gb
+
+    for name in ("_WARM", "_PROMPTS", "RESULTS", "SPREADS", "PEAKS", "CLOCKS"):
+        monkeypatch.setattr(gb, name, {})
+    for name, v in (("MAX_BATCHES", 2), ("BATCHES", 2), ("MIN_SECONDS", 0.0), ("WARMUP", 1)):
+        monkeypatch.setattr(gb, name, v)
+    monkeypatch.setattr(gb, "moe_config_of", lambda target: None)
+    monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(gb, "_profile", lambda target: "h200-kimi-depth")
+    monkeypatch.setitem(gb._REPORT, "put", lambda k, v: None)
+    target = types.SimpleNamespace(tp=1, profile=types.SimpleNamespace(vocab_size=1000))
+    ends = []
+
+    class Benchmark:
+        def __init__(self):
+            self.extra_info = {}
+
+        def pedantic(self, fn, rounds, iterations):
+            fn()
+
+    for _ in range(2):
+        ends.clear()
+        gb.sustained(Benchmark(), target, "plain/2x16", lambda batch: ends.append(_time.time()))
+        after = _time.strftime("%H:%M:%S", _time.localtime(_time.time()))
+        start, end = gb.CLOCKS["plain/2x16"]
+        warm_end = _time.strftime("%H:%M:%S", _time.localtime(ends[-3]))  # the last warm-up batch (2 timed)
+        # what the JIT check asks (jit_in_clock.inside, which wraps at midnight)
+        assert not jc.inside(warm_end, start, end) and not jc.inside(after, start, end), (warm_end, start, end, after)
+
+
+def test_the_benchmark_s_acceptance_test_fails_on_a_compile_in_a_clock_or_a_log_that_cannot_show_one(
+        tmp_path, monkeypatch):
+    """The GPU acceptance test itself (test_ratios_acceptance_and_baseline), on session 17's mini-Kimi figures that
+    met every bar: the engines' log it is given (EAGLE3_ENGINE_LOG) decides. A compile inside plain's clock fails
+    it; so does a log whose engines logged only their first compile; a clean log passes, the check in
+    bench_summary.json."""
+    from eagle3.extract import vllm_compat
+    from tests.gpu import test_bench_extract as gb
+
+    monkeypatch.setattr(gb, "RESULTS", _measured("session17"))
+    monkeypatch.setattr(gb, "CLOCKS", {"plain/64x512": ["05:00:05", "05:00:40"],
+                                       "host_direct/64x512": ["05:02:05", "05:02:40"]})
+    for name in ("SPREADS", "PEAKS"):
+        monkeypatch.setattr(gb, name, {})
+    monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(gb, "_profile", lambda target: "h200-mini-kimi")
+    monkeypatch.setattr(vllm_compat, "pick_strategy", lambda requested: "direct")
+    monkeypatch.setattr(bench, "load_baselines", dict)
+    target = types.SimpleNamespace(profile=types.SimpleNamespace(name="mini-kimi", bytes_per_token=57344))
+    engine = ("INFO 12-04 05:00:00 [api_utils.py:273] non-default args: {'skip_tokenizer_init': True, "
+              "'jit_monitor_verbose': %s}\n")
+    jit = ("(EngineCore pid=7) WARNING 12-04 %s [jit_monitor.py:132] Triton kernel JIT compilation during inference: "
+           "fused_moe_kernel (constexprs={GROUP_SIZE_M=32}; signature={}; key='k'). This causes a latency spike\n")
+    log = tmp_path / "bench.log"
+    monkeypatch.setenv("EAGLE3_ENGINE_LOG", str(log))
+    for text, said in [(engine % True + jit % "05:00:07", "plain/64x512 compiled fused_moe_kernel at 05:00:07"),
+                       (engine % False + jit % "05:00:01", "1 of 1 engines ran without jit_monitor_verbose")]:
+        log.write_text(text)
+        with pytest.raises(AssertionError, match=said):
+            gb.test_ratios_acceptance_and_baseline(target, tmp_path, lambda *a: None)
+    log.write_text(engine % True + jit % "05:00:01")
+    gb.test_ratios_acceptance_and_baseline(target, tmp_path, lambda *a: None)
+    summary = json.loads((tmp_path / "bench_summary.json").read_text())
+    assert summary["jit_in_clock"] == {"plain/64x512": [], "host_direct/64x512": []}
