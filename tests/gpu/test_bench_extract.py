@@ -829,13 +829,13 @@ def _targets(ratios: dict, results: dict, profile_name: str, bpt: int, sfx: str,
     failures: list[str] = []
     label = " (--capture direct)" if sfx else ""
 
-    def need(r, name, least, what, why=""):
+    def need(shape, name, least, what, why=""):
+        r = ratios[shape]
         if r[name] is None:
             failures.append(f"{what}: not measured ({name}; EAGLE3_BENCH_MODES)")
             return
         if r[name] < least:
             failures.append(f"{what} {r[name]:.2f}x (< {least}){why}")
-        shape = next(s for s, rs in ratios.items() if rs is r)
         for mode in name.replace("limit_fsync", "plain").split("/"):  # the figures the ratio reads
             for t, kernel, constexprs in jit.get(f"{mode}/{shape}", []):
                 config = f" {constexprs}" if constexprs else ""
@@ -843,8 +843,8 @@ def _targets(ratios: dict, results: dict, profile_name: str, bpt: int, sfx: str,
                                 "sustained figure (the warm-up missed its config)")
 
     if profile_name == "kimi-depth":
-        for s, r in ratios.items():
-            need(r, f"store{sfx}/plain", 0.95, f"kimi-depth {s}: fsynced store{label} / plain prefill")
+        for s in ratios:
+            need(s, f"store{sfx}/plain", 0.95, f"kimi-depth {s}: fsynced store{label} / plain prefill")
         return failures
     if "64x512" not in ratios:
         return ["mini-Kimi's targets: 64x512 not measured (EAGLE3_BENCH_SHAPES)"]
@@ -869,9 +869,9 @@ def _targets(ratios: dict, results: dict, profile_name: str, bpt: int, sfx: str,
                     f"{r['plain_auxout/plain']:.2f}x; count_direct/plain_auxout {r['count_direct/plain_auxout']:.2f}x")
         if r["host_whole_direct/plain"] is not None:
             why += f"; with a step's copies issued at once host reaches {r['host_whole_direct/plain']:.2f}x"
-    need(r, f"host{sfx}/plain", 0.90, f"null sink{label} / plain prefill", why)
-    need(r, f"store{sfx}/limit_fsync", 0.90,
+    need("64x512", f"host{sfx}/plain", 0.90, f"null sink{label} / plain prefill", why)
+    need("64x512", f"store{sfx}/limit_fsync", 0.90,
          f"fsynced store{label} / min(prefill, parallel fsync bandwidth / bytes per token)")
-    need(r, f"store_nofsync{sfx}/vllm_ehs", 1.0, f"page-cache store{label} / vLLM's extract_hidden_states",
+    need("64x512", f"store_nofsync{sfx}/vllm_ehs", 1.0, f"page-cache store{label} / vLLM's extract_hidden_states",
          _writeback(peaks.get(f"store_nofsync{sfx}/64x512"), peaks.get("vllm_ehs/64x512")))
     return failures
