@@ -3,6 +3,7 @@
 # It returns at once where there is nothing to wait for: a host without the campaign (the lent one was taken back
 # between two polls and this call started a fresh one: session 19 waited 560 s there), or a campaign no longer running.
 limit=${1:-540}; C=${CAMPAIGN:-/tmp/campaign}; t=0
+for _ in 1 2 3 4 5; do [ -d "$C" ] && break; sleep 1; done  # a campaign started a moment ago makes it at once
 if [ ! -d "$C" ]; then
   echo "no campaign on this host ($C is missing): the host that ran it was given back and this is a fresh one;"
   echo "install vLLM again and start it again"; exit 3
