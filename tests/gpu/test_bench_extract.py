@@ -235,7 +235,6 @@ def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start
         finish()
         out["seconds"] = time.perf_counter() - t0
         out["clock"].append(_wall())
-        _next_wall_second()  # and what runs next (another figure's warm-up) in a later one than it ends in
         out["batches"] = len(ends)
         after = _disk_bytes_written(tempfile.gettempdir())
         out["disk"] = {} if None in (written, after) else {
@@ -245,6 +244,7 @@ def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start
 
     with _PageCache() as cache:
         benchmark.pedantic(loop, rounds=1, iterations=1)
+    _next_wall_second()  # what runs next (another figure's warm-up) is logged in a later second than the clock ends
     n = out["batches"]
     extra = dict(extra, **cache.peaks, **out["quarters"], **out["disk"], sync_before_s=out["sync_s"],
                  warm_step_tokens=[sum(len(s) for s in batch) for batch in warm], timed_clock=out["clock"])

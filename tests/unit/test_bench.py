@@ -654,17 +654,23 @@ def test_the_benchmark_asks_vllm_for_the_moe_config_of_the_target_s_experts_at_i
     assert gb.moe_config_of(target) is None
 
 
+def _sustained_on_cpu(monkeypatch, gb, **knobs):
+    """gb.sustained without a GPU: the benchmark module's figures emptied, its knobs (BATCHES, ...) set, vLLM's version
+    and the GPU's name stubbed. Returns a pytest-benchmark stand-in that runs the loop once."""
+    for name in ("_WARM", "_PROMPTS", "RESULTS", "SPREADS", "PEAKS", "CLOCKS"):
+        monkeypatch.setattr(gb, name, {})
+    for name, v in knobs.items():
+        monkeypatch.setattr(gb, name, v)
+    monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(gb, "_profile", lambda target: "h200-kimi-depth")
+    return types.SimpleNamespace(pedantic=lambda fn, rounds, iterations: fn(), extra_info={})
+
+
 def test_the_benchmark_runs_its_warm_steps_before_the_clock_with_prompts_of_their_own(monkeypatch):
     from tests.gpu import test_bench_extract as gb
 
-    for name in ("_WARM", "_PROMPTS", "RESULTS", "SPREADS", "PEAKS"):
-        monkeypatch.setattr(gb, name, {})
-    monkeypatch.setattr(gb, "MAX_BATCHES", 3)
-    monkeypatch.setattr(gb, "BATCHES", 3)
-    monkeypatch.setattr(gb, "MIN_SECONDS", 0.0)
-    monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
+    benchmark = _sustained_on_cpu(monkeypatch, gb, MAX_BATCHES=3, BATCHES=3, MIN_SECONDS=0.0)
     monkeypatch.setattr(gb, "moe_config_of", lambda target: _nearest(H200_E8_N2048))
-    monkeypatch.setattr(gb, "_profile", lambda target: "h200-kimi-depth")
     reported = {}
     monkeypatch.setitem(gb._REPORT, "put", reported.__setitem__)
     target = types.SimpleNamespace(tp=1, profile=types.SimpleNamespace(vocab_size=1000))
@@ -683,14 +689,7 @@ def test_the_benchmark_runs_its_warm_steps_before_the_clock_with_prompts_of_thei
         if "finish" in events:
             clock.append(True)  # the second start: the timed session
 
-    class Benchmark:
-        def __init__(self):
-            self.extra_info = {}
-
-        def pedantic(self, fn, rounds, iterations):
-            fn()
-
-    n = gb.sustained(Benchmark(), target, "store_direct/16x512", run_batch, lambda: events.append("finish"), start,
+    n = gb.sustained(benchmark, target, "store_direct/16x512", run_batch, lambda: events.append("finish"), start,
                      lookahead=True)
     assert n == 3
     assert events == ["start", ("run", 512, 0), ("run", 2048, 0), ("run", 8192, 1), ("run", 8192, 0), "finish",
@@ -877,27 +876,15 @@ def test_the_clock_starts_and_ends_a_wall_second_apart_from_what_runs_around_it(
     from tests.gpu import jit_in_clock as jc
     from tests.gpu import test_bench_extract as gb
 
-    for name in ("_WARM", "_PROMPTS", "RESULTS", "SPREADS", "PEAKS", "CLOCKS"):
-        monkeypatch.setattr(gb, name, {})
-    for name, v in (("MAX_BATCHES", 2), ("BATCHES", 2), ("MIN_SECONDS", 0.0), ("WARMUP", 1)):
-        monkeypatch.setattr(gb, name, v)
+    benchmark = _sustained_on_cpu(monkeypatch, gb, MAX_BATCHES=2, BATCHES=2, MIN_SECONDS=0.0, WARMUP=1)
     monkeypatch.setattr(gb, "moe_config_of", lambda target: None)
-    monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
-    monkeypatch.setattr(gb, "_profile", lambda target: "h200-kimi-depth")
     monkeypatch.setitem(gb._REPORT, "put", lambda k, v: None)
     target = types.SimpleNamespace(tp=1, profile=types.SimpleNamespace(vocab_size=1000))
     ends = []
 
-    class Benchmark:
-        def __init__(self):
-            self.extra_info = {}
-
-        def pedantic(self, fn, rounds, iterations):
-            fn()
-
     for _ in range(2):
         ends.clear()
-        gb.sustained(Benchmark(), target, "plain/2x16", lambda batch: ends.append(_time.time()))
+        gb.sustained(benchmark, target, "plain/2x16", lambda batch: ends.append(_time.time()))
         after = _time.strftime("%H:%M:%S", _time.localtime(_time.time()))
         start, end = gb.CLOCKS["plain/2x16"]
         warm_end = _time.strftime("%H:%M:%S", _time.localtime(ends[-3]))  # the last warm-up batch (2 timed)

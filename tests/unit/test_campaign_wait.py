@@ -59,7 +59,7 @@ def test_a_campaign_started_a_moment_before_the_poll_is_waited_for(tmp_path):
     c = tmp_path / "campaign"
     late = subprocess.Popen(["bash", "-c", f"sleep 2; mkdir {c}; echo $$ > {c}/pid; sleep 2; echo DONE > {c}/DONE"])
     try:
-        out, seconds = _wait(tmp_path, c)
+        out, _ = _wait(tmp_path, c)
     finally:
         late.kill()
     assert out.returncode == 0 and "finished: yes" in out.stdout, out
