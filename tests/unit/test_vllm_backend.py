@@ -218,7 +218,8 @@ def test_each_collect_names_only_the_files_written_since_the_last_one(fake, tiny
         store.commit(session.submit(batch))
     store.commit(session.finish())
     files = [sh["file"] for sh in store.shards]
-    assert sum(1 for n in named if n) >= 3 and [f for n in named for f in n] == files, (named, files)
+    # within a reply, names come in the order the writer threads finished (CI saw shard 2 before shard 1)
+    assert sum(1 for n in named if n) >= 3 and [f for n in named for f in sorted(n)] == files, (named, files)
 
 
 def test_prefix_caching_loses_states_and_is_caught(fake, tiny_kimi, tmp_path):
