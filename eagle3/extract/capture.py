@@ -66,6 +66,17 @@ class StepLayout:
     def num_tokens(self) -> int:
         return self.starts[-1]
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The step's rows of prompt tokens. With async scheduling (direct) a step may also carry a decode row of a
+        request whose prompt ended in the step before; counted as prompt, such rows hid as many skipped prompt
+        tokens from the session's token check."""
+        rows = 0
+        for i, prompt in enumerate(self.prompts):
+            n = self.starts[i + 1] - self.starts[i]
+            rows += n if prompt is None else max(0, min(n, len(prompt) - self.computed[i]))
+        return rows
+
 
 @dataclass
 class Announced:
@@ -454,7 +465,7 @@ class Capturer:
     def on_step(self, layers: Sequence[torch.Tensor], layout: StepLayout) -> None:
         n = layout.num_tokens
         self.stats.steps += 1
-        self.stats.tokens += n
+        self.stats.tokens += layout.prompt_tokens  # the session checks these against its batches' prompt tokens
         self.stats.step_tokens[n] += 1
         if self.mode == "count" or n == 0:
             return
