@@ -319,13 +319,14 @@ def test_worker_logs_reach_the_user_at_the_chosen_level(level, shown):
     assert ("capture installed: hello" in out.stderr) == shown
 
 
+@pytest.mark.parametrize("strategy", ["aux", "direct"])
 @pytest.mark.parametrize("mode", ["host", "count"])
-def test_benchmark_sinks_run_repeatedly_without_leaking_buffers(fake, tiny_kimi, tmp_path, mode):
+def test_benchmark_sinks_run_repeatedly_without_leaking_buffers(fake, tiny_kimi, tmp_path, mode, strategy):
     """The null sink (copy to pinned host memory, drop) and counting, session after session, as the
     throughput benchmarks use them; steps run under inference mode as in vLLM."""
     from eagle3.extract.vllm_backend import VLLMSession
 
-    cfg = _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="aux")
+    cfg = _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture=strategy)
     backend = extract.make_backend(cfg, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
     for _ in range(3):
         session = VLLMSession(backend, None, cfg, mode=mode)
@@ -337,7 +338,8 @@ def test_benchmark_sinks_run_repeatedly_without_leaking_buffers(fake, tiny_kimi,
     assert timing["steps"] == cap.stats.steps > 0 and timing["copy_s"] == 0.0  # no CUDA events on CPU
     assert 0 <= timing["wait_s"] <= timing["stage_s"]
     if mode == "host":
-        assert cap.stats.bytes_to_host == timing["bytes_to_host"] == session.tokens * len(IDS) * 128 * 4  # float32
+        rows = sum(n * steps for n, steps in cap.stats.step_tokens.items())  # direct: the decode rows too
+        assert cap.stats.bytes_to_host == timing["bytes_to_host"] == rows * len(IDS) * 128 * 4  # float32
         assert timing["stage_s"] > 0
     else:
         assert timing["bytes_to_host"] == 0 and timing["stage_s"] == 0.0  # count returns before any capture
@@ -642,9 +644,10 @@ def test_a_copy_that_fails_after_its_batch_returned_is_reported_by_finish(fake, 
     assert not list((out / "shards").iterdir())
 
 
+@pytest.mark.parametrize("strategy", ["aux", "direct"])
 @pytest.mark.parametrize("mode", ["store", "store_nofsync_gil", "host_slots8", "host_whole"])
 def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went(fake, tiny_kimi, tmp_path,
-                                                                                 hf_store, mode):
+                                                                                 hf_store, mode, strategy):
     """tests/gpu/test_bench_extract's production loop otherwise runs only on the GPU host, where a slip costs a
     lease: every batch committed with the reference's states, the window trimmed, the time split reported."""
     from types import SimpleNamespace
@@ -652,7 +655,7 @@ def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went
     from tests.gpu import test_bench_extract as gb
 
     spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
-    backend = extract.make_backend(_cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture="aux"), spec)
+    backend = extract.make_backend(_cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture=strategy), spec)
     loop = gb._Loop(backend, SimpleNamespace(path=tiny_kimi), mode, tmp_path / "store")
     loop.start()
     samples = _samples()
