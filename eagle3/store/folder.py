@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from eagle3.store.files import atomic_write_json, fsync_dir
+from eagle3.store.files import atomic_write, atomic_write_json, fsync_dir
 from eagle3.store.format import (
     MANIFEST,
     SCHEMA_VERSION,
@@ -34,6 +34,7 @@ class Store:
         self.root, self.manifest = root, manifest
         self.spec = StoreSpec.from_json(manifest["spec"])
         self.done_ids: set[str] = {sid for s in manifest["shards"] for sid in s["sample_ids"]}
+        self._shard_json: list[bytes] | None = None  # each shard's entry as the manifest file has it, in order
 
     # -- opening
     @classmethod
@@ -113,9 +114,23 @@ class Store:
                 fsync_dir(folder)
         if fault:
             fault("before_manifest")
-        atomic_write_json(self.root / MANIFEST, manifest, fsync=fsync, fault=fault)
-        self.manifest = manifest
+        self._write_manifest(manifest, [json.dumps(asdict(i)).encode() for i in infos], fsync, fault)
         self.done_ids |= new_ids
+
+    def _write_manifest(self, manifest: dict, added: list[bytes], fsync: bool, fault=None) -> None:
+        """Write MANIFEST atomically (the commit point) and make it the store's. Its shards are one a line, each
+        encoded once: ``added`` holds the entries of manifest's last len(added) shards, the others' come from earlier
+        writes. Encoding the whole manifest took 0.55-0.70 s a commit at 16,000 shards (1M samples), holding the
+        GIL; the rest of the file (schema, spec, times) is indented as before."""
+        if self._shard_json is None:
+            kept = manifest["shards"][: len(manifest["shards"]) - len(added)]
+            self._shard_json = [json.dumps(s).encode() for s in kept]
+        lines = self._shard_json + added
+        head = json.dumps({k: v for k, v in manifest.items() if k != "shards"}, indent=1)  # "{\n ...\n}" or "{}"
+        opening = head[:-2] + ',\n "shards": [\n  ' if head != "{}" else '{\n "shards": [\n  '
+        atomic_write(self.root / MANIFEST, [opening.encode(), b",\n  ".join(lines), b"\n ]\n}\n"], fsync=fsync,
+                     fault=fault)
+        self.manifest, self._shard_json = manifest, lines
 
     def write_plan(self, sample_ids: Sequence[str], fsync: bool = True, recipe: dict | None = None) -> None:
         """The sample ids this store will hold, and the extract options that made it (recipe.py)."""
@@ -128,8 +143,8 @@ class Store:
     def drop_shards(self, files: set[str], fsync: bool = True) -> None:
         """Remove shards from the manifest (verify --fix); their samples become 'not done'."""
         manifest = dict(self.manifest, shards=[s for s in self.shards if s["file"] not in files])
-        atomic_write_json(self.root / MANIFEST, manifest, fsync=fsync)
-        self.manifest = manifest
+        self._shard_json = None  # encoded again from what is left
+        self._write_manifest(manifest, [], fsync)
         self.done_ids = {sid for s in manifest["shards"] for sid in s["sample_ids"]}
 
     # -- reading
