@@ -107,14 +107,14 @@ class Store:
             if dup or len(set(info.sample_ids)) != len(info.sample_ids):
                 raise StoreError(f"cannot commit {info.file}: samples already in the store: {sorted(dup)[:5]}")
             new_ids |= set(info.sample_ids)
-        manifest = dict(self.manifest, shards=self.shards + [asdict(i) for i in infos],
-                        updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        entries = [asdict(i) for i in infos]
+        manifest = dict(self.manifest, shards=self.shards + entries, updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
         if fsync:  # the shards' renames (their writers fsynced only the data), before a manifest names them
             for folder in sorted({(self.root / i.file).parent for i in infos}):
                 fsync_dir(folder)
         if fault:
             fault("before_manifest")
-        self._write_manifest(manifest, [json.dumps(asdict(i)).encode() for i in infos], fsync, fault)
+        self._write_manifest(manifest, [json.dumps(e).encode() for e in entries], fsync, fault)
         self.done_ids |= new_ids
 
     def _write_manifest(self, manifest: dict, added: list[bytes], fsync: bool, fault=None) -> None:
