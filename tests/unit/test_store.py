@@ -217,6 +217,10 @@ def test_a_commit_encodes_its_own_shards_not_the_whole_manifest(tmp_path, monkey
     store.commit(infos(302, 1), fsync=False)
     on_disk = json.loads((tmp_path / "manifest.json").read_text())
     assert on_disk == store.manifest and len(on_disk["shards"]) == 301
-    reopened = Store.open(tmp_path, SPEC)
+    reopened = Store.open(tmp_path, SPEC)  # a resumed run: its first commit encodes the shards read back
     assert reopened.manifest == store.manifest and reopened.done_ids == store.done_ids
     assert "s7a" not in reopened.done_ids and "s302b" in reopened.done_ids
+    reopened.commit(infos(303, 1), fsync=False)
+    on_disk = json.loads((tmp_path / "manifest.json").read_text())
+    assert on_disk == reopened.manifest and [s["file"] for s in on_disk["shards"]][-3:] == [
+        f"shards/shard-{i:06d}.safetensors" for i in (300, 302, 303)]
