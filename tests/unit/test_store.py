@@ -181,7 +181,7 @@ def test_shard_renames_reach_the_disk_once_per_commit_before_the_manifest_names_
 
 def test_a_commit_encodes_its_own_shards_not_the_whole_manifest(tmp_path, monkeypatch):
     """The manifest names every committed shard; a commit rewrites it. Encoded whole with json.dumps(indent=1), a
-    commit at 1M samples (16,000 shards of 64) took 0.55-0.70 s on this project's CPU machine, holding the GIL
+    commit at 1M samples (16,000 shards of 64) took 0.42-0.74 s on this project's CPU machine, holding the GIL
     the extraction loop and the writer threads need: work per batch that grew with the store. A commit encodes
     only its new shards; the file it writes is still the whole manifest, equal to the store's, before and after
     shards are dropped (verify --fix, the online spool)."""
