@@ -66,8 +66,9 @@ class Store:
         manifest = {"schema_version": SCHEMA_VERSION, "spec": spec.to_json(), "shards": [],
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
         (root / SHARDS).mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, manifest, fsync=fsync)
-        return cls(root, manifest)
+        store = cls(root, manifest)
+        store._write_manifest(manifest, [], fsync)
+        return store
 
     def _remove_uncommitted(self) -> None:
         committed = {s["file"] for s in self.manifest["shards"]}
@@ -127,8 +128,8 @@ class Store:
             kept = manifest["shards"][: len(manifest["shards"]) - len(added)]
             self._shard_json = [json.dumps(s).encode() for s in kept]
         lines = self._shard_json + added
-        head = json.dumps({k: v for k, v in manifest.items() if k != "shards"}, indent=1)  # "{\n ...\n}" or "{}"
-        opening = head[:-2] + ',\n "shards": [\n  ' if head != "{}" else '{\n "shards": [\n  '
+        head = json.dumps({k: v for k, v in manifest.items() if k != "shards"}, indent=1)  # "{\n ...\n}"
+        opening = head[:-2] + ',\n "shards": [\n  '
         atomic_write(self.root / MANIFEST, [opening.encode(), b",\n  ".join(lines), b"\n ]\n}\n"], fsync=fsync,
                      fault=fault)
         self.manifest, self._shard_json = manifest, lines

@@ -83,6 +83,11 @@ def _read(path):
     return {s["sample_id"]: s for s in Store.open(path).iter_samples()}
 
 
+def _host_bytes(stats):
+    """float32 bytes of every row the capture's steps copied (direct's decode rows too), at every layer id."""
+    return sum(n * steps for n, steps in stats.step_tokens.items()) * len(IDS) * 128 * 4
+
+
 def _assert_reference_states(got, reference, sample_ids=None):
     """``got`` holds exactly ``sample_ids`` (default: every sample of ``reference``), each with the reference's states
     at every layer id."""
@@ -338,8 +343,7 @@ def test_benchmark_sinks_run_repeatedly_without_leaking_buffers(fake, tiny_kimi,
     assert timing["steps"] == cap.stats.steps > 0 and timing["copy_s"] == 0.0  # no CUDA events on CPU
     assert 0 <= timing["wait_s"] <= timing["stage_s"]
     if mode == "host":
-        rows = sum(n * steps for n, steps in cap.stats.step_tokens.items())  # direct: the decode rows too
-        assert cap.stats.bytes_to_host == timing["bytes_to_host"] == rows * len(IDS) * 128 * 4  # float32
+        assert cap.stats.bytes_to_host == timing["bytes_to_host"] == _host_bytes(cap.stats)
         assert timing["stage_s"] > 0
     else:
         assert timing["bytes_to_host"] == 0 and timing["stage_s"] == 0.0  # count returns before any capture
@@ -361,8 +365,7 @@ def test_the_null_sink_pins_its_buffers_when_the_session_opens_never_in_the_forw
     session.submit(_samples())
     session.finish()
     assert session.capture_timing["pinned_allocs"] == 0 and cap.pool.allocations == pinned
-    rows = sum(n * steps for n, steps in cap.stats.step_tokens.items())  # direct: the decode rows too
-    assert cap.stats.bytes_to_host == rows * len(IDS) * 128 * 4  # the steps did reach the host buffers
+    assert cap.stats.bytes_to_host == _host_bytes(cap.stats)  # the steps did reach the host buffers
 
 
 def test_the_store_pins_its_shard_buffers_when_the_session_opens_never_in_the_forward(fake, tiny_kimi, tmp_path,
