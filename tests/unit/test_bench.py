@@ -27,6 +27,11 @@ def test_bundled_baselines_have_both_profiles():
     assert b["h200-mini-kimi"]["tokens_per_s"]["plain/64x512"] > 200_000  # updated from each acceptance run
 
 
+# The bundled baselines move with every acceptance run (--update-baselines). Tests that replay an old run against
+# the baseline of its day read a frozen copy: session 16's h200-mini-kimi (fsync 1.88 GB/s beside its figures).
+SESSION16 = Path(__file__).parent / "data" / "baselines-session16"
+
+
 def test_regression_fires_only_below_the_margin():
     base = bench.load_baselines()
     ok = bench.Record("r", "8xrtx6000-kimi-k2.5", "store/extract", 2100.0, {})
@@ -41,7 +46,7 @@ def test_a_disk_bound_figure_is_read_at_its_own_run_s_disk_bandwidth(tmp_path):
     GB/s), and was flagged as a regression against session 16's 33,136, measured at 1.88 GB/s. A slower disk is
     the host's: the baseline scales down with the bandwidth the same run measured. A faster disk, a figure that
     is not disk-bound, or a run without a disk figure keep the baseline as it is."""
-    base = bench.load_baselines()
+    base = bench.load_baselines(SESSION16)
     mk = base["h200-mini-kimi"]
     assert mk["disk_bytes_per_s"]["fsync"] == 1876157240  # session 16's, beside the figures measured on it
     slow = {"fsync": 1393067797.0, "page_cache": 21566674429.0}  # session 17's host
@@ -61,7 +66,7 @@ def test_a_disk_bound_figure_is_read_at_its_own_run_s_disk_bandwidth(tmp_path):
         for k, info in {"store_direct/64x512": {"key": "store_direct/64x512", "tokens_per_s": 25836},
                         "disk": {"key": "disk_fsync/4x4x512MiB", "bytes_per_s": slow["fsync"]}}.items()]}
     (tmp_path / "h.json").write_text(json.dumps(data))
-    md, _ = bench.report([tmp_path / "h.json"], tmp_path / "r")
+    md, _ = bench.report([tmp_path / "h.json"], tmp_path / "r", baselines_dir=SESSION16)
     assert "| store_direct/64x512 | 25,836 | 25,836 | - | 0.78x | no |" in md.read_text()
 
 
@@ -73,11 +78,11 @@ def test_updated_baselines_keep_the_disk_bandwidth_their_figures_were_measured_a
     (tmp_path / "h.json").write_text(json.dumps(run))
     folder = tmp_path / "base"
     folder.mkdir()
-    (folder / "m.json").write_text((bench.BASELINES / "h200-mini-kimi.json").read_text())
+    (folder / "m.json").write_text((SESSION16 / "h200-mini-kimi.json").read_text())
     bench.update_baselines(iter([tmp_path / "h.json"]), folder)  # an iterator: read twice, records and disks
     new = json.loads((folder / "m.json").read_text())
     assert new["tokens_per_s"]["store_direct/64x512"] == 25836
-    # fsync from this run; page_cache from the bundled run, whose page-cache figures this run did not replace
+    # fsync from this run; page_cache from session 16's run, whose page-cache figures this run did not replace
     assert new["disk_bytes_per_s"] == {"fsync": 1393067797, "page_cache": 22581163748}
     run["benchmarks"] = [b for b in run["benchmarks"] if not b["name"].startswith("disk")]
     run["benchmarks"].append({"name": "n", "stats": {"median": 1.0}, "extra_info": {
@@ -573,11 +578,11 @@ def test_the_gpu_benchmark_reads_its_fsynced_store_against_the_baseline_at_its_o
 
     measured = _measured("session17")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
-    summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", bench.load_baselines(),
+    summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", bench.load_baselines(SESSION16),
                                       capture="direct")
     assert failures == [] and summary["regressions"] == []
     no_disk = {k: v for k, v in measured.items() if not k.startswith("disk_")}
-    summary, _ = gb.acceptance(no_disk, "mini-kimi", 57344, "h200-mini-kimi", bench.load_baselines(),
+    summary, _ = gb.acceptance(no_disk, "mini-kimi", 57344, "h200-mini-kimi", bench.load_baselines(SESSION16),
                                capture="direct")
     assert summary["regressions"] == [("h200-mini-kimi store_direct/64x512: 25,836 tok/s is below the baseline "
                                        "33,136 minus 15% (28,166)")]
