@@ -390,7 +390,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     skipped = state["skipped"] if cfg.on_bad_sample == "skip" else None
     guard = max(0, cfg.ttt_steps - 1)
     accept_sums: dict[str, float] = {}
-    t0, tokens_run, tokens_this_run = time.perf_counter(), 0, 0
+    t0, tokens_this_run = time.perf_counter(), 0
     last_save = _clock()
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, desc="train", unit="step")
     with torch.compiler.set_stance("default" if cfg.compile else "force_eager"):
@@ -398,7 +398,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
             step = state["step"]
             batch = samples.batch(step, steps_per_epoch, cfg.batch_samples)
             mine = batch[rank::world]
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            sums = torch.zeros(2, dtype=torch.float64)  # this rank's [sample-weighted loss, tokens]; summed over ranks
             packs = micro_batches(samples, mine, cfg.pack_tokens, skipped)
             ids = [x["sample_id"] for pack in packs for x in pack]
             for j, pack in enumerate(packs):
@@ -415,8 +415,8 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                             f"{[x['sample_id'] for x in pack]}; stopped before the optimizer step, nothing written. "
                             "Lower --lr, or check those samples with `eagle3 verify`.")
                     (loss * weight * world / cfg.batch_samples).backward()
-                loss_sum += float(loss.detach()) * weight
-                tokens_run += inputs["input_ids"].shape[1]
+                sums[0] += float(loss.detach()) * weight
+                sums[1] += inputs["input_ids"].shape[1]
                 for name, v in metrics.items():
                     if name.startswith("full_acc_"):
                         accept_sums[name] = accept_sums.get(name, 0.0) + float(v)
@@ -430,13 +430,12 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if dist is not None:
-                dist.all_reduce(loss_sum)
-            state["losses"].append(float(loss_sum) / cfg.batch_samples)
+                dist.all_reduce(sums)  # every rank's tokens: ranks' samples differ in length
+            state["losses"].append(float(sums[0]) / cfg.batch_samples)
             state["step"] = step + 1
             state["samples_seen"] += cfg.batch_samples
-            state["tokens_seen"] = state.get("tokens_seen", 0) + tokens_run * world
-            tokens_this_run += tokens_run * world
-            tokens_run = 0
+            state["tokens_seen"] = state.get("tokens_seen", 0) + int(sums[1])
+            tokens_this_run += int(sums[1])
             bar.update(1)
             bar.set_postfix(loss=f"{state['losses'][-1]:.4f}", **samples.progress())
             if fault:

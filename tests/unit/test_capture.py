@@ -481,3 +481,46 @@ def test_a_small_step_takes_the_smallest_free_buffer_so_a_large_one_needs_no_new
             cap.drain()
         assert cap.stats.timing()["pinned_allocs"] == session_allocs
     cap.close()
+
+
+def test_a_single_skipped_row_inside_a_prompt_is_reported(tmp_path):
+    """A request whose next chunk starts one row past what arrived (an engine off by one in its computed count)
+    leaves a hole of one row: reported like any skipped rows, never a shard with a row that did not arrive."""
+    writer = ShardWriter(tmp_path, SPEC, 0, fsync=False)
+    cap = Capturer(N_LAYERS, H, torch.float32)
+    cap.start("store", writer, shard_tokens=16)
+    p = list(range(1, 7))
+    cap.filler.announce([Announced("s0", torch.tensor(p), torch.ones(6, dtype=torch.uint8))])
+    for c, n in ((0, 3), (4, 2)):  # row 3 never computed
+        cap.on_step([_states(p)[k][c : c + n] for k in range(N_LAYERS)], StepLayout(["r0"], [0, n], [c], [p]))
+    cap.drain()
+    errors = cap.take_errors()
+    assert len(errors) == 1 and "rows 3..4 were never computed" in errors[0], errors
+    cap.close()
+
+
+@pytest.mark.parametrize("lengths,shards", [((6, 4), [2]), ((6, 5), [1, 1])])
+def test_a_sample_that_would_overflow_its_shard_by_one_row_opens_the_next(tmp_path, lengths, shards):
+    """Shards of 10 tokens: samples of 6 + 4 rows fill one exactly; 6 + 5 is one row over, so the second sample
+    opens a new shard."""
+    store = Store.open(tmp_path, SPEC, create=True, fsync=False)
+    writer = ShardWriter(tmp_path, SPEC, 0, fsync=False)
+    cap = Capturer(N_LAYERS, H, torch.float32)
+    cap.start("store", writer, shard_tokens=10)
+    prompts = [list(range(10 * i + 1, 10 * i + 1 + n)) for i, n in enumerate(lengths)]
+    cap.filler.announce([Announced(f"s{i}", torch.tensor(p), torch.ones(len(p), dtype=torch.uint8))
+                         for i, p in enumerate(prompts)])
+    starts = [0, lengths[0], sum(lengths)]
+    rows = [torch.cat([_states(p)[k] for p in prompts]) for k in range(N_LAYERS)]
+    cap.on_step(rows, StepLayout(["r0", "r1"], starts, [0, 0], prompts))
+    cap.drain()
+    cap.filler.seal()
+    store.commit(writer.flush(), fsync=False)
+    cap.close()
+    assert cap.take_errors() == []
+    assert [s["num_samples"] for s in Store.open(tmp_path).shards] == shards
+    got = {s["sample_id"]: s for s in Store.open(tmp_path).iter_samples()}
+    for i, p in enumerate(prompts):
+        assert got[f"s{i}"]["input_ids"].tolist() == p
+        for k, layer in enumerate(SPEC.layer_ids):
+            assert torch.equal(got[f"s{i}"]["states"][layer], _states(p)[k])

@@ -74,6 +74,19 @@ def test_long_sample_rule(tmp_path, tokenizer, rule):
         assert rej[0]["line"] == 2 and rej[0]["reason"] == "too_long"
 
 
+def test_split_drops_a_last_window_of_one_token(tmp_path, tokenizer):
+    """A one-token sample has no (token, next token) pair to train on: --long split keeps windows of 2+ tokens."""
+    long = {"messages": [{"role": "user", "content": "Count from 1 to 60."},
+                         {"role": "assistant", "content": ", ".join(map(str, range(1, 61)))}]}
+    full, mask = render(tokenizer, long["messages"])
+    m = next(m for m in range(24, len(full)) if len(full) % m == 1)  # the last window holds one token
+    assert mask[-1] == 1  # an assistant token: only the length rule can drop it
+    samples, rep = load_samples(DataConfig([str(_write(tmp_path, "d.jsonl", [long]))], max_len=m, long_rule="split"),
+                                tokenizer)
+    assert [t for s in samples for t in s.input_ids] == full[:-1] and min(len(s) for s in samples) >= 2
+    assert rep.split_parts == len(samples) == len(full) // m
+
+
 def test_skip_policy_reports_bad_lines_and_keeps_good_ones(tmp_path, tokenizer):
     good = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
     p = _write(tmp_path, "mixed.jsonl", [good, "{not json", "", {"messages": []}, good])

@@ -55,6 +55,11 @@ def test_our_safetensors_bytes_read_back_with_the_safetensors_library(tmp_path):
     back = load_file(str(p))
     for k, t in tensors.items():
         assert torch.equal(back[k], t) and back[k].dtype == t.dtype
+    # the data starts 8-byte aligned (the header padded with spaces), as the safetensors writer does: a reader may
+    # map tensors in place
+    header = p.read_bytes()[8:8 + int.from_bytes(p.read_bytes()[:8], "little")]
+    body = header.rstrip(b" ")
+    assert (8 + len(header)) % 8 == 0 and body.endswith(b"}") and len(header) - len(body) < 8
 
 
 def test_commit_refuses_duplicates_and_uncommitted_files_are_removed(tmp_path):

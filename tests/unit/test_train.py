@@ -74,6 +74,8 @@ def test_draft_vocab_keeps_the_most_frequent_tokens_in_ascending_order():
     assert (torch.arange(3) + d2t).tolist() == [2, 3, 5]
     with pytest.raises(ValueError):
         draft_vocab(counts, 7)
+    t2d, _ = draft_vocab(torch.tensor([2, 7, 0, 7, 7]), 2)  # a tie across the cut goes to the smaller ids
+    assert torch.nonzero(t2d).flatten().tolist() == [1, 3]
 
 
 def test_speculators_from_training_args_cannot_take_a_deepseek_verifier(tiny_kimi):
@@ -129,3 +131,21 @@ def test_ttt_step_loss_decay_and_warmup_reach_the_run(small_store, tmp_path):
     assert decayed[0] < base[0]  # steps 1 and 2 weighed 0.5 and 0.25 instead of 1
     lr = _lr_lambda(TrainConfig(store="", out="", warmup_steps=4), total=20)
     assert [lr(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0] and lr(19) < 0.2
+
+
+def test_each_step_runs_at_the_schedule_s_rate_for_that_step(small_store, tmp_path, monkeypatch):
+    """The optimizer's step s uses lr x schedule(s): warm-up's first step at lr / warmup_steps, not a step late."""
+    from eagle3.train.train import _lr_lambda
+
+    used, step = [], torch.optim.AdamW.step
+
+    def spy(self, *a, **kw):
+        used.append(self.param_groups[0]["lr"])
+        return step(self, *a, **kw)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    cfg = _cfg(small_store, tmp_path / "a", max_steps=6, warmup_steps=3, lr=1e-3)
+    train(cfg, progress=False)
+    lr = _lr_lambda(cfg, total=6)
+    assert used == pytest.approx([1e-3 * lr(s) for s in range(6)], rel=1e-12)
+    assert used[:3] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])

@@ -153,3 +153,62 @@ def test_what_the_loss_compares_at_every_ttt_step(golden_store, tmp_path, monkey
                 compared += 1
     # every row whose target exists inside its own sample is compared, at every step (guarded ones excepted)
     assert compared == expected > 0
+
+
+def test_the_draft_vocabulary_counts_only_loss_masked_targets(golden_store):
+    """The draft keeps the most frequent *targets*: a token counts where its loss mask is 1, never where it is 0
+    (prompt tokens the draft is never trained to predict)."""
+    counts = StoreSamples(Store.open(golden_store("float32"))).token_counts(1024)
+    want = torch.zeros(1024, dtype=torch.int64)
+    for s, n in enumerate(LENGTHS):
+        for t in range(n):
+            want[token(s, t)] += mask(s, t)
+    assert torch.equal(counts, want)
+    assert sum(1 - mask(s, t) for s, n in enumerate(LENGTHS) for t in range(n)) > 0  # masked tokens exist
+
+
+def test_samples_that_fill_a_pack_exactly_share_it(golden_store):
+    """--pack-tokens N packs samples up to N tokens inclusive: 9 + 12 tokens make one pack of 21, not of 20."""
+    samples = StoreSamples(Store.open(golden_store("float32")))
+    assert [[p["sample_id"] for p in pack] for pack in micro_batches(samples, [0, 2, 1], 21)] == [["s0", "s2"], ["s1"]]
+    assert [len(pack) for pack in micro_batches(samples, [0, 2, 1], 20)] == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def even_store(tiny_kimi, tmp_path_factory):
+    """8 samples of 10 tokens, every target in the loss, random states: packed or not, each sample's token-mean
+    loss weighs the same."""
+    root = tmp_path_factory.mktemp("even")
+    spec = extract.store_spec(tiny_kimi, IDS, "float32")
+    store = Store.open(root, spec, create=True, fsync=False)
+    writer = ShardWriter(root, spec, 0, shard_samples=4, fsync=False)
+    g = torch.Generator().manual_seed(3)
+    for s in range(8):
+        writer.add(f"s{s}", torch.randint(5, 1000, (10,), generator=g), torch.ones(10, dtype=torch.uint8),
+                   torch.randn(len(IDS), 10, H, generator=g))
+    store.commit(writer.flush(), fsync=False)
+    return root
+
+
+def test_packing_leaves_the_loss_of_a_batch_as_it_is(even_store, tmp_path):
+    """A pack's loss is a mean over its tokens, weighed by its samples. Over samples of one length with every
+    target in the loss (one TTT step: no guard), a batch's loss is then the same packed as one sample a forward
+    (each sample attends to its own rows only), and so is the step it takes."""
+    def run(pack_tokens, out):
+        return train(TrainConfig(store=str(even_store), out=str(tmp_path / out), draft_vocab_size=256, batch_samples=8,
+                                 epochs=2, ttt_steps=1, pack_tokens=pack_tokens, lr=1e-3, seed=0),
+                     progress=False).losses
+
+    one, packed = run(0, "one"), run(40, "packed")  # packs of 4 samples: 36 rows each after the shift
+    assert packed == pytest.approx(one, rel=1e-4), (one, packed)
+    assert one[1] != pytest.approx(one[0], rel=1e-4)  # the second step sees the first one's update
+
+
+def test_every_epoch_takes_every_sample_once_in_its_own_order(golden_store):
+    """Epoch e is a permutation of the store (seed + e): no sample twice or missed in an epoch, and the next epoch
+    shuffles again rather than replaying the first one's order."""
+    samples = StoreSamples(Store.open(golden_store("float32")), seed=5)
+    epochs = [[i for k in range(2) for i in samples.batch(2 * e + k, 2, 4)] for e in range(3)]
+    assert all(sorted(order) == list(range(8)) for order in epochs)
+    assert len({tuple(order) for order in epochs}) == 3
+    assert samples.batch(0, 2, 4) == StoreSamples(Store.open(golden_store("float32")), seed=5).batch(0, 2, 4)

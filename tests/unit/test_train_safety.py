@@ -24,15 +24,16 @@ def _cfg(store, out, **kw):
     return TrainConfig(**{**base, **kw})
 
 
-def _rewrite_sample(store, shard_no: int, sample_no: int, value: float, rehash: bool) -> str:
-    """Put ``value`` into one sample's states (layer 0, first row); re-hash the shard in the manifest or not.
-    Returns the sample id."""
+def _rewrite_sample(store, shard_no: int, sample_no: int, value: float, rehash: bool, layer: int = 0,
+                    row: int = 0) -> str:
+    """Put ``value`` into one sample's states (one row of one layer: by default layer 0, the first row); re-hash the
+    shard in the manifest or not. Returns the sample id."""
     sid = []
 
     def edit(n, t, meta):
         if n != shard_no:
             return False
-        t["hidden_states"][t["offsets"][sample_no], 0, :] = value
+        t["hidden_states"][t["offsets"][sample_no] + row, layer, :] = value
         sid.append(json.loads(meta["sample_ids"])[sample_no])
 
     rewrite_shards(store, edit, rehash)
@@ -72,8 +73,9 @@ def test_flipped_bytes_stop_training_with_the_checksum(store_copy, tmp_path, cap
     assert not (tmp_path / "t" / "draft").exists()
 
 
-def test_bad_samples_can_be_skipped_and_are_counted(store_copy, tmp_path):
-    sid = _rewrite_sample(store_copy, 0, 0, float("inf"), rehash=True)
+@pytest.mark.parametrize("layer,row", [(0, 0), (-1, 1)])  # the first aux layer; the last layer, a loss target
+def test_bad_samples_can_be_skipped_and_are_counted(store_copy, tmp_path, layer, row):
+    sid = _rewrite_sample(store_copy, 0, 0, float("inf"), rehash=True, layer=layer, row=row)
     result = train(_cfg(store_copy, tmp_path / "t", epochs=1, on_bad_sample="skip"), progress=False)
     assert list(result.skipped) == [sid] and "NaN/Inf" in result.skipped[sid]
     assert any(line.startswith("skipped    1 bad samples") for line in result.lines())
