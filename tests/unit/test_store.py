@@ -62,6 +62,40 @@ def test_our_safetensors_bytes_read_back_with_the_safetensors_library(tmp_path):
     assert (8 + len(header)) % 8 == 0 and body.endswith(b"}") and len(header) - len(body) < 8
 
 
+def test_a_commit_refuses_a_sample_twice_in_its_own_shards_and_a_file_of_another_size(tmp_path):
+    """Nothing reaches the manifest from a commit that would hold a sample twice (two of its shards share it) or
+    name a file whose size is not the one written (truncated after the write)."""
+    store = Store.open(tmp_path, SPEC, create=True, fsync=False)
+    w = ShardWriter(tmp_path, SPEC, 0, shard_samples=1, fsync=False)
+    for i in (1, 1, 2):  # sample s1 written twice, in two shards
+        w.add(*_sample(i, 5))
+    infos = w.take_done()
+    twice, single = infos[:2], infos[2:]
+    with pytest.raises(StoreError, match=r"already in the store: \['s1'\]"):
+        store.commit(twice, fsync=False)
+    short = tmp_path / single[0].file
+    short.write_bytes(short.read_bytes()[:-8])
+    with pytest.raises(StoreError, match="wrong size"):
+        store.commit(single, fsync=False)
+    assert Store.open(tmp_path).shards == [] and store.done_ids == set()
+
+
+def test_samples_read_back_with_a_chosen_set_of_layers(tmp_path):
+    store = Store.open(tmp_path, SPEC, create=True, fsync=False)
+    w = ShardWriter(tmp_path, SPEC, 0, shard_samples=2, fsync=False)
+    for i in range(3):
+        w.add(*_sample(i, 4 + i))
+    store.commit(w.flush(), fsync=False)
+    full = list(store.iter_samples())
+    some = list(store.iter_samples([8, 4]))  # the last layer first, and not every layer
+    assert [s["sample_id"] for s in some] == ["s0", "s1", "s2"]
+    for a, b in zip(full, some):
+        assert list(b["states"]) == [8, 4]
+        assert all(torch.equal(b["states"][i], a["states"][i]) for i in (8, 4))
+    with pytest.raises(StoreMismatch, match=r"not \[3\]"):
+        next(store.iter_samples([3]))
+
+
 def test_commit_refuses_duplicates_and_uncommitted_files_are_removed(tmp_path):
     store = Store.open(tmp_path, SPEC, create=True)
     w = ShardWriter(tmp_path, SPEC, 0, shard_samples=1)

@@ -163,6 +163,30 @@ def test_each_corruption_class_is_found(store, kind):
     assert kind in rep.kinds(), rep.lines()
 
 
+@pytest.mark.parametrize("edit", ["past_the_end", "short_of_the_end", "empty_sample"])
+def test_offsets_that_do_not_cut_the_shard_into_its_samples_are_found(store, edit):
+    """Offsets must run from 0 to the shard's token count, rising strictly: a last sample cut short (rows nobody
+    reads) or an empty sample is as wrong as an offset past the end."""
+    def f(t):
+        o = t["offsets"]
+        if edit == "past_the_end":
+            o[1] = 10**6
+        elif edit == "short_of_the_end":
+            o[-1] -= 1
+        else:
+            o[2] = o[1]
+    _rewrite(store, 0, f)
+    assert set(verify.verify(store).kinds()) == {"bad_offsets"}
+
+
+def test_fix_keeps_a_repeated_sample_s_first_shard_and_quarantines_the_later_one(store):
+    _repeat_sample(store)  # shard 2 claims a sample of shard 1
+    m = _manifest(store)
+    first, later = m["shards"][1]["file"], m["shards"][2]["file"]
+    assert verify.fix(store, verify.verify(store)) == [later]
+    assert first in {s["file"] for s in _manifest(store)["shards"]} and (store / first).exists()
+
+
 def test_infinity_is_found_too(store):
     _inf(store)
     assert set(verify.verify(store).kinds()) == {"nonfinite"}
