@@ -279,3 +279,28 @@ def test_a_trainer_that_just_made_room_is_not_told_the_spool_can_never_move(tiny
             spool.wait_for(0)
     thread.join(timeout=5)
     assert steps == ["reserved"]
+
+
+@pytest.mark.parametrize("max_steps", [None, 3, 5, 100])
+def test_the_online_plan_is_what_the_offline_trainer_draws(max_steps):
+    """Position p of the online plan is the sample the offline trainer (StoreSamples.batch) takes at p, and the
+    plan ends where training does: a run cut mid-epoch by --steps extracts no sample it will not learn from."""
+    n, batch, epochs, seed = 10, 3, 3, 7  # 3 steps an epoch, one sample left over each
+    total = min(max_steps or 10**12, (n // batch) * epochs)
+    want = []
+    for step in range(total):
+        epoch, k = divmod(step, n // batch)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        want += order[k * batch:(k + 1) * batch].tolist()
+    assert online.training_order(n, batch, epochs, seed, max_steps) == want and len(want) == total * batch
+
+
+def test_a_reservation_that_fills_the_spool_exactly_does_not_wait(tiny_kimi, tmp_path):
+    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    spool = online.Spool(tmp_path / "spool", spec, capacity=1000, fsync=False)
+    filled = threading.Thread(target=lambda: (spool.reserve(400), spool.reserve(600)), daemon=True)
+    filled.start()
+    filled.join(timeout=5)
+    alive = filled.is_alive()
+    spool.close()  # a producer still waiting gets SpoolClosed
+    assert not alive and spool.reserved == 1000
