@@ -106,3 +106,14 @@ def test_verify_semantic_passes_a_good_store_and_fails_a_post_norm_one(small_sto
     capsys.readouterr()
     assert cli.main(["verify", str(bad), "--semantic", "--model", str(tiny_kimi)]) == 1
     assert "final-state self-check FAIL" in capsys.readouterr().out
+
+
+def test_recall_counts_the_engine_s_top_k_among_our_top_2k():
+    """Recall is the share of the engine's top-k tokens found among our top 2k (bf16 ties may reorder a flat top):
+    the engine's top 2 at our ranks 3 and 4 count, at rank 5 they do not."""
+    head = selfcheck.FinalHead(torch.ones(8), 1e-6, torch.eye(8), "identity")
+    state = torch.tensor([[8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]])  # our order: 0, 1, 2, ...
+    inside = selfcheck.compare(head, state, [selfcheck.EngineTop(2, {2: -1.0, 3: -1.5})], k=2)
+    outside = selfcheck.compare(head, state, [selfcheck.EngineTop(3, {3: -1.0, 4: -1.5})], k=2)
+    assert (inside.recall, outside.recall) == (1.0, 0.5)
+    assert inside.top1 == 0.0 and inside.rank == pytest.approx(1 - 2.5 / 7)
