@@ -111,6 +111,22 @@ def test_resume_with_other_options_is_refused(tiny_kimi, small_data, small_store
         extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(out),
                                           data=DataConfig([str(small_data)], max_len=128, max_samples=10)),
                     progress=False)
+    other = tmp_path / "other.jsonl"  # as many samples, under other ids
+    shutil.copy(small_data, other)
+    with pytest.raises(StoreError, match="different sample list"):
+        extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(out),
+                                          data=DataConfig([str(other)], max_len=192)), progress=False)
+
+
+def test_a_backend_that_returns_fewer_states_than_samples_fails_the_run(tiny_kimi, small_data, tmp_path,
+                                                                        monkeypatch):
+    """A capture that silently loses a sample (fewer states than prompts) cannot end in a store that says done."""
+    from eagle3.extract.hf_backend import HFBackend
+
+    real = HFBackend.capture
+    monkeypatch.setattr(HFBackend, "capture", lambda self, batch: real(self, batch)[:-1])
+    with pytest.raises(StoreError, match=r"12 samples were not written"):
+        extract.run(_extract_cfg(tiny_kimi, small_data, tmp_path / "s", selfcheck=0), progress=False)
 
 
 def test_trainer_refuses_hidden_size_mismatch(small_store, tmp_path):

@@ -69,6 +69,9 @@ def test_llm_collective_rpc_list_with_silent_ranks(case):
     if world > 1:
         with pytest.raises(ReplyError, match="rank"):
             normalize_reply(reply, Expect(world, spec, reply_rank=rank))
+    silent_owner = [None] * world  # the rank whose layers are wanted sent none: never a None result
+    with pytest.raises(ReplyError, match=f"rank {rank}"):
+        normalize_reply(silent_owner, Expect(world, spec, reply_rank=rank, others_may_be_none=True))
 
 
 @given(layer_replies(), st.data())
