@@ -27,6 +27,5 @@ def test_two_process_ddp_matches_one_process(small_store, tmp_path, one_thread):
     double = state["losses"]
     assert len(double) == steps
     assert (state["samples_seen"], state["tokens_seen"]) == (one.samples_seen, one.tokens_seen)  # both ranks'
-
     # all-reduced gradients sum in another order than one process's accumulation: float noise only
     assert double == pytest.approx(single, rel=1e-4), (single, double)
