@@ -266,3 +266,55 @@ def test_a_commit_encodes_its_own_shards_not_the_whole_manifest(tmp_path, monkey
     on_disk = json.loads((tmp_path / "manifest.json").read_text())
     assert on_disk == reopened.manifest and [s["file"] for s in on_disk["shards"]][-3:] == [
         f"shards/shard-{i:06d}.safetensors" for i in (300, 302, 303)]
+
+
+def test_a_sample_with_the_wrong_layers_or_rows_is_refused_naming_it(tmp_path):
+    w = ShardWriter(tmp_path, SPEC, 0, fsync=False)
+    sid, ids, mask, states = _sample(1, 5)
+    with pytest.raises(StoreError, match="sample s1: 3 layers, store expects 4"):
+        w.add(sid, ids, mask, states[:3])
+    with pytest.raises(StoreError, match=r"sample s1: layer 2 has shape \(6, 6\), expected \(5, 6\)"):
+        w.add(sid, ids, mask, torch.cat([states, states[:, :1]], dim=1))
+    assert w.flush() == []
+
+
+def test_shards_finished_out_of_order_are_handed_over_in_index_order(tmp_path, monkeypatch):
+    """Two writer threads: shard 1 finishes while shard 0 is still being written; take_done holds it back until
+    shard 0 is done, so a commit never names a later shard before an earlier one."""
+    import threading
+    import time
+
+    from eagle3.store import writer as writer_mod
+
+    gate, real = threading.Event(), writer_mod.write_shard
+
+    def slow_first(root, name, *a, **kw):
+        if name.endswith("000000.safetensors"):
+            gate.wait(10)
+        return real(root, name, *a, **kw)
+
+    monkeypatch.setattr(writer_mod, "write_shard", slow_first)
+    w = ShardWriter(tmp_path, SPEC, 0, shard_samples=1, fsync=False, threads=2)
+    w.add(*_sample(0, 4))
+    w.add(*_sample(1, 4))
+    deadline = time.monotonic() + 10
+    while not w.written and time.monotonic() < deadline:  # shard 1 written, shard 0 held
+        time.sleep(0.01)
+    assert w.written == ["shards/shard-000001.safetensors"] and w.take_done() == []
+    gate.set()
+    assert [i.file for i in w.flush()] == ["shards/shard-000000.safetensors", "shards/shard-000001.safetensors"]
+    w.close()
+
+
+def test_a_shard_that_fails_to_build_still_hands_its_buffer_back(tmp_path):
+    """The capture's buffer goes back to the pool (on_done) whether its shard was written or not: a failed write
+    must not leave the capture waiting for a buffer forever."""
+    w = ShardWriter(tmp_path, SPEC, 0, fsync=False)
+    released = []
+
+    def build():
+        raise OSError("no space left")
+
+    with pytest.raises(OSError, match="no space left"):
+        w.submit(build, lambda: released.append(True))
+    assert released == [True]

@@ -277,6 +277,18 @@ def test_resume_allows_runtime_options_only(tiny_kimi, small_data, tmp_path, cap
     assert "6 already there" in capsys.readouterr().out
 
 
+def test_resume_takes_the_recorded_options_and_the_runtime_ones_given_now(tiny_kimi, small_data, tmp_path, capsys):
+    out = tmp_path / "s"
+    assert cli.main(["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(out),
+                     "--max-samples", "6", "--no-selfcheck", "--batch-size", "3", "--layer-ids", "1,4,5,8"]) == 0
+    capsys.readouterr()
+    assert cli.main(["extract", "--resume", str(out), "--batch-size", "2"]) == 0
+    resumed = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("resuming: "))
+    assert "--batch-size 2" in resumed and "--layer-ids 1,4,5,8" in resumed and "--max-samples 6" in resumed
+    assert cli.main(["extract", "--resume", str(out), "--out", str(tmp_path / "other")]) == 2
+    assert "give one of them" in capsys.readouterr().err and not (tmp_path / "other").exists()
+
+
 def test_shards_are_checksummed_with_xxh3_and_stores_that_recorded_sha256_still_verify(store):
     """Issue 14: sha256 (~1.3 GB/s a core) was the writers' bottleneck; xxh3_128 (~12 GB/s, GIL released) is
     what a shard records now. A store written before records a bare "sha256" per shard: still checked."""
