@@ -285,13 +285,18 @@ def test_a_trainer_that_just_made_room_is_not_told_the_spool_can_never_move(tiny
 def test_the_online_plan_is_what_the_offline_trainer_draws(max_steps):
     """Position p of the online plan is the sample the offline trainer (StoreSamples.batch) takes at p, and the
     plan ends where training does: a run cut mid-epoch by --steps extracts no sample it will not learn from."""
+    from eagle3.train.train import StoreSamples
+
     n, batch, epochs, seed = 10, 3, 3, 7  # 3 steps an epoch, one sample left over each
+
+    class Store10:  # what StoreSamples.batch reads of a store's samples: their count and the seed
+        def __len__(self):
+            return n
+
+    offline = Store10()
+    offline.seed = seed
     total = min(max_steps or 10**12, (n // batch) * epochs)
-    want = []
-    for step in range(total):
-        epoch, k = divmod(step, n // batch)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
-        want += order[k * batch:(k + 1) * batch].tolist()
+    want = [i for step in range(total) for i in StoreSamples.batch(offline, step, n // batch, batch)]
     assert online.training_order(n, batch, epochs, seed, max_steps) == want and len(want) == total * batch
 
 
