@@ -213,16 +213,15 @@ def limit_lines(records: list[Record], lim: dict[tuple, tuple]) -> list[str]:
 
 def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | Path | None = None) -> tuple[Path, Path]:
     """Markdown table, the trend plot (throughput.png, trends) and the latest run's bars (throughput-latest.png)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display: before pyplot is imported (by trends and bars)
-
     from eagle3.preflight import UsageError
 
-    records = load_history(history)
+    records = load_history(history)  # before matplotlib (a second to import): an empty history is refused at once
     if not records:
         raise UsageError(f"no benchmark records with tokens_per_s in {', '.join(map(str, history))}: give the JSON "
                          "that `pytest -m benchmark --benchmark-json=FILE` wrote on the GPU host")
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: before pyplot is imported (by trends and bars)
     baselines = load_baselines(baselines_dir)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

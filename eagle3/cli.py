@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,10 +24,43 @@ def _layer_ids(text: str | None):
         raise argparse.ArgumentTypeError(f"--layer-ids wants comma-separated integers, got {text!r}") from None
 
 
-def _setup_logging(verbosity: int) -> None:
+def _number(kind, low: float | None = None, strict: bool = True, high: float | None = None, what: str = ""):
+    """An argparse type: ``kind`` (int or float) in range; the message names the value and the range."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        finite = kind is int or math.isfinite(v)
+        below = low is not None and (v <= low if strict else v < low)
+        if not finite or below or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return v
+
+    return parse
+
+
+POSITIVE = _number(int, 0, what="a positive integer")
+NON_NEGATIVE = _number(int, 0, strict=False, what="a non-negative integer")
+POSITIVE_FLOAT = _number(float, 0, what="a positive finite number")
+NON_NEGATIVE_FLOAT = _number(float, 0, strict=False, what="a non-negative finite number")
+FRACTION = _number(float, 0, high=1, what="a fraction in (0, 1]")
+
+
+def _max_len(text: str) -> int:
+    v = POSITIVE(text)
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"{text} is below 2: a sample needs two tokens to predict one")
+    return v
+
+
+def _setup_logging(verbosity: int, models: bool = True) -> None:
+    """``models=False``: a command that runs no model (bench): speculators and transformers stay unimported."""
     level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     os.environ.setdefault("EAGLE3_LOG_LEVEL", logging.getLevelName(level))  # read by vLLM workers
+    if not models:
+        return
     try:  # speculators logs through loguru at INFO; keep it at our level
         from loguru import logger
 
@@ -51,27 +86,27 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
                    help="hf: transformers reference (CPU or one GPU); vllm: production engine")
     p.add_argument("--layer-ids", type=_layer_ids, default=None, help="e.g. 2,30,58,61; default (2, L//2, L-3, L)")
-    p.add_argument("--batch-size", type=int, default=64, help="samples per engine call")
-    p.add_argument("--max-len", type=int, default=2048, help="tokens per sample; longer ones follow --long")
+    p.add_argument("--batch-size", type=POSITIVE, default=64, help="samples per engine call")
+    p.add_argument("--max-len", type=_max_len, default=2048, help="tokens per sample; longer ones follow --long")
     p.add_argument("--long", dest="long_rule", choices=["truncate", "split", "drop", "error"], default="truncate",
                    help="samples over --max-len: keep the start, cut into windows, reject, or stop")
     p.add_argument("--on-error", choices=["skip", "stop"], default="skip",
                    help="bad input lines: skip and write them to STORE/rejects.jsonl (default), or stop")
-    p.add_argument("--max-samples", type=int, default=None, help="stop after this many samples (default: all)")
-    p.add_argument("--shard-samples", type=int, default=None,
+    p.add_argument("--max-samples", type=POSITIVE, default=None, help="stop after this many samples (default: all)")
+    p.add_argument("--shard-samples", type=POSITIVE, default=None,
                    help="hf backend: also cut a shard after this many samples (the vllm backend cuts by tokens)")
-    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: ~512 MiB of states)")
+    p.add_argument("--shard-tokens", type=POSITIVE, default=None, help="tokens per shard (default: ~512 MiB of states)")
     p.add_argument("--device", default="cpu", help="hf backend device")
-    p.add_argument("--tp", type=int, default=1, help="vllm backend tensor parallel size")
+    p.add_argument("--tp", type=POSITIVE, default=1, help="vllm backend tensor parallel size")
     p.add_argument("--capture", choices=["auto", "hooks", "aux", "direct"], default="auto",
                    help="vllm capture strategy (auto: direct where vLLM's runner can be wrapped, else aux, "
                         "else hooks; see eagle3/extract/vllm_compat.py)")
-    p.add_argument("--gpu-mem", type=float, default=0.85, help="vllm gpu_memory_utilization")
+    p.add_argument("--gpu-mem", type=FRACTION, default=0.85, help="vllm gpu_memory_utilization")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (faster; a crash may lose recent shards)")
     p.add_argument("--state-dtype", choices=["bfloat16", "fp8"], default="bfloat16",
                    help="stored states: bfloat16, or fp8 (e4m3 with a float32 scale per token and layer: half the "
                         "bytes, about 3%% relative error)")
-    p.add_argument("--selfcheck-prompts", type=int, default=4,
+    p.add_argument("--selfcheck-prompts", type=NON_NEGATIVE, default=4,
                    help="prompts of the final-state self-check run before anything is stored (default 4)")
     p.add_argument("--no-selfcheck", action="store_true",
                    help="skip the final-state self-check (final norm + lm_head on the captured last state must "
@@ -124,25 +159,25 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="extract --data with --target while training, through a spool of --spool-mb (no store)")
     o.add_argument("--data", nargs="+", default=None, help="--online: JSONL conversations")
     o.add_argument("--spool", default=None, help="--online: spool folder (default OUT/spool; local disk or /dev/shm)")
-    o.add_argument("--spool-mb", type=float, default=8192, help="--online: the spool's capacity in MiB")
+    o.add_argument("--spool-mb", type=POSITIVE_FLOAT, default=8192, help="--online: the spool's capacity in MiB")
     o.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="--online: what extracts")
-    o.add_argument("--extract-batch", type=int, default=16, help="--online: samples per extraction call and shard")
-    o.add_argument("--max-len", type=int, default=2048, help="--online: tokens per sample (longer ones truncated)")
+    o.add_argument("--extract-batch", type=POSITIVE, default=16, help="--online: samples per extraction call and shard")
+    o.add_argument("--max-len", type=_max_len, default=2048, help="--online: tokens per sample (longer ones truncated)")
     o.add_argument("--layer-ids", type=_layer_ids, default=None, help="--online: default (2, L//2, L-3, L)")
     o.add_argument("--extract-device", default=None, help="--online, hf backend: device (default: --device)")
-    o.add_argument("--gpu-mem", type=float, default=0.5,
+    o.add_argument("--gpu-mem", type=FRACTION, default=0.5,
                    help="--online, vllm backend: the engine's share of the GPU; the trainer uses the rest")
-    o.add_argument("--tp", type=int, default=1, help="--online, vllm backend: tensor parallel size")
+    o.add_argument("--tp", type=POSITIVE, default=1, help="--online, vllm backend: tensor parallel size")
     o.add_argument("--state-dtype", choices=["bfloat16", "fp8"], default="bfloat16",
                    help="--online: states in the spool (fp8: e4m3 + a scale per token and layer, half the bytes)")
-    p.add_argument("--steps", type=int, default=None, help="stop after this many optimizer steps (default: epochs)")
-    p.add_argument("--epochs", type=int, default=1, help="passes over the store (default 1)")
-    p.add_argument("--batch", type=int, default=8, help="global batch in samples (default 8)")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, cosine to 10%% (default 1e-3)")
-    p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps (default 3)")
-    p.add_argument("--pack-tokens", type=int, default=0,
+    p.add_argument("--steps", type=POSITIVE, default=None, help="stop after this many optimizer steps (default: epochs)")
+    p.add_argument("--epochs", type=POSITIVE, default=1, help="passes over the store (default 1)")
+    p.add_argument("--batch", type=POSITIVE, default=8, help="global batch in samples (default 8)")
+    p.add_argument("--lr", type=POSITIVE_FLOAT, default=1e-3, help="peak learning rate, cosine to 10%% (default 1e-3)")
+    p.add_argument("--ttt-steps", type=POSITIVE, default=3, help="training-time-test steps (default 3)")
+    p.add_argument("--pack-tokens", type=NON_NEGATIVE, default=0,
                    help="pack samples into rows of up to this many tokens (default 0: one sample per forward)")
-    p.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary size (default 32000)")
+    p.add_argument("--draft-vocab", type=POSITIVE, default=32000, help="draft vocabulary size (default 32000)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="float32", help="training dtype (default float32)")
     p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -150,17 +185,20 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-tp", type=_tp_list, default=None,
                    help="tensor-parallel sizes the draft must load at in vLLM, e.g. 8 (default 1,2,4,8,16); "
                         "checked before training and again at export")
-    p.add_argument("--draft-heads", type=int, default=None, help="draft attention heads (default: from the target)")
-    p.add_argument("--draft-kv-heads", type=int, default=None, help="draft KV heads (default 8)")
-    p.add_argument("--draft-head-dim", type=int, default=None, help="draft head dim (default 128/64/32 by hidden size)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (default 0: off)")
-    p.add_argument("--checkpoint-minutes", type=float, default=10.0,
+    p.add_argument("--draft-heads", type=POSITIVE, default=None, help="draft attention heads (default: from the target)")
+    p.add_argument("--draft-kv-heads", type=POSITIVE, default=None, help="draft KV heads (default 8)")
+    p.add_argument("--draft-head-dim", type=POSITIVE, default=None, help="draft head dim (default 128/64/32 by hidden size)")
+    p.add_argument("--checkpoint-every", type=NON_NEGATIVE, default=0, help="also checkpoint every N steps (default 0: off)")
+    p.add_argument("--checkpoint-minutes", type=NON_NEGATIVE_FLOAT, default=10.0,
                    help="checkpoint every this many minutes of work (default 10; 0: off)")
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept (default 3; 0: all)")
+    p.add_argument("--keep-checkpoints", type=NON_NEGATIVE, default=3, help="newest checkpoints kept (default 3; 0: all)")
     p.add_argument("--on-bad-sample", choices=["stop", "skip"], default="stop",
                    help="a stored sample with a checksum mismatch or NaN/Inf: stop (default) or skip and count it")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--no-resume", action="store_true", help="start over instead of resuming from OUT/checkpoints")
+    p.add_argument("--allow-incomplete", action="store_true",
+                   help="train on a store that holds fewer samples than its plan names (an extraction that stopped); "
+                        "by default that is refused, naming the command that completes it")
 
 
 def _train_config(a):
@@ -175,7 +213,8 @@ def _train_config(a):
                        draft_vocab_size=a.draft_vocab, device=a.device, dtype=a.dtype, export_dtype=a.export_dtype,
                        serve_tps=a.serve_tp or SERVE_TPS, shape=shape, checkpoint_every=a.checkpoint_every,
                        checkpoint_minutes=a.checkpoint_minutes, keep_checkpoints=a.keep_checkpoints,
-                       on_bad_sample=a.on_bad_sample, seed=a.seed, resume=not a.no_resume)
+                       on_bad_sample=a.on_bad_sample, seed=a.seed, resume=not a.no_resume,
+                       allow_incomplete=a.allow_incomplete)
 
 
 def cmd_train_online(a):
@@ -217,7 +256,7 @@ def cmd_demo(a) -> int:
     print(f"[3/3] training the EAGLE-3 draft -> {out / 'train'}", flush=True)
     tcfg = train.TrainConfig(store=str(out / "store"), out=str(out / "train"), draft_vocab_size=512,
                              batch_samples=8, epochs=a.epochs, max_steps=a.steps, lr=3e-3, seed=a.seed,
-                             checkpoint_every=25)
+                             checkpoint_every=25, restart_hint=f"remove {out} to start over")
     tr = train.train(tcfg, progress=not a.quiet)
     draft_cfg = json.loads((Path(tr.draft) / "config.json").read_text())
     problems = check_vllm_loadable(draft_cfg)
@@ -330,10 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", formatter_class=_Help, help="tiny Kimi-family model + bundled data: extract and train on CPU")
     d.add_argument("--out", default="runs/demo", help="folder for the model, store and draft")
     d.add_argument("--model", default="tiny-kimi", help="a buildable preset: tiny-kimi or tiny-llama")
-    d.add_argument("--samples", type=int, default=None, help="bundled conversations used (default: all 300)")
-    d.add_argument("--max-len", type=int, default=256, help="tokens per sample")
-    d.add_argument("--epochs", type=int, default=3, help="training passes over the store")
-    d.add_argument("--steps", type=int, default=None, help="stop training after this many steps (default: epochs)")
+    d.add_argument("--samples", type=POSITIVE, default=None, help="bundled conversations used (default: all 300)")
+    d.add_argument("--max-len", type=_max_len, default=256, help="tokens per sample")
+    d.add_argument("--epochs", type=POSITIVE, default=3, help="training passes over the store")
+    d.add_argument("--steps", type=POSITIVE, default=None, help="stop training after this many steps (default: epochs)")
     d.add_argument("--seed", type=int, default=0, help="seed of the model's weights and of training")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
     v = sub.add_parser("verify", formatter_class=_Help, help="check a store: checksums, shapes, NaN/zero/duplicate layers, ids")
@@ -346,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", default=None, help="target folder for --semantic (default: the one the store names)")
     v.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="what runs the target for --semantic")
     v.add_argument("--device", default="cpu", help="hf backend device for --semantic (default cpu)")
-    v.add_argument("--semantic-samples", type=int, default=8, help="stored samples checked by --semantic (default 8)")
+    v.add_argument("--semantic-samples", type=POSITIVE, default=8, help="stored samples checked by --semantic (default 8)")
     e = sub.add_parser("eval", formatter_class=_Help, help="serve target + draft in vLLM; acceptance length and speedup")
     e.add_argument("--target", required=True, help="target model folder")
     e.add_argument("--draft", required=True, help="draft folder (OUT/draft of `eagle3 train`)")
@@ -354,15 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSONL conversations, prompted up to their last assistant turn (default: the learnable "
                         "target's held-out prompts)")
     e.add_argument("--out", required=True, help="folder for eval.json and eval.md")
-    e.add_argument("--k", type=int, default=3, help="draft tokens per step (num_speculative_tokens)")
-    e.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
-    e.add_argument("--num-prompts", type=int, default=64, help="prompts evaluated")
-    e.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM gpu_memory_utilization")
+    e.add_argument("--k", type=POSITIVE, default=3, help="draft tokens per step (num_speculative_tokens)")
+    e.add_argument("--max-tokens", type=POSITIVE, default=128, help="tokens generated per prompt")
+    e.add_argument("--num-prompts", type=POSITIVE, default=64, help="prompts evaluated")
+    e.add_argument("--gpu-mem", type=FRACTION, default=0.3, help="vLLM gpu_memory_utilization")
     e.add_argument("--no-shifted", action="store_true", help="skip the layer-ids-shifted-by-one run")
     e.add_argument("--no-baseline", action="store_true", help="skip the target-only run")
     m = sub.add_parser("make-target", formatter_class=_Help, help="train the learnable tiny Llama target (a minute on a GPU)")
     m.add_argument("--out", required=True, help="folder for the trained target")
-    m.add_argument("--steps", type=int, default=1500, help="training steps of the target")
+    m.add_argument("--steps", type=POSITIVE, default=1500, help="training steps of the target")
     m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     b = sub.add_parser("bench", formatter_class=_Help, help="benchmark reports")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
@@ -375,12 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = bsub.add_parser("disk", formatter_class=_Help,
                         help="what a disk can take from the store: its parallel writes timed, fsynced and not")
     d.add_argument("--dir", required=True, help="a folder on the disk the store will use (test files are removed)")
-    d.add_argument("--writers", type=int, default=None,
+    d.add_argument("--writers", type=POSITIVE, default=None,
                    help="parallel writers (default: the store's own, 4 fsynced and 8 into the page cache)")
-    d.add_argument("--files", type=int, default=4, help="files each writer writes a round")
-    d.add_argument("--file-mb", type=int, default=512, help="MiB a file (the store's shard size)")
-    d.add_argument("--rounds", type=int, default=2, help="timed rounds (their median counts), after one warm-up")
-    d.add_argument("--bytes-per-token", type=int, default=57344,
+    d.add_argument("--files", type=POSITIVE, default=4, help="files each writer writes a round")
+    d.add_argument("--file-mb", type=POSITIVE, default=512, help="MiB a file (the store's shard size)")
+    d.add_argument("--rounds", type=POSITIVE, default=2, help="timed rounds (their median counts), after one warm-up")
+    d.add_argument("--bytes-per-token", type=POSITIVE, default=57344,
                    help="a stored token's bytes: layers x hidden x 2 (bf16), half with --state-dtype fp8; "
                         "Kimi-K2.5: 4 x 7168 x 2")
     return parser
@@ -389,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
 def preflight(a) -> None:
     """Argument and environment checks that need no model, torch or vLLM: under a second, nothing created."""
     from eagle3 import preflight as pf
+    from eagle3.store import checks
 
     if a.cmd == "extract":
         if a.resume:
@@ -401,6 +441,8 @@ def preflight(a) -> None:
         if missing:
             raise pf.UsageError(f"extract needs {', '.join(missing)} (or --resume STORE to continue a store)")
         folder = pf.model_folder(a.model, tokenizer=True, weights=a.backend == "hf")
+        pf.data_files(a.data)
+        checks.output_store(a.out, "extract")
         if a.layer_ids:
             from eagle3.targets.layers import validate_layer_ids
             from eagle3.targets.presets import read_model_config
@@ -419,18 +461,24 @@ def preflight(a) -> None:
                 raise pf.UsageError(f"train --online extracts as it trains: it needs {' and '.join(missing)}"
                                     if missing else "train --online makes no use of --store (it reads a spool)")
             pf.model_folder(a.target, weights=a.backend == "hf", tokenizer=True, what="--target")
+            pf.data_files(a.data)
             if a.backend == "vllm":
                 pf.vllm_installed("train --online --backend vllm")
         elif not a.store:
             raise pf.UsageError("train needs --store STORE (made by `eagle3 extract`), or --online --target T --data D")
         else:
             pf.store_folder(a.store)
+            checks.store_trainable(a.store, a.allow_incomplete)
         if a.target:
             pf.model_folder(a.target, weights=True, what="--target")
         if a.device.startswith("cuda"):
             pf.cuda_available(f"train --device {a.device}")
     elif a.cmd == "verify":
         pf.store_folder(a.store)
+        if a.fix:
+            checks.store_not_busy(a.store, "verify --fix")
+    elif a.cmd == "demo":
+        checks.output_store(Path(a.out) / "store", "demo")
     elif a.cmd == "eval":
         pf.vllm_installed("eval")
         pf.model_folder(a.target, weights=True, tokenizer=True, what="--target")
@@ -455,21 +503,71 @@ def _fail(a, e: Exception) -> int:
     return 2
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived; ``signum`` says which (the exit code is 128 + signum)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def interrupted_line(a) -> str:
+    """The one line a SIGINT/SIGTERM ends a command with: what is safe, and how to continue. JSON only."""
+    from eagle3.store import status
+
+    if a.cmd == "extract" and a.out:
+        done, planned = status.counts(a.out)
+        return (f"interrupted: {done} of {planned if planned is not None else '?'} samples stored in {a.out}; "
+                "rerun the same command to resume")
+    if a.cmd in ("train", "demo"):
+        root = Path(a.out) / ("train" if a.cmd == "demo" else "")
+        steps = sorted(int(p.name.split("-")[1]) for p in (root / "checkpoints").glob("step-*")) \
+            if (root / "checkpoints").is_dir() else []
+        where = (f"the newest checkpoint in {root} is at step {steps[-1]}" if steps
+                 else f"no checkpoint in {root} yet")
+        return f"interrupted: {where}; rerun the same command to resume"
+    return "interrupted; nothing was left half-written: rerun the same command"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:  # the command itself (not a test calling main): SIGTERM ends it like Ctrl-C, in one line
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _raise_interrupted)
+    try:
+        return _main(args)
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while the line is written changes nothing
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(interrupted_line(args), file=sys.stderr, flush=True)
+        return 128 + signum
+
+
+def _main(args) -> int:
     from eagle3.data.conversations import DataError
     from eagle3.preflight import UsageError
+    from eagle3.store.lock import StoreBusy
     from eagle3.targets.layers import LayerIdError
 
     try:
         preflight(args)
-    except (UsageError, LayerIdError, DataError) as e:
+    except (UsageError, LayerIdError, DataError, StoreBusy) as e:
         return _fail(args, e)
-    _setup_logging(args.verbose)
+    _setup_logging(args.verbose, models=args.cmd != "bench")
     if args.cmd == "doctor":
         from eagle3 import doctor
 
         return doctor.main(["--deep"] if args.deep else [])
+    if args.cmd == "bench":  # needs no torch: its refusals come in well under a second
+        try:
+            return cmd_bench_disk(args) if args.bench_cmd == "disk" else cmd_bench_report(args)
+        except UsageError as e:
+            return _fail(args, e)
     from eagle3.extract.selfcheck import SelfCheckFailed
     from eagle3.store.format import StoreError
     from eagle3.train.checkpoint import NonFiniteWeights
@@ -499,12 +597,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_verify(args)
         if args.cmd == "eval":
             return cmd_eval(args)
-        if args.cmd == "bench":
-            return cmd_bench_disk(args) if args.bench_cmd == "disk" else cmd_bench_report(args)
         if args.cmd == "make-target":
             return cmd_make_target(args)
     except (DataError, StoreError, LayerIdError, DraftShapeError, TrainingDiverged, NonFiniteWeights,
-            UsageError, SelfCheckFailed) as e:
+            UsageError, SelfCheckFailed, StoreBusy) as e:
         return _fail(args, e)
     return 2
 

@@ -1,6 +1,7 @@
 """Kill points for fault-injection tests: ``EAGLE3_FAULT=point:k`` SIGKILLs the process at the k-th time
-``point`` is reached. Points: after_batch, mid_write, before_rename, before_manifest, after_commit,
-after_step, mid_checkpoint. Unset (production): ``from_env()`` returns None and nothing is checked.
+``point`` is reached; ``point:k:SIGINT`` (or any signal name) sends that signal instead, as Ctrl-C or a scheduler
+would. Points: after_batch, mid_write, before_rename, before_manifest, after_commit, after_step, mid_checkpoint.
+Unset (production): ``from_env()`` returns None and nothing is checked.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from collections import Counter
 from typing import Callable
 
 
-def killer(point: str, k: int) -> Callable[[str], None]:
+def killer(point: str, k: int, sig: int = signal.SIGKILL) -> Callable[[str], None]:
     seen: Counter = Counter()
 
     def hit(name: str) -> None:
         seen[name] += 1
         if name == point and seen[name] == k:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
 
     return hit
 
@@ -26,5 +27,6 @@ def from_env() -> Callable[[str], None] | None:
     spec = os.environ.get("EAGLE3_FAULT")
     if not spec:
         return None
-    point, _, k = spec.partition(":")
-    return killer(point, int(k or 1))
+    point, _, rest = spec.partition(":")
+    k, _, sig = rest.partition(":")
+    return killer(point, int(k or 1), getattr(signal, sig) if sig else signal.SIGKILL)

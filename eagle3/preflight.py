@@ -49,7 +49,13 @@ def vllm_installed(command: str) -> None:
 
 
 def cuda_available(command: str) -> None:
-    import torch
+    import os
+
+    if not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd",
+                                            "/dev/dxg")):
+        raise UsageError(f"{command} needs a CUDA GPU and this machine has no GPU driver (no /dev/nvidia*); run it "
+                         "on a GPU host (`eagle3 doctor` lists the GPUs)")
+    import torch  # a driver is there: ask torch (seconds)
 
     if not torch.cuda.is_available():
         raise UsageError(f"{command} needs a CUDA GPU and torch {torch.__version__} sees none here; "
@@ -87,3 +93,13 @@ def disk_test_folder(path: str | Path, writers: int, files: int, file_mb: int, r
         raise UsageError(f"--dir {p}: {writers} writers x {file_mb} MiB need {need / 2**30:.1f} GiB at once and "
                          f"{free / 2**30:.1f} GiB are free; give a smaller --file-mb or fewer --writers")
     return p
+
+
+def data_files(paths) -> None:
+    """Every --data path an existing file (what load_samples reads later, after seconds of imports)."""
+    for path in paths or ():
+        p = Path(path)
+        if not p.exists():
+            raise UsageError(f"--data {p}: file not found; give JSONL conversations (one JSON object a line)")
+        if p.is_dir():
+            raise UsageError(f"--data {p}: is a directory; give the JSONL files in it (--data {p}/*.jsonl)")

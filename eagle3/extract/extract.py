@@ -17,8 +17,10 @@ import torch
 from eagle3 import faults
 from eagle3.data.conversations import DataConfig, Sample, load_samples
 from eagle3.store.committer import BackgroundCommitter
-from eagle3.store.folder import Store, read_manifest
-from eagle3.store.format import StoreError, StoreSpec, shard_tokens
+from eagle3.store import lock as store_lock
+from eagle3.store import status as store_status
+from eagle3.store.folder import Store, read_manifest, refuse_foreign
+from eagle3.store.format import MANIFEST, StoreError, StoreSpec, shard_tokens
 from eagle3.targets.layers import default_layer_ids, validate_layer_ids
 from eagle3.targets.presets import config_hash, read_model_config
 
@@ -121,6 +123,13 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
     """Extract every sample not yet in the store at cfg.out. ``backend`` may be passed in to reuse an engine."""
     fault = cfg.fault or faults.from_env()
     report = ""
+    if not (Path(cfg.out) / MANIFEST).exists():
+        refuse_foreign(cfg.out)  # before anything (rejects.jsonl) is written into a user's folder
+    else:
+        store_lock.refuse_if_busy(cfg.out, "extract")
+        said = resume_line(cfg.out)
+        if said:
+            log.warning("%s", said)
     if samples is None:
         if cfg.data is None:
             raise ValueError("give conversations (cfg.data) or samples")
@@ -134,7 +143,23 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
         from eagle3.preflight import vllm_installed
 
         vllm_installed("extract --backend vllm")  # before the store folder is made
-    store = Store.open(cfg.out, spec, create=True, fsync=cfg.fsync)
+    store = Store.open(cfg.out, spec, create=True, fsync=cfg.fsync, lock=True)
+    try:
+        return _run_locked(cfg, samples, backend, progress, store, spec, fault, report)
+    finally:
+        store.release()
+
+
+def resume_line(root: str | Path) -> str | None:
+    """'resuming: N of M samples already stored in ROOT' for a store with samples, else None (JSON only)."""
+    done, planned = store_status.counts(root)
+    if not done:
+        return None
+    return f"resuming: {done} of {planned if planned is not None else '?'} samples already stored in {root}"
+
+
+def _run_locked(cfg: ExtractConfig, samples, backend, progress: bool, store: Store, spec: StoreSpec, fault,
+                report: str) -> ExtractSummary:
     ids = [s.sample_id for s in samples]
     if len(set(ids)) != len(ids):
         raise ValueError("sample ids repeat; each sample needs its own id")

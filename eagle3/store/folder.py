@@ -1,5 +1,6 @@
 """A store folder: its manifest (the commit point), plan, committed shards, and reading samples back.
-Opening a store removes shard files the manifest does not name."""
+Opening a store removes shard files the manifest does not name, and only names the store itself writes (lock.py):
+a folder holding anything else is not made into a store, and a user's file is never deleted."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from eagle3.store import lock as store_lock
 from eagle3.store.files import atomic_write, atomic_write_json, fsync_dir
 from eagle3.store.format import (
     MANIFEST,
@@ -35,13 +37,36 @@ class Store:
         self.spec = StoreSpec.from_json(manifest["spec"])
         self.done_ids: set[str] = {sid for s in manifest["shards"] for sid in s["sample_ids"]}
         self._shard_json: list[bytes] | None = None  # each shard's entry as the manifest file has it, in order
+        self._lock: store_lock.WriteLock | None = None
 
     # -- opening
     @classmethod
     def open(cls, root: str | Path, spec: StoreSpec | None = None, create: bool = False,
-             fsync: bool = True) -> "Store":
-        """Open (or with ``create``, make) a store; remove uncommitted files; refuse a mismatched spec."""
+             fsync: bool = True, lock: bool = False) -> "Store":
+        """Open (or with ``create``, make) a store; remove uncommitted files; refuse a mismatched spec. With
+        ``lock``, hold the store's write lock (StoreBusy when another process holds it) until ``release()`` or the
+        process ends; a writer takes it before anything is cleaned or written."""
         root = Path(root)
+        path = root / MANIFEST
+        if not path.exists():
+            if not create:
+                raise StoreError(f"{root} is not a store (no {MANIFEST}); run `eagle3 extract` to make one")
+            if spec is None:
+                raise StoreError("creating a store needs its spec")
+            refuse_foreign(root)
+            _check_writable(root)
+        held = store_lock.WriteLock(root) if lock else None
+        try:
+            store = cls._open_locked(root, spec, fsync)
+        except BaseException:
+            if held:
+                held.release()
+            raise
+        store._lock = held
+        return store
+
+    @classmethod
+    def _open_locked(cls, root: Path, spec: StoreSpec | None, fsync: bool) -> "Store":
         path = root / MANIFEST
         if path.exists():
             manifest = read_manifest(root)
@@ -55,30 +80,36 @@ class Store:
                     )
             store._remove_uncommitted()
             return store
-        if not create:
-            raise StoreError(f"{root} is not a store (no {MANIFEST}); run `eagle3 extract` to make one")
-        if spec is None:
-            raise StoreError("creating a store needs its spec")
-        _check_writable(root)
-        leftovers = [p for p in (root / SHARDS).glob("*")] if (root / SHARDS).exists() else []
-        for p in leftovers:
-            p.unlink()
-        manifest = {"schema_version": SCHEMA_VERSION, "spec": spec.to_json(), "shards": [],
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        refuse_foreign(root)  # again, now that the lock is held
+        store = cls(root, {"schema_version": SCHEMA_VERSION, "spec": spec.to_json(), "shards": [],
+                           "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        store._remove_uncommitted()  # an earlier creation's leftovers (only the store's own names are here)
         (root / SHARDS).mkdir(parents=True, exist_ok=True)
-        store = cls(root, manifest)
-        store._write_manifest(manifest, [], fsync)
+        store._write_manifest(store.manifest, [], fsync)
         return store
 
+    def release(self) -> None:
+        """Let go of the write lock (``open(lock=True)``); the store stays as it is."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     def _remove_uncommitted(self) -> None:
+        """Remove the store's own files that no manifest names: uncommitted shards and temp files. Anything else
+        (a user's file) stays, with a warning."""
         committed = {s["file"] for s in self.manifest["shards"]}
-        for p in sorted((self.root / SHARDS).glob("*")) if (self.root / SHARDS).exists() else []:
+        for p in sorted((self.root / SHARDS).glob("*")) if (self.root / SHARDS).is_dir() else []:
             rel = f"{SHARDS}/{p.name}"
-            if rel not in committed:
-                log.info("removing uncommitted %s (its samples will be extracted again)", rel)
-                p.unlink()
-        for p in self.root.glob(".tmp-*"):
+            if rel in committed:
+                continue
+            if not store_lock.is_own_shard_name(p.name) or not p.is_file():
+                log.warning("%s is not a file this store writes; left as it is", self.root / rel)
+                continue
+            log.info("removing uncommitted %s (its samples will be extracted again)", rel)
             p.unlink()
+        for p in self.root.glob(".tmp-*"):
+            if p.is_file():
+                p.unlink()
 
     # -- state
     @property
@@ -185,6 +216,14 @@ def read_manifest(root: str | Path) -> dict:
         if key not in manifest:
             raise StoreError(f"{path} lacks {key!r}; it is not an eagle3 manifest")
     return manifest
+
+
+def refuse_foreign(root: str | Path) -> None:
+    """StoreError when ``root`` (not a store yet) holds anything the store does not write: never mix a store into,
+    or clean up, a user's folder."""
+    msg = store_lock.foreign_files_message(root)
+    if msg:
+        raise StoreError(msg)
 
 
 def _check_writable(root: Path) -> None:

@@ -12,6 +12,7 @@ Findings (kind: what it means):
   repeated_sample   a sample id in more than one place
   missing_sample    a planned sample id that no shard holds
   uncommitted_file  a shard file the manifest does not name (removed on the next extract)
+The report also says whether the store is complete against its plan, and names a process writing it now.
 ``--fix`` moves shards with findings to STORE/quarantine/ and drops them from the manifest, so
 `eagle3 extract --resume STORE` redoes exactly those samples. The report ends with the command that repairs it.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3.store import lock as store_lock
 from eagle3.store.files import checksum_matches, recorded_checksum
 from eagle3.store.folder import Store, read_manifest
 from eagle3.store.format import QUARANTINE, SHARDS, ST_STATE_DTYPES, read_states
@@ -50,6 +52,21 @@ class VerifyReport:
     samples: int = 0
     tokens: int = 0
     findings: list[Finding] = field(default_factory=list)
+    planned: int | None = None      # samples the plan names (None: no plan)
+    held: int = 0                   # of those, samples some shard holds
+    writer: str | None = None       # 'pid N (...)' of a process writing the store now
+
+    def status_lines(self) -> list[str]:
+        """complete / incomplete against the plan, and the writer, if one is at work."""
+        out = []
+        if self.planned is not None:
+            missing = self.planned - self.held
+            out.append(f"complete   {self.held} of {self.planned} planned samples" if not missing else
+                       f"incomplete {self.held} of {self.planned} planned samples ({missing} missing): "
+                       f"`eagle3 extract --resume {self.store}` completes it")
+        if self.writer:
+            out.append(f"writing    being written by {self.writer}: what is read now may change")
+        return out
 
     @property
     def ok(self) -> bool:
@@ -68,7 +85,7 @@ class VerifyReport:
             if shown[f.kind] <= per_kind:
                 out.append(str(f))
         out += [f"{'':<18} ... and {n - per_kind} more {kind}" for kind, n in self.kinds().items() if n > per_kind]
-        return out
+        return out + self.status_lines()
 
 
 def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> None:
@@ -152,13 +169,15 @@ def verify(root: str | Path, deep: bool = True) -> VerifyReport:
         if n > 1:
             rep.findings.append(Finding("repeated_sample", None, sid, f"stored {n} times"))
     plan = store.plan()
+    rep.writer = store_lock.being_written(root)
     if plan is not None:
+        rep.planned, rep.held = len(set(plan)), len(set(plan) & set(seen))
         for sid in plan:
             if sid not in seen:
                 rep.findings.append(Finding("missing_sample", None, sid, "planned but in no shard"))
     committed = {s["file"] for s in store.shards}
     for p in sorted((root / SHARDS).glob("*")) if (root / SHARDS).exists() else []:
-        if f"{SHARDS}/{p.name}" not in committed:
+        if f"{SHARDS}/{p.name}" not in committed and store_lock.is_own_shard_name(p.name):  # a user's file: theirs
             rep.findings.append(Finding("uncommitted_file", f"{SHARDS}/{p.name}", None, "not in the manifest"))
     return rep
 
@@ -166,6 +185,14 @@ def verify(root: str | Path, deep: bool = True) -> VerifyReport:
 def fix(root: str | Path, rep: VerifyReport) -> list[str]:
     """Quarantine shards with findings (and uncommitted files); returns the moved files."""
     root = Path(root)
+    held = store_lock.WriteLock(root, "verify --fix")  # it rewrites the manifest: no other writer meanwhile
+    try:
+        return _fix_locked(root, rep)
+    finally:
+        held.release()
+
+
+def _fix_locked(root: Path, rep: VerifyReport) -> list[str]:
     store = Store(root, read_manifest(root))
     bad = {f.shard for f in rep.findings if f.shard}
     if any(f.kind == "repeated_sample" for f in rep.findings):

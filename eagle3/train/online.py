@@ -88,7 +88,7 @@ class Spool:
     sum of the shards folder's file sizes measured right after each commit and free."""
 
     def __init__(self, root: str | Path, spec: StoreSpec, capacity: int, fsync: bool = True):
-        self.store = Store.open(root, spec, create=True, fsync=fsync)
+        self.store = Store.open(root, spec, create=True, fsync=fsync, lock=True)
         self.capacity, self.fsync = capacity, fsync
         self.cond = threading.Condition()
         self.entries: dict[int, tuple[str, int, int, str]] = {}  # position -> (file, row a, row b, spool id)
@@ -409,6 +409,7 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     finally:
         spool.close()
         producer.join()
+        spool.store.release()
         if own:
             backend.close()
     if spool.failed is not None:

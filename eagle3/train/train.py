@@ -77,6 +77,8 @@ class TrainConfig:
     resume: bool = True
     speculative_tokens: int | None = None  # written to the config; default ttt_steps
     shape: dict = field(default_factory=dict)  # DraftShape overrides
+    allow_incomplete: bool = False       # train on a store that holds fewer samples than its plan names
+    restart_hint: str = "--no-resume starts over"  # what the resume warning tells the user (demo: its own way)
 
 
 class BadData(StoreError):
@@ -100,6 +102,7 @@ class TrainResult:
     resumed_from: int = 0
     skipped: dict[str, str] = field(default_factory=dict)   # sample id -> why (on_bad_sample="skip")
     tokens_this_run: int = 0
+    notes: list[str] = field(default_factory=list)            # what the run decided that the user should know
 
     @property
     def tokens_per_s(self) -> float:
@@ -117,6 +120,7 @@ class TrainResult:
                  f"steps      {self.steps} ({self.samples_seen} samples, {self.tokens_seen} tokens); this run: {run}",
                  f"loss       {a:.4f} -> {b:.4f}",
                  f"accuracy   {acc}"]
+        lines += [f"note       {n}" for n in self.notes]
         if self.skipped:
             lines.append(f"skipped    {len(self.skipped)} bad samples, e.g. "
                          + "; ".join(f"{k}: {v}" for k, v in list(self.skipped.items())[:3]))
@@ -348,6 +352,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
         raise StoreError(f"--device {cfg.device}: torch {torch.__version__} sees no CUDA device here; "
                          "train with --device cpu or on a GPU host")
     fault = faults.from_env()
+    notes = [] if source is not None else _check_store_is_whole(cfg)
     store = Store.open(cfg.store)
     shape, tcfg, target = draft_shape(cfg, store)
     init_distributed(cfg.device)
@@ -367,6 +372,12 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     if steps_per_epoch == 0:
         raise ValueError(f"store has {len(samples)} samples, fewer than one batch of {cfg.batch_samples}")
     total = min(cfg.max_steps or 10**12, steps_per_epoch * cfg.epochs)
+    if cfg.max_steps and cfg.max_steps > total:
+        notes.append(f"--steps {cfg.max_steps}: stopping at {total} steps: --epochs {cfg.epochs} over {len(samples)} "
+                     f"samples in batches of {cfg.batch_samples} is {total} steps (raise --epochs for more)")
+    for n in notes:
+        if rank == 0:
+            log.warning("%s", n)
     lr_at = _lr_lambda(cfg, total)
     loss_config = resolve_loss_config(cfg.loss, cfg.loss_impl)
     state = {"step": 0, "losses": [], "samples_seen": 0, "tokens_seen": 0, "config": asdict(cfg), "skipped": {}}
@@ -379,7 +390,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
         resumed_from = state["step"]
         samples.resumed(state)
         if rank == 0:
-            log.warning("resuming from step %d of %d (%s); --no-resume starts over", resumed_from, total, ckpt)
+            log.warning("resuming from step %d of %d (%s); %s", resumed_from, total, ckpt, cfg.restart_hint)
     ddp = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -393,7 +404,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     t0, tokens_this_run = time.perf_counter(), 0
     last_save = _clock()
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, desc="train", unit="step")
-    with torch.compiler.set_stance("default" if cfg.compile else "force_eager"):
+    with bar, torch.compiler.set_stance("default" if cfg.compile else "force_eager"):  # the bar ends its line
         while state["step"] < total:
             step = state["step"]
             batch = samples.batch(step, steps_per_epoch, cfg.batch_samples)
@@ -455,10 +466,28 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                 samples.checkpointed(state)
             if dist is not None:
                 dist.barrier()
-    bar.close()
     return TrainResult(str(out), str(out / "draft"), state["step"], state["samples_seen"], state["tokens_seen"],
                        time.perf_counter() - t0, state["losses"], state.get("accept", {}), resumed_from,
-                       dict(state["skipped"]), tokens_this_run)
+                       dict(state["skipped"]), tokens_this_run, notes)
+
+
+def _check_store_is_whole(cfg: TrainConfig) -> list[str]:
+    """Refuse a store another process writes now, or one with fewer samples than its plan names (unless
+    cfg.allow_incomplete: then the note says on how many the run trains)."""
+    from eagle3.store import lock as store_lock
+    from eagle3.store import status
+
+    try:
+        store_lock.refuse_if_busy(cfg.store, "train")
+    except store_lock.StoreBusy as e:
+        raise StoreError(str(e)) from None
+    why = status.incomplete_message(cfg.store)
+    if why and not cfg.allow_incomplete:
+        raise StoreError(why)
+    if why:
+        done, planned = status.counts(cfg.store)
+        return [f"training on {done} of the {planned} planned samples (--allow-incomplete)"]
+    return []
 
 
 def _acceptance(sums: dict[str, float]) -> dict[str, float]:

@@ -75,7 +75,7 @@ if not _has_vllm():
 if not _has_cuda():
     MISTAKES += [
         ("train --device cuda without CUDA", "train --store {store} --out {tmp}/out --device cuda",
-         r"needs a CUDA GPU and torch .* sees none"),
+         r"needs a CUDA GPU and (torch .* sees none|this machine has no GPU driver)"),
         ("extract --device cuda without CUDA", "extract --model {model} --data {data} --out {tmp}/out --device cuda",
          r"needs a CUDA GPU"),
     ]

@@ -213,6 +213,7 @@ def test_resume_keeps_the_shards_that_continue_the_checkpoint_and_frees_the_rest
                  for p in (a, a + 1)]
         spool.commit(session.submit(batch), 0)
     spool.commit(session.finish(), 0)
+    spool.store.release()  # the first run's process ends (its write lock goes with it)
     again = online.Spool(tmp_path / "spool", spec, 10**9)  # the rerun, after a checkpoint at position 3
     assert again.keep_from(3) == 8
     held = sorted(online.position_of(sid) for sh in again.store.shards for sid in sh["sample_ids"])

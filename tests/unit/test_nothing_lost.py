@@ -1,0 +1,346 @@
+"""Nothing lost: a user's files are never deleted or mixed into a store, one process writes a store, a partial
+store is not trained on by accident, numbers out of range are refused, and Ctrl-C / SIGTERM end in one line
+with everything consistent and a rerun that says up front where it resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3 import cli
+from eagle3.data.conversations import DataConfig
+from eagle3.extract import extract
+from eagle3.store import verify
+from eagle3.store.folder import Store
+from eagle3.store.format import StoreError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def _extract_argv(model, data, out, *more):
+    return ["extract", "--model", str(model), "--data", str(data), "--out", str(out), "--max-samples", "12",
+            "--max-len", "96", "--batch-size", "4", "--shard-samples", "4", *more]
+
+
+# -- the user's files -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["file at the top", "file in shards/"])
+def test_extract_into_a_folder_that_is_not_a_store_is_refused_and_nothing_is_touched(tiny_kimi, small_data,
+                                                                                     tmp_path, capsys, layout):
+    """At 9c6575d the store's files were mixed into the user's folder, and a user's file in shards/ deleted."""
+    user = tmp_path / "mine"
+    (user / "shards").mkdir(parents=True)
+    (user / "notes.txt").write_text("my notes")
+    if layout == "file in shards/":
+        (user / "shards" / "keep.bin").write_bytes(b"\x01\x02")
+    before = _tree(user)
+    code = cli.main(_extract_argv(tiny_kimi, small_data, user))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(r"holds files that are not a store's.*notes\.txt.*empty or new --out folder", err), err
+    assert _tree(user) == before
+
+
+def test_the_library_refuses_a_foreign_folder_too_before_writing_rejects(tiny_kimi, small_data, tmp_path):
+    user = tmp_path / "mine"
+    (user / "shards").mkdir(parents=True)
+    (user / "shards" / "keep.bin").write_bytes(b"x")
+    before = _tree(user)
+    cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(user), data=DataConfig([str(small_data)], max_len=96))
+    with pytest.raises(StoreError, match=r"shards/keep\.bin"):
+        extract.run(cfg, progress=False)
+    with pytest.raises(StoreError, match="not a store's"):
+        Store.open(user, extract.store_spec(tiny_kimi, None, "bfloat16"), create=True)
+    assert _tree(user) == before
+
+
+def test_an_empty_folder_and_a_folder_of_the_store_s_own_leftovers_are_accepted(tiny_kimi, small_data, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    leftovers = tmp_path / "left"
+    (leftovers / "shards").mkdir(parents=True)
+    (leftovers / "shards" / ".tmp-shard-000000.safetensors").write_bytes(b"half")
+    (leftovers / "rejects.jsonl").write_text("")
+    for out in (empty, leftovers):
+        assert cli.main(_extract_argv(tiny_kimi, small_data, out, "--no-selfcheck")) == 0
+        assert verify.verify(out).ok
+
+
+def test_opening_a_store_removes_only_names_the_store_writes(small_store, tmp_path):
+    store = tmp_path / "s"
+    shutil.copytree(small_store, store)
+    (store / "shards" / "shard-000099.safetensors").write_bytes(b"uncommitted")
+    (store / "shards" / ".tmp-shard-000100.safetensors").write_bytes(b"half")
+    (store / "shards" / "README").write_text("the user's")
+    (store / "notes.txt").write_text("the user's")
+    Store.open(store)
+    left = {p.name for p in (store / "shards").iterdir()}
+    assert "README" in left and (store / "notes.txt").exists()
+    assert "shard-000099.safetensors" not in left and ".tmp-shard-000100.safetensors" not in left
+
+
+# -- one writer -------------------------------------------------------------------------------------------------
+def _hold_lock(root: Path):
+    """A separate process that holds ``root``'s write lock until killed."""
+    code = (f"import time, sys; from eagle3.store.lock import WriteLock; l = WriteLock({str(root)!r}); "
+            "print('held', flush=True); time.sleep(600)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_holder_frees_the_store(small_store, tmp_path,
+                                                                                          small_data, tiny_kimi,
+                                                                                          capsys):
+    store = tmp_path / "s"
+    shutil.copytree(small_store, store)
+    from eagle3.store import lock as store_lock
+
+    holder = _hold_lock(store)
+    try:
+        before = _tree(store / "shards")
+        code = cli.main(["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(store),
+                         "--max-len", "192"])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert f"is being written by pid {holder.pid} (" in err and "-c import time" in err, err
+        assert _tree(store / "shards") == before
+        with pytest.raises(store_lock.StoreBusy, match=f"pid {holder.pid}"):
+            Store.open(store, lock=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert store_lock.being_written(store) is None  # the kernel released it with the process
+    lk = Store.open(store, lock=True)
+    lk.release()
+
+
+def test_train_on_a_store_being_written_is_refused_naming_the_writer(small_store, tmp_path, capsys):
+    from eagle3.train.train import TrainConfig, train
+
+    store = tmp_path / "s"
+    shutil.copytree(small_store, store)
+    holder = _hold_lock(store)
+    try:
+        code = cli.main(["train", "--store", str(store), "--out", str(tmp_path / "t"), "--steps", "1"])
+        err = capsys.readouterr().err
+        assert code == 2 and f"being written by pid {holder.pid}" in err, err
+        with pytest.raises(StoreError, match=f"being written by pid {holder.pid}"):
+            train(TrainConfig(store=str(store), out=str(tmp_path / "t2"), max_steps=1, batch_samples=4),
+                  progress=False)
+        rep = verify.verify(store)
+        assert any(f"being written by pid {holder.pid}" in line for line in rep.lines())
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (tmp_path / "t").exists() and not (tmp_path / "t2").exists()
+
+
+# -- partial stores ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def partial_store(small_store, tmp_path):
+    """small_store with its last two shards dropped from the manifest: 32 of 48 planned samples."""
+    store = tmp_path / "partial"
+    shutil.copytree(small_store, store)
+    m = json.loads((store / "manifest.json").read_text())
+    for s in m["shards"][-2:]:
+        (store / s["file"]).unlink()
+    m["shards"] = m["shards"][:-2]
+    (store / "manifest.json").write_text(json.dumps(m))
+    return store
+
+
+def test_train_on_an_incomplete_store_is_refused_naming_the_count_and_the_command(partial_store, tmp_path, capsys):
+    from eagle3.train.train import TrainConfig, train
+
+    out = tmp_path / "t"
+    code = cli.main(["train", "--store", str(partial_store), "--out", str(out), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"holds 32 of the 48 samples its plan names (16 missing)" in err, err
+    assert f"eagle3 extract --resume {partial_store}" in err and "--allow-incomplete" in err, err
+    assert not out.exists()
+    with pytest.raises(StoreError, match="16 missing"):
+        train(TrainConfig(store=str(partial_store), out=str(out), max_steps=1, batch_samples=4), progress=False)
+    assert not out.exists()
+
+
+def test_allow_incomplete_trains_and_says_on_how_many(partial_store, tmp_path, capsys):
+    code = cli.main(["train", "--store", str(partial_store), "--out", str(tmp_path / "t"), "--steps", "1",
+                     "--batch", "4", "--draft-vocab", "64", "--allow-incomplete"])
+    cap = capsys.readouterr()
+    assert code == 0, cap.err
+    assert "training on 32 of the 48 planned samples (--allow-incomplete)" in cap.out + cap.err
+
+
+def test_verify_says_complete_or_incomplete(small_store, partial_store):
+    full = verify.verify(small_store).lines()
+    assert any(line == "complete   48 of 48 planned samples" for line in full), full
+    part = verify.verify(partial_store).lines()
+    assert any(line.startswith("incomplete 32 of 48 planned samples (16 missing)") for line in part), part
+
+
+# -- numbers out of range ---------------------------------------------------------------------------------------
+OUT_OF_RANGE = [
+    ("train --steps 0", "train --store {store} --out {tmp}/t --steps 0", r"--steps: 0 is not a positive integer"),
+    ("train --steps -3", "train --store {store} --out {tmp}/t --steps -3", r"--steps: -3 is not a positive"),
+    ("train --epochs 0", "train --store {store} --out {tmp}/t --epochs 0", r"--epochs: 0 is not a positive"),
+    ("train --batch 0", "train --store {store} --out {tmp}/t --batch 0", r"--batch: 0 is not a positive"),
+    ("train --lr 0", "train --store {store} --out {tmp}/t --lr 0", r"--lr: 0 is not a positive finite"),
+    ("train --lr nan", "train --store {store} --out {tmp}/t --lr nan", r"--lr: nan is not a positive finite"),
+    ("train --ttt-steps 0", "train --store {store} --out {tmp}/t --ttt-steps 0", r"--ttt-steps: 0 is not"),
+    ("train --draft-vocab 0", "train --store {store} --out {tmp}/t --draft-vocab 0", r"--draft-vocab: 0 is not"),
+    ("train --pack-tokens -1", "train --store {store} --out {tmp}/t --pack-tokens -1",
+     r"--pack-tokens: -1 is not a non-negative integer"),
+    ("train --keep-checkpoints -1", "train --store {store} --out {tmp}/t --keep-checkpoints -1",
+     r"--keep-checkpoints: -1 is not a non-negative"),
+    ("train --checkpoint-minutes -1", "train --store {store} --out {tmp}/t --checkpoint-minutes -1",
+     r"--checkpoint-minutes: -1 is not a non-negative"),
+    ("train --spool-mb 0", "train --online --target {model} --data {data} --out {tmp}/t --spool-mb 0",
+     r"--spool-mb: 0 is not a positive"),
+    ("train --gpu-mem 1.5", "train --online --target {model} --data {data} --out {tmp}/t --gpu-mem 1.5",
+     r"--gpu-mem: 1.5 is not a fraction in \(0, 1\]"),
+    ("extract --batch-size 0", "extract --model {model} --data {data} --out {tmp}/o --batch-size 0",
+     r"--batch-size: 0 is not a positive"),
+    ("extract --max-len 1", "extract --model {model} --data {data} --out {tmp}/o --max-len 1",
+     r"--max-len: 1 is below 2"),
+    ("extract --max-samples 0", "extract --model {model} --data {data} --out {tmp}/o --max-samples 0",
+     r"--max-samples: 0 is not a positive"),
+    ("extract --tp 0", "extract --model {model} --data {data} --out {tmp}/o --tp 0", r"--tp: 0 is not a positive"),
+    ("extract --gpu-mem 0", "extract --model {model} --data {data} --out {tmp}/o --gpu-mem 0",
+     r"--gpu-mem: 0 is not a fraction"),
+    ("extract --selfcheck-prompts -1", "extract --model {model} --data {data} --out {tmp}/o --selfcheck-prompts -1",
+     r"--selfcheck-prompts: -1 is not a non-negative"),
+    ("demo --samples 0", "demo --out {tmp}/d --samples 0", r"--samples: 0 is not a positive"),
+    ("eval --k 0", "eval --target {model} --draft {model} --out {tmp}/e --k 0", r"--k: 0 is not a positive"),
+    ("make-target --steps 0", "make-target --out {tmp}/m --steps 0", r"--steps: 0 is not a positive"),
+]
+
+
+@pytest.fixture
+def world(tmp_path, tiny_kimi, small_data, small_store):
+    return {"model": str(tiny_kimi), "data": str(small_data), "store": str(small_store), "tmp": tmp_path}
+
+
+@pytest.mark.parametrize("name,argv,pattern", OUT_OF_RANGE, ids=[m[0] for m in OUT_OF_RANGE])
+def test_numbers_out_of_range_are_refused_naming_the_option(world, capsys, name, argv, pattern):
+    before = _tree(world["tmp"])
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv.format(**world).split())
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and re.search(pattern, err), err
+    assert _tree(world["tmp"]) == before
+
+
+def test_when_epochs_stop_the_run_before_steps_the_run_says_so(small_store, tmp_path, capsys):
+    """At 9c6575d `--steps 5` on an 11-sample store ran 1 step without saying why."""
+    code = cli.main(["train", "--store", str(small_store), "--out", str(tmp_path / "t"), "--steps", "9", "--batch",
+                     "8", "--draft-vocab", "64"])
+    cap = capsys.readouterr()
+    assert code == 0, cap.err
+    said = cap.out + cap.err
+    assert ("--steps 9: stopping at 6 steps: --epochs 1 over 48 samples in batches of 8 is 6 steps "
+            "(raise --epochs for more)") in said, said
+    assert re.search(r"steps\s+6 \(48 samples", cap.out), cap.out
+
+
+# -- interrupts -------------------------------------------------------------------------------------------------
+def _run(argv, fault=None, timeout=240):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("EAGLE3_FAULT", None)
+    if fault:
+        env["EAGLE3_FAULT"] = fault
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "eagle3.cli", *argv], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+    return done, time.perf_counter() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,point", [("SIGINT", "after_commit:2"), ("SIGTERM", "mid_write:3")])
+def test_a_signal_during_extraction_ends_in_one_line_and_the_rerun_says_where_it_resumes(tiny_kimi, small_data,
+                                                                                         tmp_path, sig, point):
+    out = tmp_path / "s"
+    argv = _extract_argv(tiny_kimi, small_data, out, "--no-selfcheck")
+    name, k = point.split(":")
+    done, _ = _run(argv, fault=f"{name}:{k}:{sig}")
+    code = 128 + getattr(signal, sig)
+    assert done.returncode == code, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    stored = len(Store(out, json.loads((out / "manifest.json").read_text())).done_ids)
+    assert 0 < stored < 12
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"interrupted: {stored} of 12 samples stored in {out}; rerun the same command to resume"), done.stderr
+    # consistent: what the manifest names is whole; a shard written but not committed waits for the rerun to remove it
+    assert {f.kind for f in verify.verify(out).findings} <= {"missing_sample", "uncommitted_file"}
+    again, _ = _run(argv)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming: {stored} of 12 samples already stored in {out}" in again.stderr.splitlines()[0], again.stderr
+    assert verify.verify(out).ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_training_ends_in_one_line_and_the_rerun_says_where_it_resumes(small_store, tmp_path, sig):
+    out = tmp_path / "t"
+    argv = ["train", "--store", str(small_store), "--out", str(out), "--steps", "8", "--batch", "4",
+            "--draft-vocab", "64", "--checkpoint-every", "2"]
+    done, _ = _run(argv, fault=f"after_step:5:{sig}")
+    assert done.returncode == 128 + getattr(signal, sig), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"interrupted: the newest checkpoint in {out} is at step 4; rerun the same command to resume"), done.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002", "step-0000004"]
+    again, _ = _run(argv)
+    assert again.returncode == 0, again.stderr
+    assert "resuming from step 4 of 8" in again.stderr.splitlines()[0], again.stderr
+    assert re.search(r"steps\s+8 ", again.stdout), again.stdout
+
+
+def test_demo_rerun_warning_names_what_demo_accepts(tmp_path, capsys, caplog):
+    argv = ["demo", "--out", str(tmp_path), "--samples", "16", "--steps", "2", "--quiet"]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    caplog.clear()
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err + caplog.text
+    assert "--no-resume" not in err and f"remove {tmp_path} to start over" in err, err
+
+
+# -- every refusal in under a second ----------------------------------------------------------------------------
+def test_every_refusal_comes_in_under_a_second(world, tmp_path, partial_store):
+    """Each everyday mistake (test_mistakes.py's table, the refusals above) as a fresh process. A refusal over 1 s
+    is timed once more (a busy machine); the faster counts. The timings are printed (-s shows them)."""
+    from .test_mistakes import MISTAKES
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    (tmp_path / "not-a-store").mkdir(exist_ok=True)
+    (tmp_path / "empty.json").write_text(json.dumps({"benchmarks": []}))
+    world = dict(world, no_weights=str(tmp_path / "nope"), no_tok=str(tmp_path / "nope"))
+    cases = [(n, a) for n, a, _ in MISTAKES if "{no_" not in a] + [(n, a) for n, a, _ in OUT_OF_RANGE] + [
+        ("extract into a foreign folder", "extract --model {model} --data {data} --out {tmp}/mine"),
+        ("train on an incomplete store", f"train --store {partial_store} --out {{tmp}}/t"),
+    ]
+    timings = {}
+    for name, argv in cases:
+        for _ in range(2):
+            done, s = _run(argv.format(**world).split(), timeout=60)
+            assert done.returncode == 2, (name, done.stderr)
+            timings[name] = min(s, timings.get(name, s))
+            if s < 1.0:
+                break
+    print("\n".join(f"{s:6.3f} s  {n}" for n, s in sorted(timings.items(), key=lambda x: -x[1])))
+    assert max(timings.values()) < 1.0, timings
