@@ -127,6 +127,25 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_holder_frees_
     lk.release()
 
 
+def test_two_extractions_starting_into_one_new_folder_get_one_writer(tiny_kimi, small_data, tmp_path):
+    """The other process took the lock of a fresh folder first (it has not written its manifest yet): the library's
+    extraction, past every early check, is refused when it opens the store, before anything is written."""
+    from eagle3.store import lock as store_lock
+
+    out = tmp_path / "new"
+    out.mkdir()
+    holder = _hold_lock(out)
+    try:
+        cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(out), selfcheck=0,
+                                    data=DataConfig([str(small_data)], max_len=96, max_samples=4))
+        with pytest.raises(store_lock.StoreBusy, match=f"pid {holder.pid}"):
+            extract.run(cfg, progress=False)
+        assert not (out / "manifest.json").exists() and not (out / "shards").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_train_on_a_store_being_written_is_refused_naming_the_writer(small_store, tmp_path, capsys):
     from eagle3.train.train import TrainConfig, train
 
