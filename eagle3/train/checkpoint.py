@@ -3,9 +3,12 @@
     OUT/checkpoints/step-0000010/config.json, model.safetensors   the draft's weights in the training dtype
                                 optimizer.safetensors, optimizer.json  AdamW state tensors, param groups
                                 trainer_state.json                 step, loss history, config
+                                files.json                         each file above: bytes and xxh3_128, written last
     OUT/draft/                  the servable draft: bf16, no embedding, published atomically
 
-A checkpoint is written into .tmp-step-N, fsynced, then renamed: a folder named step-N is complete. Neither
+A checkpoint is written into .tmp-step-N, fsynced, then renamed: a folder named step-N is complete, and every
+file in it is checked against files.json before it is resumed from (a truncated or changed file makes the
+checkpoint torn: the one before it is used). Neither
 checkpoints nor the draft hold the token embedding: it is the target's, frozen; training reloads it from the
 target, and vLLM 0.26 shares the target's when the draft has none (llm_base_proposer._maybe_share_embeddings).
 For Kimi-K2.5 that is 163840 x 7168 (2.3 GB in bf16) not written per checkpoint.
@@ -27,6 +30,7 @@ log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
 CKPT_FILES = ("config.json", "model.safetensors", "optimizer.safetensors", "optimizer.json", "trainer_state.json")
+FILES = "files.json"  # {name: {"bytes": n, "checksum": "xxh3_128:..."}} of every file in CKPT_FILES
 # Parameters that come from the target and are never saved: verifier_* (training targets only) and the embedding.
 NOT_SAVED = ("verifier_lm_head.weight", "verifier_norm.weight", "embed_tokens.weight")
 
@@ -98,6 +102,7 @@ def save(out: Path, step: int, model, optimizer, trainer_state: dict,
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     (tmp / "optimizer.json").write_text(json.dumps(meta))
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+    (tmp / FILES).write_text(json.dumps({f: _fingerprint(tmp / f) for f in CKPT_FILES}, indent=1))
     _fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -106,12 +111,27 @@ def save(out: Path, step: int, model, optimizer, trainer_state: dict,
     return final
 
 
+def _fingerprint(path: Path) -> dict:
+    from eagle3.store.files import file_checksum
+
+    return {"bytes": path.stat().st_size, "checksum": file_checksum(path)}
+
+
 def complete(path: Path) -> bool:
-    """Every file present and readable (a torn or truncated checkpoint is skipped, not resumed from)."""
+    """Every file present, of the size and checksum files.json records (a torn, truncated or changed checkpoint
+    is skipped, not resumed from). A checkpoint from before files.json: every file present and readable."""
     from safetensors import safe_open
 
     if not all((path / f).is_file() for f in CKPT_FILES):
         return False
+    if (path / FILES).is_file():
+        try:
+            recorded = json.loads((path / FILES).read_text())
+            return set(recorded) == set(CKPT_FILES) and all(
+                (path / f).stat().st_size == recorded[f]["bytes"] and _fingerprint(path / f) == recorded[f]
+                for f in CKPT_FILES)
+        except (ValueError, KeyError, TypeError, OSError):
+            return False
     try:
         for f in ("model.safetensors", "optimizer.safetensors"):
             with safe_open(str(path / f), framework="pt"):  # refuses a file shorter than its header says
@@ -178,6 +198,13 @@ def publish(ckpt: Path, out: Path, dtype: str = "bfloat16", serve_tps=()) -> Pat
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    from eagle3.train.draft import DraftShapeError
+    from eagle3.train.vllm_reads import problems
+
+    wrong = problems(tmp)
+    if wrong:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DraftShapeError(f"{ckpt}: vLLM 0.26 would build another draft than these weights: {'; '.join(wrong)}")
     _fsync_tree(tmp)
     old = Path(out) / ".old-draft"
     shutil.rmtree(old, ignore_errors=True)

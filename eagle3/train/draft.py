@@ -160,8 +160,12 @@ def speculators_config(shape: DraftShape, aux_layer_ids: Sequence[int], draft_vo
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
+    layer = shape.llama_config(attn_implementation)
+    # vLLM 0.26 sizes the drafter's fc for 3 aux states unless the layer config says otherwise
+    # (llama_eagle3.py:176-182; eagle3/train/vllm_reads.py): say it always
+    layer.num_aux_hidden_states = len(aux_layer_ids)
     return Eagle3SpeculatorConfig(
-        transformer_layer_config=shape.llama_config(attn_implementation),
+        transformer_layer_config=layer,
         draft_vocab_size=draft_vocab_size,
         norm_before_residual=norm_before_residual,
         target_hidden_size=shape.hidden_size,

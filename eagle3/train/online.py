@@ -105,7 +105,17 @@ class Spool:
 
     # -- accounting
     def files_bytes(self) -> int:
-        return sum(p.stat().st_size for p in (self.store.root / SHARDS).iterdir() if p.is_file())
+        """The shards folder's file sizes summed. The extraction renames and frees files meanwhile: a file listed
+        and gone before its size is read makes the listing stale, so it is taken again (a rename may have put the
+        same bytes under a name the stale listing lacks)."""
+        folder = self.store.root / SHARDS
+        for _ in range(100):
+            try:
+                return sum(e.stat().st_size for e in os.scandir(folder) if e.is_file())
+            except FileNotFoundError:
+                if not folder.exists():
+                    return 0
+        raise StoreError(f"spool {self.store.root}: its shards folder changed under 100 listings in a row")
 
     def _measure(self) -> None:
         self.peak = max(self.peak, self.committed + self.reserved)

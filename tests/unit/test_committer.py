@@ -36,7 +36,7 @@ def test_the_next_batch_is_computed_while_the_previous_commit_runs(tiny_kimi, sm
     def slow_commit(self, infos, fsync=True, fault=None):
         if infos and not in_commit.is_set():
             in_commit.set()  # the first batch's commit holds until the loop computes the next batch
-            assert overlapped.wait(5), "the loop waited for the commit before computing the next batch"
+            assert overlapped.wait(60), "the loop waited for the commit before computing the next batch"
         commit(self, infos, fsync, fault)
 
     def watched_capture(self, batch):
@@ -83,7 +83,7 @@ class Recorder:
     def commit(self, infos, fsync=True, fault=None):
         if self.hold in infos:
             self.entered.set()
-            assert self.gate.wait(5), "the test never released the held commit"
+            assert self.gate.wait(60), "the test never released the held commit"
         if "bad" in infos:
             raise StoreError("planted")
         self.got.append(list(infos))
@@ -96,10 +96,10 @@ def test_batches_queued_behind_a_slow_commit_go_into_one_manifest_write_and_the_
     rec = Recorder(hold="a")
     c = BackgroundCommitter(rec)
     c.commit(["a"])
-    assert rec.entered.wait(5)
+    assert rec.entered.wait(60)
     t = threading.Thread(target=lambda: [c.commit([x]) for x in "bcdef"])
     t.start()
-    t.join(2)
+    t.join(30)  # returns as soon as the five commits are queued; a loop that waits is held until the gate opens
     blocked = t.is_alive()
     rec.gate.set()
     t.join()
@@ -118,7 +118,7 @@ def test_nothing_is_committed_after_a_failed_commit():
             break
         threading.Event().wait(0.01)
     c.commit(["bad"])
-    assert rec.entered.wait(5)
+    assert rec.entered.wait(60)
     c.commit(["c"])  # queued while the failing commit runs: the loop cannot know yet
     rec.gate.set()
     for _ in range(100):  # the failure reaches the loop at its next commit (or at close)

@@ -310,3 +310,84 @@ def test_a_reservation_that_fills_the_spool_exactly_does_not_wait(tiny_kimi, tmp
     alive = filled.is_alive()
     spool.close()  # a producer still waiting gets SpoolClosed
     assert not alive and spool.reserved == 1000
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_each_reservation_covers_its_shard_file_by_exactly_the_margin_the_header_needs(setup, tiny_kimi, tmp_path,
+                                                                                       monkeypatch, batch):
+    """The bound, exactly, from file sizes: a shard file is its samples' bytes (sample_bytes, exact) plus one
+    offset, plus its safetensors header. The producer reserves the samples' bytes plus SHARD_MARGIN before the
+    shard exists, since the header's size (sample ids) is known only then: that margin is the only slack, by
+    design. A reservation without it is smaller than the file it stands for, and the bound would not hold."""
+    samples, backend, ex = setup
+    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    reserved, shards = [], []
+    real_reserve, real_commit = online.Spool.reserve, online.Spool.commit
+
+    def reserve(self, nbytes):
+        reserved.append(nbytes)
+        return real_reserve(self, nbytes)
+
+    def commit(self, infos, released):
+        for info in infos:
+            path = self.store.root / info.file
+            header = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+            shards.append((info, path.stat().st_size, header))
+        return real_commit(self, infos, released)
+
+    monkeypatch.setattr(online.Spool, "reserve", reserve)
+    monkeypatch.setattr(online.Spool, "commit", commit)
+    res = online.run(_cfg(tmp_path / "spool", tmp_path / "run", max_steps=4), ex, samples, _capacity(tiny_kimi, batch),
+                     backend=backend, extract_batch=batch, progress=False)
+    assert res.train.steps == 4 and len(shards) == len(reserved) > 1
+    for nbytes, (info, size, header) in zip(reserved, shards):
+        data = info.num_tokens * (spec.bytes_per_token + 5) + 8 * info.num_samples  # sum of sample_bytes
+        assert size == info.bytes == header + data + 8  # + the offsets tensor's leading 0
+        assert nbytes == data + online.SHARD_MARGIN
+        assert nbytes >= size, (nbytes, size)  # the reservation stands for the whole file
+        assert nbytes - size == online.SHARD_MARGIN - header - 8  # the designed slack, and nothing else
+
+
+def test_a_file_renamed_between_listing_and_size_is_counted_once_not_an_error(tiny_kimi, tmp_path, monkeypatch):
+    """Seen under load: files_bytes listed the shards folder, then the extraction renamed a .tmp-shard away before
+    its size was read (FileNotFoundError in the kill-9 test). Here the rename happens exactly there, once."""
+    import os
+
+    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    spool = online.Spool(tmp_path / "spool", spec, capacity=10**6, fsync=False)
+    shards = tmp_path / "spool" / "shards"
+    (shards / "shard-000000.safetensors").write_bytes(b"x" * 100)
+    (shards / ".tmp-shard-000001.safetensors").write_bytes(b"y" * 30)
+    real_scandir, real_listdir, renamed = os.scandir, os.listdir, []
+
+    def rename_once():
+        if not renamed:
+            os.replace(shards / ".tmp-shard-000001.safetensors", shards / "shard-000001.safetensors")
+            renamed.append(True)
+
+    class Renaming:  # the listing is taken, then the writer's rename lands before the sizes are read
+        def __init__(self, path="."):
+            self.entries = list(real_scandir(path))
+            rename_once()
+
+        def __iter__(self):
+            return iter(self.entries)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    def listdir(path="."):
+        names = real_listdir(path)
+        rename_once()
+        return names
+
+    monkeypatch.setattr(os, "scandir", Renaming)  # whichever listing files_bytes uses
+    monkeypatch.setattr(os, "listdir", listdir)
+    got = spool.files_bytes()
+    monkeypatch.undo()
+    assert got == 130 and renamed
+    spool.close()
+    spool.store.release()

@@ -212,3 +212,34 @@ def test_every_epoch_takes_every_sample_once_in_its_own_order(golden_store):
     assert all(sorted(order) == list(range(8)) for order in epochs)
     assert len({tuple(order) for order in epochs}) == 3
     assert samples.batch(0, 2, 4) == StoreSamples(Store.open(golden_store("float32")), seed=5).batch(0, 2, 4)
+
+
+@pytest.mark.parametrize("store_dtype", ["float32", "bfloat16"])
+def test_the_trainer_reads_states_at_the_store_s_precision_not_float16(tiny_kimi, tmp_path, store_dtype):
+    """Real states pass 65504 (float16's largest: Inf there) and fall below its precision; the golden data above is
+    exact in float16. Here every value is exact in the store's dtype and lost in float16: a reader that casts to
+    float16 anywhere on the way to the model's inputs changes them."""
+    spec = extract.store_spec(tiny_kimi, IDS, store_dtype)
+    store = Store.open(tmp_path, spec, create=True, fsync=False)
+    writer = ShardWriter(tmp_path, spec, 0, shard_samples=2, fsync=False)
+    dtype = getattr(torch, store_dtype)
+    extremes = torch.tensor([1e5, -3e5, 2.0**-30, 1e30, 70000.0, -2.0**-25] if store_dtype == "bfloat16" else
+                            [1e5, -3e5, 2.0**-30, 1e30, 1 + 2.0**-20, 65519.0])
+    assert torch.isinf(extremes.half()).any() and not torch.equal(extremes.half().float(), extremes.to(dtype).float())
+    written = {}
+    for s in range(2):
+        states = torch.randn(len(IDS), 6, H) * 10
+        states[:, :, : len(extremes)] = extremes * (s + 1)
+        states = states.to(dtype)
+        written[f"s{s}"] = states
+        writer.add(f"s{s}", torch.arange(6), torch.ones(6, dtype=torch.uint8), states)
+    store.commit(writer.flush(), fsync=False)
+    samples = StoreSamples(Store.open(tmp_path))
+    for i in range(len(samples)):
+        x = samples.get(i)
+        want = written[x["sample_id"]].float()  # [n_layers, T, H]
+        assert torch.equal(x["aux"].float(), want[:-1].permute(1, 0, 2).reshape(6, -1))
+        assert torch.equal(x["last"].float(), want[-1])
+        inputs = model_inputs([x], "cpu", torch.float32)
+        assert torch.equal(inputs["hidden_states"][0], want[:-1].permute(1, 0, 2).reshape(6, -1)[:-1])
+        assert torch.equal(inputs["verifier_last_hidden_states"][0], want[-1][1:])
