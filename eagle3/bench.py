@@ -34,7 +34,7 @@ def regression(record: Record, baselines: dict[str, dict], disks: dict[str, floa
     """A message when the record is more than the profile's margin below its baseline, else None. A disk-bound
     figure (disk_of) is read at ``disks``, its run's disk bandwidth ({"fsync" | "page_cache": bytes/s}): where
     that is below the baseline's own (its ``disk_bytes_per_s``), the baseline scales down with it. A slower disk
-    is the host's, not a regression (session 17: the fsynced store 25,836 tok/s at 1.39 GB/s, 1.06x its limit,
+    is the host's, not a regression (the 6b3715c run: the fsynced store 25,836 tok/s at 1.39 GB/s, 1.06x its limit,
     against 33,136 at 1.88 GB/s); a faster one leaves the baseline as it is."""
     base = baselines.get(record.profile)
     if not base or record.key not in base["tokens_per_s"]:
@@ -56,15 +56,24 @@ def regression(record: Record, baselines: dict[str, dict], disks: dict[str, floa
 def _files(paths: Iterable[str | Path]) -> list[Path]:
     out = []
     for p in map(Path, paths):
-        out += sorted(p.rglob("*.json")) if p.is_dir() else [p]
+        out += sorted([*p.rglob("*.json"), *p.rglob("*.json.gz")]) if p.is_dir() else [p]
     return out
 
 
+def read_json(path: Path):
+    """A JSON file, or a gzipped one (results/ keeps pytest-benchmark JSON as FILE.json.gz)."""
+    import gzip
+
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.name.endswith(".gz") else raw)
+
+
 def _entries(paths: Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
-    """(run, extra_info) of every pytest-benchmark entry in the files (folders: every JSON below them)."""
+    """(run, extra_info) of every pytest-benchmark entry in the files (folders: every JSON or JSON.gz below
+    them)."""
     for f in _files(paths):
         try:
-            data = json.loads(f.read_text())
+            data = read_json(f)
         except (OSError, ValueError):
             continue
         for b in data.get("benchmarks", []) if isinstance(data, dict) else []:
@@ -139,7 +148,7 @@ def warm_steps(step_tokens: Iterable[int], config_of: Callable[[int], object] | 
     every size where config_of is None. vLLM compiles its Triton MoE kernel once per config, which it picks by a
     step's token count (the nearest key of a tuned grid: 2,048 and 3,072 tokens share one config, 512 and 4,096
     another), about 1.4 s at the first step that meets one. On the H200, kimi-depth's figures met one inside
-    their timed loop in sessions 11, 16 and 17 (that quarter 14-20% slow: session 17's fsynced store 0.936x plain,
+    their timed loop in the ffdd6a0, 8ec8ff9 and 6b3715c runs (that quarter 14-20% slow: the 6b3715c run's fsynced store 0.936x plain,
     against 0.99x in its other quarters); a warm-up of one step per config takes it out of the clock."""
     sizes = sorted(set(step_tokens))
     if config_of is None:
@@ -237,7 +246,7 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
         reg = regression(r, baselines, disks.get((r.run, r.profile)))
         vs_plain = f"{r.tokens_per_s / p:.2f}x" if p else "-"
         vs_base = f"{r.tokens_per_s / base:.2f}x" if base else "-"
-        # (max - min) / median of the figure's rate per quarter of its batches (GPU benchmark, since session 7)
+        # (max - min) / median of the figure's rate per quarter of its batches (GPU benchmark, since the 90b2d70 run)
         spread = f"{r.extra['spread']:.1%}" if r.extra.get("spread") is not None else "-"
         lines.append(f"| {r.run} | {r.profile} | {r.key} | {r.tokens_per_s:,.0f} | {per_gpu(r):,.0f} | {vs_plain} | "
                      f"{vs_base} | {'YES: ' + reg if reg else 'no'} | {spread} |")

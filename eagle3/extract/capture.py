@@ -89,7 +89,7 @@ def pack_announcement(samples) -> tuple[list[str], list[int], bytes, bytes]:
     """A batch's announcement as the RPC carries it: sample ids, lengths, every input id as int32 bytes and every
     loss-mask value as uint8 bytes, in sample order. A few objects a sample: sent as two Python ints a token, a
     64x512 batch cost 6.3 ms to build, pickle and unpack into tensors while the engine idled; packed, 1.6 ms
-    (measured on a 2-core CPU machine, session 8; 4 ms of the 6.3 were the worker's torch.tensor of each list)."""
+    (measured on a 2-core CPU machine, 2026-12-03; 4 ms of the 6.3 were the worker's torch.tensor of each list)."""
     lengths = [len(s.input_ids) for s in samples]
     n = sum(lengths)
     ids = np.fromiter(chain.from_iterable(s.input_ids for s in samples), dtype=np.int32, count=n)
@@ -547,7 +547,7 @@ class Capturer:
             0 if scales is None else scales.numel() * scales.element_size())
         # The consumer issues the copies once the stage is computed, not the forward now: a device-to-host copy
         # issued here would sit ahead of the engine's own small copies of this step (sampled-token counts, on
-        # other streams), which its next step waits for, in the copy engine's queue (session 6 on the H200: the
+        # other streams), which its next step waits for, in the copy engine's queue (the 118974b run on the H200: the
         # null sink lost ~the copies' time, 1.3 s per 60 GB, with the forward never waiting on the capture).
         sources = [t for t in (staged, scales) if t is not None]
         self.queue.put((ready, sources, copies, arrivals, host))

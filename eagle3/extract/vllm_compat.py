@@ -93,8 +93,8 @@ def supports_direct_capture() -> bool:
 
 def pick_strategy(requested: str) -> str:
     """auto: direct where the runner can be wrapped (a plain engine: async scheduling, which vLLM 0.26 refuses
-    extract_hidden_states; on the H200, session 11, its engine with nothing copied ran at 0.905x plain, aux's at
-    0.845x in session 7), else aux, else hooks."""
+    extract_hidden_states; on the H200, the ffdd6a0 run, its engine with nothing copied ran at 0.905x plain, aux's at
+    0.845x in the 90b2d70 run), else aux, else hooks."""
     if requested == "auto":
         if supports_direct_capture():
             return "direct"
@@ -116,7 +116,7 @@ def prepare_environment(log_level: str | None = None) -> None:
     - vLLM's own top-p/top-k sampler instead of FlashInfer's (unless the user chose): extraction samples one greedy
       token, which never uses either, but the engine warms FlashInfer's up at start, JIT-compiling it on a host
       without flashinfer's jit-cache wheel (the H200 host; suspected in the 128 s between "Initial profiling/warmup
-      run" and the CUDA-graph profile of a fresh host's first engine start, session 9's log; not yet shown)."""
+      run" and the CUDA-graph profile of a fresh host's first engine start, the 6e3f68b run's log; not yet shown)."""
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")

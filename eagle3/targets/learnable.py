@@ -29,7 +29,7 @@ LEARNABLE = TargetProfile(
                    tie_word_embeddings=False, hidden_act="silu"),
 )
 TRAIN_SEED, HELD_OUT_SEED = 100, 999  # conversation seeds: training text vs evaluation prompts
-# Held-out prompts to serve a draft on when two drafts' acceptance is compared against a bar of 0.05. Session 16
+# Held-out prompts to serve a draft on when two drafts' acceptance is compared against a bar of 0.05. The 8ec8ff9 run
 # served 64 (~9 answer tokens each): 162 drafts, a standard error of ~0.05 on each acceptance, the size of the bar
 # itself (3.764 fp8 vs 3.821 bf16 could not be told apart). 1024 give ~2,600 drafts: ~0.013 each, ~0.018 on a
 # difference of two.

@@ -4,7 +4,7 @@
 
 vLLM's JIT monitor logs, from the engine's process, "Triton kernel JIT compilation during inference: NAME" with
 the wall time; each figure's report entry (sustained[KEY]) holds its clock's wall times (timed_clock, HH:MM:SS).
-A compile inside a clock costs ~1.4 s of it (session 17: kimi-depth's fsynced store, 0.936x plain). Prints a line
+A compile inside a clock costs ~1.4 s of it (the 6b3715c run: kimi-depth's fsynced store, 0.936x plain). Prints a line
 per figure and exits 1 where any figure had one. Without jit_monitor_verbose vLLM logs only each engine's first
 compile (warning_once), and the check says so; with it, every compile and its constexprs (shown for a hit).
 The benchmark's acceptance test applies the same check itself (test_bench_extract.jit_in_clocks, the log named by

@@ -11,7 +11,7 @@ Then the capture itself (eagle3.extract.capture.Capturer, host mode: the null si
 engine, with async scheduling (step N+1 is launched before the host waits for step N's tokens) and a batch
 boundary every 3 steps (LLM.generate returns once every step's tokens are on the host): no capture, a step's
 copies issued at once (copy_chunk_bytes 0), and in chunks with at most two queued (the default and 16 MiB).
-`ms_per_step` over no capture's is what the capture costs the engine (64x512 on the H200, session 9: host 0.90x
+`ms_per_step` over no capture's is what the capture costs the engine (64x512 on the H200, the 6e3f68b run: host 0.90x
 count with copies issued at once).
 """
 

@@ -1,6 +1,6 @@
 """Every thread's Python stack written to a file at a fixed period, for long GPU tests: a slow or stuck run says
 where it is. A Python thread takes each dump under the GIL (sys._current_frames), so every frame it reads is
-whole. faulthandler.dump_traceback_later reads other threads' frames without the GIL: on the H200 (session 14)
+whole. faulthandler.dump_traceback_later reads other threads' frames without the GIL: on the H200 (the 73a4e94 run)
 it crashed the online test twice with SIGSEGV in the middle of a dump, while the main thread trained (a known
 CPython crash: python/cpython#131580, #116008, #140815)."""
 

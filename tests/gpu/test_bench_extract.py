@@ -20,7 +20,7 @@ as in a long run.
                    aux states: async scheduling kept); the acceptance is asserted on these where auto picks direct
     count_gil_direct  count_direct with a GilSampler in the worker (a thread waking every 2 ms: how late the
                    engine's threads get the GIL, in capture_timing's gil); against count_direct, what that costs.
-                   Session 11 ran it in every eagle3 mode and in no plain one; now only _gil sinks run it
+                   The ffdd6a0 run ran it in every eagle3 mode and in no plain one; now only _gil sinks run it
                    (a sink's variants: eagle3.bench.loop_options)
     store          eagle3 aux capture into the shard store, fsynced and committed (extract.run's loop)
     store_nofsync  the same into the page cache
@@ -41,14 +41,14 @@ Each store figure reports the main loop's time per phase (loop_timing: submit sp
 commit, finish; the committer's manifest writes and the window's unlinks) and every figure the page cache's peak
 dirty and writeback sizes (dirty_max_GB, writeback_max_GB) and its rate in each quarter of the batches with their
 spread (bench_summary's spread_within_run: read ratios closer than that as equal).
-Session 6 on the H200 (mini-Kimi 64x512; results/h200-vllm0.26.0-session6/): d2h 55 GB/s, so the "13 GB/s
-limit" read of sessions 4-5 was wrong. In one run: plain 326,360; host 269,139 (0.82x) with the copies issued by
+The 118974b run on the H200 (mini-Kimi 64x512; results/2026-12-03-118974b-h200-vllm0.26.0/): d2h 55 GB/s, so the "13 GB/s
+limit" read of the 3cf512b and e41ccad runs was wrong. In one run: plain 326,360; host 269,139 (0.82x) with the copies issued by
 the capture's consumer vs 230,510 (0.71x) issued by the forward (tests/gpu/probe_d2h_interference.py: a big
 device-to-host copy delays the engine's small one behind it by ~the copy's time; chunks and stream priority do
 not help); the fsynced store 31,186 tok/s committed in the loop (25.5 of 33.6 s in commit: 0.85x of the fsync
 limit) vs 35,948 (0.98x) committed by a thread, now extract.run's BackgroundCommitter. Another run, same host:
-store_nofsync 178,414 vs vllm_ehs 180,664 (0.99x; its commits were still in the loop, 1.6 s). Session 7
-(results/h200-vllm0.26.0-session7/): kimi-depth for the first time, fsynced store 7,392 vs plain 8,153 (0.907x,
+store_nofsync 178,414 vs vllm_ehs 180,664 (0.99x; its commits were still in the loop, 1.6 s). The 90b2d70 run
+(results/2026-12-03-90b2d70-h200-vllm0.26.0/): kimi-depth for the first time, fsynced store 7,392 vs plain 8,153 (0.907x,
 8 batches); mini-Kimi count 0.845x and host 0.825x plain.
 """
 
@@ -112,7 +112,7 @@ BATCHES = int(os.environ.get("EAGLE3_BENCH_BATCHES", "32"))
 MODES = _narrowed("EAGLE3_BENCH_MODES", sorted(KNOWN_MODES))
 WARMUP = 2
 # a figure whose BATCHES batches take less than MIN_SECONDS runs on, up to MAX_BATCHES (the same prompts, more of
-# them): mini-Kimi's 32 batches of 64x512 took 4 s in session 11, where a ratio of 0.877 against 0.90 sat within
+# them): mini-Kimi's 32 batches of 64x512 took 4 s in the ffdd6a0 run, where a ratio of 0.877 against 0.90 sat within
 # plain's own spread of 6.8%
 MIN_SECONDS = float(os.environ.get("EAGLE3_BENCH_MIN_SECONDS", "15"))
 MAX_BATCHES = 4 * BATCHES
@@ -291,7 +291,7 @@ def _quarters(t0: float, ends: list[float], tokens_per_batch: int) -> dict:
 class _PageCache:
     """The largest dirty and under-writeback page-cache sizes (GB, /proc/meminfo every 0.25 s) while a figure is
     measured: a page-cache mode whose files reach the kernel's dirty limits is written back to the disk, and an
-    unlink of a file under writeback waits for it (the session-7 suspect for store_nofsync's 0.37x vllm_ehs)."""
+    unlink of a file under writeback waits for it (the 90b2d70 run's suspect for store_nofsync's 0.37x vllm_ehs)."""
 
     def __init__(self, meminfo: str = "/proc/meminfo"):
         self.meminfo = meminfo
@@ -335,7 +335,7 @@ class _Window:
     (on ext4 an unlink of a file under writeback waits for the disk). The folder's bytes count files not yet
     committed, too (shards written or being written): vLLM's connector hands over its files as it opens them,
     our store its shards once committed, and counting only what was handed over let the store keep 4 GB more
-    in the page cache than vllm_ehs, past the kernel's writeback threshold (session 11: 21 GB dirty against
+    in the page cache than vllm_ehs, past the kernel's writeback threshold (the ffdd6a0 run: 21 GB dirty against
     9 GB). ``drain`` waits for the thread (before reading or removing the folder); ``unlink_s`` is its busy
     time; ``max_kept`` the folder's largest size seen after an unlink round."""
 
@@ -400,7 +400,7 @@ def _dirty_background_bytes(vmstat: str = "/proc/vmstat") -> int | None:
 def _disk_window(vmstat: str = "/proc/vmstat") -> int:
     """What a window keeps: DISK_WINDOW, or a third of the background writeback threshold if that is less. With 8
     GiB on the H200 (threshold ~12 GB) vllm_ehs peaked at 12.09 GB dirty and the page-cache store crossed it
-    (session 13): once the oldest files are under writeback their unlinks wait on the disk and the folder grows
+    (the 0ccc20f run): once the oldest files are under writeback their unlinks wait on the disk and the folder grows
     (40 GB, 0.23x vllm_ehs). The page-cache figures measure the sinks, not which one tips the kernel first."""
     threshold = _dirty_background_bytes(vmstat)
     return DISK_WINDOW if threshold is None else min(DISK_WINDOW, threshold // 3)
@@ -421,7 +421,7 @@ def _folder_bytes(folder: Path) -> int:
 def _common_engine_args(target) -> dict:
     """The benchmark's own engines (plain, vllm_ehs): in the environment the capture's engines start in (spawned
     workers, the V1 runner, vLLM's sampler: vllm_compat.prepare_environment), else a forked worker of an engine
-    started after the driver touched CUDA dies (session 13, kimi-depth's plain)."""
+    started after the driver touched CUDA dies (the 0ccc20f run, kimi-depth's plain)."""
     vllm_compat.prepare_environment()
     return dict(model=str(target.path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN,
                 max_num_batched_tokens=MAX_BATCHED_TOKENS, skip_tokenizer_init=True, load_format=target.load_format,
@@ -755,7 +755,7 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
     ``capture``'s modes (the strategy extraction uses by default); the summary's ``acceptance`` gives every
     strategy's failures, the others' as information. ``peaks`` (PEAKS) lets a page-cache figure's failure say
     whether the kernel wrote back while it ran. ``jit`` (jit_in_clocks): figure -> kernels compiled inside its
-    clock; a target resting on such a figure fails (session 18's kimi-depth passed on a plain figure that did)."""
+    clock; a target resting on such a figure fails (the 8ff3dae run's kimi-depth passed on a plain figure that did)."""
     summary = {"profile": profile, "vllm": _vllm_version(), "bytes_per_token": bpt, "batches": BATCHES,
                "modes": sorted(MODES) if MODES else "all", "tokens_per_s": dict(results)}
     disk = {k: results.get(f"disk_bytes_per_s[{k}]") for k in ("fsync", "page_cache")}
@@ -813,7 +813,7 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
 
 
 def _writeback(store: dict | None, ehs: dict | None) -> str:
-    """Why a page-cache store figure may be low: the kernel wrote back while it ran (sessions 13 and 15: the
+    """Why a page-cache store figure may be low: the kernel wrote back while it ran (the 0ccc20f and 9f3c587 runs: the
     store's folder outgrew the background threshold, and its unlinks then waited on the disk). "" if it did not."""
     if not store or not store["writeback_max_GB"]:
         return ""

@@ -5,7 +5,7 @@ training -> vLLM `speculative_config={"method": "eagle3"}` with k = 3.
 No acceptance threshold: with random weights the target's next token carries little that a draft can learn.
 What must hold: vLLM loads the bf16, embedding-free export; the drafter shares the target's embedding; the
 RoPE vLLM applies to the draft is the one it was trained with; greedy outputs equal the target's alone wherever
-the target is decided. Measured on the H200 (session 2): only 25% of 32 random-token prompts gave identical
+the target is decided. Measured on the H200 (the 18bea75 run): only 25% of 32 random-token prompts gave identical
 32-token outputs with acceptance 0 (no draft token accepted, so the draft cannot have changed them): verifying
 k+1 tokens at once runs the target's MLA and MoE kernels at another shape than one token per step, and a
 random-weight target's top logits are often within bf16 noise of each other. So a divergence must start at a

@@ -15,10 +15,10 @@ with speculative_config method eagle3 and k = 3 on held-out prompts.
 - fp8 states (issue 14): the same samples stored as e4m3 + scales, a draft trained on them with seed 0: its
   acceptance within 0.05 of the bf16 seed-0 draft; bytes and the states' error against bf16 reported. The gap is
   judged only where the measurement decides it (evaluate.gap_verdict: an error of at most 0.025, or a gap past
-  the bar by more than 2 errors). In session 16, on 64 prompts, 3.764 fp8 vs 3.821 bf16 missed the bar by 0.007 with a
+  the bar by more than 2 errors). In the 8ec8ff9 run, on 64 prompts, 3.764 fp8 vs 3.821 bf16 missed the bar by 0.007 with a
   standard error of 0.08 on the gap: undecided.
-  Its own test since session 4 (`-k fp8` runs the shared chain + it); PASSED on the H200 in session 5: 3.846 fp8
-  vs 3.810 bf16, 0.509 of the bytes (results/h200-vllm0.26.0-session5/).
+  Its own test since the 3cf512b run (`-k fp8` runs the shared chain + it); PASSED on the H200 in the e41ccad run: 3.846 fp8
+  vs 3.810 bf16, 0.509 of the bytes (results/2026-12-03-e41ccad-h200-vllm0.26.0/).
 - Speedup is reported with both engines eager; on a 8-layer, hidden-256 target the draft costs about as much as
   the target, so the figure says nothing about a large target.
 """

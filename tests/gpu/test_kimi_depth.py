@@ -9,7 +9,7 @@ initialize_dummy_weights): all layers share weights and norm weights of ~1e-3 sh
 bf16 resolution of the residual, so on plain dummy weights ids 2 and 30 came back equal to 1.3e-6 (H200, session
 3). The fixture sets every decoder layer's RMSNorm weight to 1 (VLLMBackend.unit_norms) so the layers' updates
 are visible (then 5.6 % between ids 58 and 61). The final norm keeps its dummy weights: with a unit final norm
-RMSNorm is idempotent, and a post-norm state passed the self-check like the right one (seen in session 3)."""
+RMSNorm is idempotent, and a post-norm state passed the self-check like the right one (seen in the 78b99bc run)."""
 
 from __future__ import annotations
 

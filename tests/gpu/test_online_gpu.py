@@ -7,16 +7,16 @@ store's size; both drafts are served with k = 3 on the same held-out prompts.
   differ only by the engine's batch composition, a few bf16 ulps of the states);
 - tokens/s of the whole online run against extraction + training offline, in the same process;
 - the spool's peak bytes (its own accounting and the files), below its capacity.
-Session 4 on the H200: the first run stopped at the test's own spool size (smaller than two extraction batches of
+The 3cf512b run on the H200: the first run stopped at the test's own spool size (smaller than two extraction batches of
 64); the second ran 13 min without finishing before the device time ran out, unseen inside (pytest held the
 output). Then found on CPU: on the vLLM path a batch's last shard stayed open (or unreported) until the next batch,
 so the online spool was cut at the longest sample (one fsynced shard and two manifest rewrites per ~1 sample) and
 a tight spool could wait forever. Now one sealed shard per extraction batch; each phase's time goes to report.json
 as it ends, and every thread's stack to online-stacks.txt every 120 s, so a slow or stuck run says where it is
-(tests/gpu/stacks.py since session 14: faulthandler's dumps, which read other threads' frames without the GIL,
+(tests/gpu/stacks.py since the 73a4e94 run: faulthandler's dumps, which read other threads' frames without the GIL,
 crashed this test twice on the H200 with SIGSEGV mid-dump).
-Session 5 on the H200: PASSED in 522 s (acceptance 3.586 online and offline, 3,267 vs 3,327 tok/s, spool peak
-67.6 of 67.7 MB; results/h200-vllm0.26.0-session5/).
+The e41ccad run on the H200: PASSED in 522 s (acceptance 3.586 online and offline, 3,267 vs 3,327 tok/s, spool peak
+67.6 of 67.7 MB; results/2026-12-03-e41ccad-h200-vllm0.26.0/).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU host: wait up to $1 seconds for the background campaign, show progress, copy results into $OUT.
 # It returns at once where there is nothing to wait for: a host without the campaign (the lent one was taken back
-# between two polls and this call started a fresh one: session 19 waited 560 s there), or a campaign no longer running.
+# between two polls and this call started a fresh one: the 288d049 run waited 560 s there), or a campaign no longer running.
 limit=${1:-540}; C=${CAMPAIGN:-/tmp/campaign}; t=0
 for _ in 1 2 3 4 5; do [ -d "$C" ] && break; sleep 1; done  # a campaign started a moment ago makes it at once
 if [ ! -d "$C" ]; then

@@ -28,8 +28,8 @@ def test_bundled_baselines_have_both_profiles():
 
 
 # The bundled baselines move with every acceptance run (--update-baselines). Tests that replay an old run against
-# the baseline of its day read a frozen copy: session 16's h200-mini-kimi (fsync 1.88 GB/s beside its figures).
-SESSION16 = Path(__file__).parent / "data" / "baselines-session16"
+# the baseline of its day read a frozen copy: the 8ec8ff9 run's h200-mini-kimi (fsync 1.88 GB/s beside its figures).
+FROZEN_BASELINE = Path(__file__).parent / "data" / "baselines-2026-12-04-8ec8ff9"
 
 
 def test_regression_fires_only_below_the_margin():
@@ -42,14 +42,14 @@ def test_regression_fires_only_below_the_margin():
 
 
 def test_a_disk_bound_figure_is_read_at_its_own_run_s_disk_bandwidth(tmp_path):
-    """Session 17: the fsynced store reached 25,836 tok/s, 1.06x its limit at that host's fsync bandwidth (1.39
-    GB/s), and was flagged as a regression against session 16's 33,136, measured at 1.88 GB/s. A slower disk is
+    """The 6b3715c run: the fsynced store reached 25,836 tok/s, 1.06x its limit at that host's fsync bandwidth (1.39
+    GB/s), and was flagged as a regression against the 8ec8ff9 run's 33,136, measured at 1.88 GB/s. A slower disk is
     the host's: the baseline scales down with the bandwidth the same run measured. A faster disk, a figure that
     is not disk-bound, or a run without a disk figure keep the baseline as it is."""
-    base = bench.load_baselines(SESSION16)
+    base = bench.load_baselines(FROZEN_BASELINE)
     mk = base["h200-mini-kimi"]
-    assert mk["disk_bytes_per_s"]["fsync"] == 1876157240  # session 16's, beside the figures measured on it
-    slow = {"fsync": 1393067797.0, "page_cache": 21566674429.0}  # session 17's host
+    assert mk["disk_bytes_per_s"]["fsync"] == 1876157240  # the 8ec8ff9 run's, beside the figures measured on it
+    slow = {"fsync": 1393067797.0, "page_cache": 21566674429.0}  # the 6b3715c run's host
     store = bench.Record("r", "h200-mini-kimi", "store_direct/64x512", 25836.0, {})
     assert bench.regression(store, base, slow) is None
     assert "below the baseline 33,136 minus 15%" in bench.regression(store, base)  # no disk figure: as it was
@@ -66,7 +66,7 @@ def test_a_disk_bound_figure_is_read_at_its_own_run_s_disk_bandwidth(tmp_path):
         for k, info in {"store_direct/64x512": {"key": "store_direct/64x512", "tokens_per_s": 25836},
                         "disk": {"key": "disk_fsync/4x4x512MiB", "bytes_per_s": slow["fsync"]}}.items()]}
     (tmp_path / "h.json").write_text(json.dumps(data))
-    md, _ = bench.report([tmp_path / "h.json"], tmp_path / "r", baselines_dir=SESSION16)
+    md, _ = bench.report([tmp_path / "h.json"], tmp_path / "r", baselines_dir=FROZEN_BASELINE)
     assert "| store_direct/64x512 | 25,836 | 25,836 | - | 0.78x | no |" in md.read_text()
 
 
@@ -78,11 +78,11 @@ def test_updated_baselines_keep_the_disk_bandwidth_their_figures_were_measured_a
     (tmp_path / "h.json").write_text(json.dumps(run))
     folder = tmp_path / "base"
     folder.mkdir()
-    (folder / "m.json").write_text((SESSION16 / "h200-mini-kimi.json").read_text())
+    (folder / "m.json").write_text((FROZEN_BASELINE / "h200-mini-kimi.json").read_text())
     bench.update_baselines(iter([tmp_path / "h.json"]), folder)  # an iterator: read twice, records and disks
     new = json.loads((folder / "m.json").read_text())
     assert new["tokens_per_s"]["store_direct/64x512"] == 25836
-    # fsync from this run; page_cache from session 16's run, whose page-cache figures this run did not replace
+    # fsync from this run; page_cache from the 8ec8ff9 run, whose page-cache figures this run did not replace
     assert new["disk_bytes_per_s"] == {"fsync": 1393067797, "page_cache": 22581163748}
     run["benchmarks"] = [b for b in run["benchmarks"] if not b["name"].startswith("disk")]
     run["benchmarks"].append({"name": "n", "stats": {"median": 1.0}, "extra_info": {
@@ -225,10 +225,10 @@ def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines
 
 
 def test_the_report_sets_each_disk_bound_mode_against_its_disk_limit(tmp_path):
-    """Session 7's H200 run (results/, its pytest-benchmark JSON): the fsynced store reads 0.06x plain, yet it wrote
+    """The 90b2d70 run's H200 run (results/, its pytest-benchmark JSON): the fsynced store reads 0.06x plain, yet it wrote
     at 0.83x of what the disk's fsynced writes allow; the page-cache writers against the page cache. Limit =
     min(plain, disk bytes/s of the same run / the mode's bytes per token), as issue 14's acceptance reads them."""
-    run = Path(__file__).parents[2] / "results/h200-vllm0.26.0-session7/benchmark.json"
+    run = Path(__file__).parents[2] / "results/2026-12-03-90b2d70-h200-vllm0.26.0/benchmark.json.gz"
     md, _ = bench.report([run], tmp_path / "r")
     text = md.read_text()
     assert ("- 2026-12-03T06:54:02.341252+00:00 h200-mini-kimi store/64x512: 18,119 tok/s = 0.83x of 21,833 "
@@ -237,14 +237,14 @@ def test_the_report_sets_each_disk_bound_mode_against_its_disk_limit(tmp_path):
             "206,769 (page cache 11.86 GB/s / 57,344 B a token)") in text
     assert "h200-mini-kimi vllm_ehs/64x512: 131,610 tok/s = 0.64x of 206,769 (page cache" in text
     assert "host/64x512: 236,587 tok/s = " not in text  # no disk bounds a null sink
-    both = bench.report([run, run.with_name("benchkd-benchmark.json")], tmp_path / "kd")[0].read_text()
+    both = bench.report([run, run.with_name("benchkd-benchmark.json.gz")], tmp_path / "kd")[0].read_text()
     assert ("h200-kimi-depth store/64x512: 7,392 tok/s = 0.91x of 8,153 (plain prefill; fsync 1.25 GB/s / 57,344 B "
             "a token = 21,731)") in both  # at Kimi's depth prefill binds, not the disk; each run's own disk figure
     assert "h200-mini-kimi store/64x512: 18,119 tok/s = 0.83x of 21,833 (fsync" in both
     labels = bench.bars(bench.load_history([run]), tmp_path / "b.png", bench.load_disks([run]))
     assert "h200-mini-kimi store/64x512 0.06x; 0.83x of limit" in labels
     assert "h200-mini-kimi host/64x512 0.82x" in labels and "h200-mini-kimi legend limit: min(plain, disk B/s / B a token)" in labels
-    fp8 = json.loads(run.read_text())
+    fp8 = bench.read_json(run)
     fp8["benchmarks"] = [b for b in fp8["benchmarks"] if b["extra_info"]["key"] != "store/64x512"]
     fp8["benchmarks"].append({"name": "fp8", "extra_info": {"key": "store_fp8/64x512", "tokens_per_s": 40000,
                                                             "profile": "h200-mini-kimi", "bytes_per_token": 28672}})
@@ -288,20 +288,20 @@ def test_the_trend_plot_has_a_panel_per_profile_and_shape_and_one_color_per_mode
     assert (tmp_path / "t.png").stat().st_size > 10_000
 
 
-def _measured(session: str) -> dict:
-    """The figures an H200 run measured (results/h200-vllm0.26.0-SESSION/bench_summary.json), by key."""
-    path = Path(__file__).parents[2] / f"results/h200-vllm0.26.0-{session}/bench_summary.json"
+def _measured(run: str) -> dict:
+    """The figures an H200 run measured (results/RUN/bench_summary.json), by key."""
+    path = Path(__file__).parents[2] / f"results/{run}/bench_summary.json"
     return json.loads(path.read_text())["tokens_per_s"]
 
 
-def test_the_gpu_benchmark_s_acceptance_on_the_session_4_h200_figures(tmp_path, monkeypatch):
+def test_the_gpu_benchmark_s_acceptance_on_the_3cf512b_h200_figures(tmp_path, monkeypatch):
     """The GPU benchmark's acceptance (issue 14's targets, tests/gpu/test_bench_extract.acceptance) replayed on CPU
-    with the figures the H200 measured in session 4 (results/h200-vllm0.26.0-session4/): it fails exactly on the
+    with the figures the H200 measured in the 3cf512b run (results/2026-12-03-3cf512b-h200-vllm0.26.0/): it fails exactly on the
     null sink and the page-cache store, as it did there; a mode left out (EAGLE3_BENCH_MODES) is 'not measured',
     not a KeyError; kimi-depth's target applies to every shape."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = _measured("session4")
+    measured = _measured("2026-12-03-3cf512b-h200-vllm0.26.0")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {})
     assert failures == ["null sink / plain prefill 0.72x (< 0.9)",
@@ -323,7 +323,7 @@ def test_the_gpu_benchmark_s_acceptance_with_one_shape(monkeypatch):
     apply; kimi-depth's cover the shapes measured; a run without 64x512 fails mini-Kimi as not measured."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = _measured("session4")
+    measured = _measured("2026-12-03-3cf512b-h200-vllm0.26.0")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     one = {k: v for k, v in measured.items() if "/" not in k or k.endswith("/64x512")}
     summary, failures = gb.acceptance(one, "mini-kimi", 57344, "h200-mini-kimi", {})
@@ -380,7 +380,7 @@ def test_a_null_sink_below_target_says_when_the_device_to_host_copies_cannot_car
     0.90 x plain, the failure says so, with the host's ratio to that limit; when it can, the failure is plain."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = _measured("session4")
+    measured = _measured("2026-12-03-3cf512b-h200-vllm0.26.0")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     slow = dict(measured, d2h_bytes_per_s=13.2e9)  # 230,190 tok/s = 0.72x plain 319,051
     _, failures = gb.acceptance(slow, "mini-kimi", 57344, "h200-mini-kimi", {})
@@ -411,11 +411,11 @@ def test_the_benchmark_s_shapes_are_all_of_them_unless_narrowed(monkeypatch):
 
 
 def test_a_null_sink_below_target_says_when_the_capture_engine_itself_is_below(monkeypatch):
-    """Session 7 on the H200: host 0.82x plain, count (the same engine, nothing copied) 0.85x: the failure says the
+    """The 90b2d70 run on the H200: host 0.82x plain, count (the same engine, nothing copied) 0.85x: the failure says the
     engine is the limit, and how plain fares without async scheduling (what vLLM allows that engine) if measured."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = _measured("session7")
+    measured = _measured("2026-12-03-90b2d70-h200-vllm0.26.0")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {})
     assert failures[0] == ("null sink / plain prefill 0.82x (< 0.9): the capture's engine with nothing copied (count) "
@@ -434,13 +434,13 @@ def test_a_null_sink_below_target_says_when_the_capture_engine_itself_is_below(m
 
 
 def test_the_targets_hold_the_capture_extraction_uses_by_default_and_the_other_is_information(monkeypatch):
-    """Session 9 measured --capture direct (count_direct, host_direct, store_direct) beside session 7's aux figures:
+    """The 6e3f68b run measured --capture direct (count_direct, host_direct, store_direct) beside the 90b2d70 run's aux figures:
     the targets apply to the strategy extraction runs by default; the summary gives both strategies' verdicts, so
     one run says whether switching the default would meet them. Direct's null-sink failure names its own count
     and, if measured, the same with a step's copies issued at once."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = _measured("session7")
+    measured = _measured("2026-12-03-90b2d70-h200-vllm0.26.0")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     plain, ehs = measured["plain/64x512"], measured["vllm_ehs/64x512"]
     limit = min(plain, measured["disk_bytes_per_s[fsync]"] / 57344)
@@ -467,12 +467,12 @@ def test_the_targets_hold_the_capture_extraction_uses_by_default_and_the_other_i
 
 
 def test_direct_s_null_sink_failure_splits_its_engine_s_cost_from_the_capture_s(monkeypatch):
-    """Session 13: count_direct 0.90x plain, host_direct 0.84x; generate() 7% slower than plain's and each batch's
+    """The 0ccc20f run: count_direct 0.90x plain, host_direct 0.84x; generate() 7% slower than plain's and each batch's
     RPC 4.6 ms. plain_auxout (direct's engine, its model returning the aux layers' states, no capture attached)
     says how much of that is vLLM's aux outputs: the failure names it and count_direct / plain_auxout."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = json.loads((Path(__file__).parents[2] / "results/h200-vllm0.26.0-session13/bench_summary.json")
+    measured = json.loads((Path(__file__).parents[2] / "results/2026-12-03-0ccc20f-h200-vllm0.26.0/bench_summary.json")
                           .read_text())["tokens_per_s"]
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct")
@@ -530,7 +530,7 @@ def test_the_benchmark_reports_its_rate_per_quarter_and_their_spread():
 
 
 def test_a_sink_names_how_the_benchmark_loop_runs_it():
-    """Session 11: every eagle3 mode ran the GIL sampler (a thread of the worker waking every 2 ms) and no plain
+    """The ffdd6a0 run: every eagle3 mode ran the GIL sampler (a thread of the worker waking every 2 ms) and no plain
     mode did, so the capture's figures paid for their own instrument. Only a _gil sink samples the GIL now
     (count_gil_direct against count_direct is its cost); a misspelt variant is refused, not run as the default."""
     o = bench.loop_options
@@ -548,7 +548,7 @@ def test_a_sink_names_how_the_benchmark_loop_runs_it():
 
 @pytest.mark.parametrize("make", ["_plain_llm", "_ehs_llm"])
 def test_the_benchmark_s_own_engines_start_in_the_capture_engines_environment(monkeypatch, tmp_path, make):
-    """Session 13: kimi-depth's plain engine, the benchmark's first, forked its worker after the driver had touched
+    """The 0ccc20f run: kimi-depth's plain engine, the benchmark's first, forked its worker after the driver had touched
     CUDA and died ("Cannot re-initialize CUDA in forked subprocess"); the capture's engines start spawned
     (vllm_compat.prepare_environment). plain and vllm_ehs are read against them: the same environment, the same
     model runner."""
@@ -571,18 +571,18 @@ def test_the_benchmark_s_own_engines_start_in_the_capture_engines_environment(mo
 
 
 def test_the_gpu_benchmark_reads_its_fsynced_store_against_the_baseline_at_its_own_disk(monkeypatch):
-    """Session 17's mini-Kimi run, replayed (results/h200-vllm0.26.0-session17/): every target met, yet the run
+    """The 6b3715c run's mini-Kimi run, replayed (results/2026-12-04-6b3715c-h200-vllm0.26.0/): every target met, yet the run
     failed on a "regression" of the fsynced store, 25,836 tok/s at 1.39 GB/s against the bundled 33,136 measured
     at 1.88 GB/s. The GPU test hands the run's disk figures to the regression check."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = _measured("session17")
+    measured = _measured("2026-12-04-6b3715c-h200-vllm0.26.0")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
-    summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", bench.load_baselines(SESSION16),
+    summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", bench.load_baselines(FROZEN_BASELINE),
                                       capture="direct")
     assert failures == [] and summary["regressions"] == []
     no_disk = {k: v for k, v in measured.items() if not k.startswith("disk_")}
-    summary, _ = gb.acceptance(no_disk, "mini-kimi", 57344, "h200-mini-kimi", bench.load_baselines(SESSION16),
+    summary, _ = gb.acceptance(no_disk, "mini-kimi", 57344, "h200-mini-kimi", bench.load_baselines(FROZEN_BASELINE),
                                capture="direct")
     assert summary["regressions"] == [("h200-mini-kimi store_direct/64x512: 25,836 tok/s is below the baseline "
                                        "33,136 minus 15% (28,166)")]
@@ -600,7 +600,7 @@ def _nearest(grid):
 
 
 def test_a_warm_step_per_moe_kernel_config_the_benchmark_loop_can_meet():
-    """Session 17: kimi-depth's fsynced store read 0.936x plain (< 0.95), its first quarter 16% slow and the
+    """The 6b3715c run: kimi-depth's fsynced store read 0.936x plain (< 0.95), its first quarter 16% slow and the
     others 0.99x; the engine compiled a Triton MoE kernel in that quarter ("JIT compilation during inference:
     fused_moe_kernel"), for a config of steps of 2,048-3,584 tokens that no warm-up step had met. The warm-up now
     runs one step of each config the loop's step sizes pick, before the clock."""
@@ -617,7 +617,7 @@ def test_a_warm_step_per_moe_kernel_config_the_benchmark_loop_can_meet():
 
 
 def test_a_warm_step_is_one_prompt_so_the_engine_cannot_split_it():
-    """Session 18: kimi-depth's plain engine still compiled fused_moe_kernel 1 s into its clock (quarters 6,830
+    """The 8ff3dae run: kimi-depth's plain engine still compiled fused_moe_kernel 1 s into its clock (quarters 6,830
     then ~8,030 tok/s), after a warm batch of 4 prompts of 512 tokens meant to make one 2,048-token step. The
     engine schedules what has reached it: the timed loop's 16-prompt batches ran as 1,024 + 7,168, 512 + 7,680,
     2,048 + 6,144 tokens (the store's capture_timing), so 4 prompts need not make one step of 2,048. One prompt
@@ -707,14 +707,14 @@ def test_the_benchmark_runs_its_warm_steps_before_the_clock_with_prompts_of_thei
 
 def test_the_jit_check_says_when_vllm_logged_only_each_engine_s_first_compile(tmp_path, capsys):
     """vLLM's JIT monitor logs a compile with warning_once unless jit_monitor_verbose is on: each engine's first
-    only. Session 18's kimi-depth log (results/h200-vllm0.26.0-session18/) had one per engine: plain's 1 s into
+    only. The 8ff3dae run's kimi-depth log (results/2026-12-04-8ff3dae-h200-vllm0.26.0/) had one per engine: plain's 1 s into
     its clock, the store's 4 s before its own; a second compile in the store's clock would not have shown, and
     "no JIT inside its clock" would have been read as proof. The check now says when it cannot see a later one."""
     import gzip
 
     from tests.gpu import jit_in_clock as jc
 
-    run = Path(__file__).parents[2] / "results/h200-vllm0.26.0-session18"
+    run = Path(__file__).parents[2] / "results/2026-12-04-8ff3dae-h200-vllm0.26.0"
     log = tmp_path / "benchkd.log"
     log.write_bytes(gzip.decompress((run / "benchkd.log.gz").read_bytes()))
     report = run / "benchkd-report.json"
@@ -754,14 +754,14 @@ def test_the_jit_check_names_the_config_of_each_kernel_compiled_in_a_clock(tmp_p
 
 
 def test_a_page_cache_store_below_target_says_when_the_kernel_wrote_back_during_its_figure(monkeypatch):
-    """Sessions 13 and 15: the page-cache store fell to 0.23x / 0.27x vllm_ehs once its folder outgrew the kernel's
+    """The 0ccc20f and 9f3c587 runs: the page-cache store fell to 0.23x / 0.27x vllm_ehs once its folder outgrew the kernel's
     background writeback threshold, which vllm_ehs stayed under; the failure gave only the ratio, and the cause
     had to be dug out of the report. It now gives both figures' writeback and dirty peaks. Replayed on session
-    15's run 1 (capture direct, results/h200-vllm0.26.0-session15/): the only target it missed."""
+    15's run 1 (capture direct, results/2026-12-04-9f3c587-h200-vllm0.26.0/): the only target it missed."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = _measured("session15")
-    report = json.loads((Path(__file__).parents[2] / "results/h200-vllm0.26.0-session15/bench-report.json").read_text())
+    measured = _measured("2026-12-04-9f3c587-h200-vllm0.26.0")
+    report = json.loads((Path(__file__).parents[2] / "results/2026-12-04-9f3c587-h200-vllm0.26.0/bench-report.json").read_text())
     peaks = {k[len("sustained["):-1]: {f: v[f] for f in ("dirty_max_GB", "writeback_max_GB")}
              for k, v in report.items() if k.startswith("sustained[")}
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
@@ -777,14 +777,14 @@ def test_a_page_cache_store_below_target_says_when_the_kernel_wrote_back_during_
 
 
 def test_the_campaign_names_each_figure_that_had_a_kernel_compiled_inside_its_clock(tmp_path, capsys):
-    """Session 17's kimi-depth log (results/h200-vllm0.26.0-session17/benchkd.log.gz): plain's engine compiled
+    """The 6b3715c run's kimi-depth log (results/2026-12-04-6b3715c-h200-vllm0.26.0/benchkd.log.gz): plain's engine compiled
     fused_moe_kernel at 03:29:42, in its warm-up; the store's at 03:33:06, in its first timed quarter. That run's
     report had no clock times yet; the ones here are where its two figures ran."""
     import gzip
 
     from tests.gpu import jit_in_clock as jc
 
-    run = Path(__file__).parents[2] / "results/h200-vllm0.26.0-session17"
+    run = Path(__file__).parents[2] / "results/2026-12-04-6b3715c-h200-vllm0.26.0"
     log = tmp_path / "benchkd.log"
     log.write_bytes(gzip.decompress((run / "benchkd.log.gz").read_bytes()))
     assert jc.compiles(log.read_text()) == [("03:29:42", "fused_moe_kernel", ""), ("03:33:06", "fused_moe_kernel", "")]
@@ -806,13 +806,13 @@ def test_the_campaign_names_each_figure_that_had_a_kernel_compiled_inside_its_cl
 
 
 def test_a_bar_whose_figure_compiled_a_kernel_inside_its_clock_fails_the_acceptance(monkeypatch):
-    """Session 18's kimi-depth store read 1.014x plain, a pass, because plain compiled fused_moe_kernel 1 s into its
+    """The 8ff3dae run's kimi-depth store read 1.014x plain, a pass, because plain compiled fused_moe_kernel 1 s into its
     clock; only a person reading jit_in_clock.txt saw it. The acceptance now takes each figure's compiles inside
     its clock: a bar resting on such a figure fails, naming the figure, kernel, time and block sizes; a figure no bar
-    reads is only reported. Replayed on session 17's mini-Kimi figures, which met every direct bar."""
+    reads is only reported. Replayed on the 6b3715c run's mini-Kimi figures, which met every direct bar."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = _measured("session17")
+    measured = _measured("2026-12-04-6b3715c-h200-vllm0.26.0")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     clean = {k: [] for k in measured if "/" in k}  # every figure: no compile inside its clock
     summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct",
@@ -843,14 +843,14 @@ def test_a_bar_whose_figure_compiled_a_kernel_inside_its_clock_fails_the_accepta
 
 def test_the_acceptance_reads_the_engines_log_it_is_given(tmp_path):
     """EAGLE3_ENGINE_LOG (campaign.sh sets it to the step's log): the figures' compiles inside their clocks, from
-    session 19's kimi-depth log, where plain's two compiles came 3 s before its clock; a log without any engine's
+    the 288d049 run's kimi-depth log, where plain's two compiles came 3 s before its clock; a log without any engine's
     start (pytest run without -s: the engines' output went elsewhere) or with an engine that logged only its first
     compile cannot show a compile, and says so as a failure."""
     import gzip
 
     from tests.gpu import test_bench_extract as gb
 
-    run = Path(__file__).parents[2] / "results/h200-vllm0.26.0-session19"
+    run = Path(__file__).parents[2] / "results/2026-12-04-288d049-h200-vllm0.26.0"
     log = tmp_path / "benchkd.log"
     log.write_bytes(gzip.decompress((run / "benchkd.log.gz").read_bytes()))
     clocks = {"plain/16x512": ["05:46:03", "05:46:35"]}
@@ -864,7 +864,7 @@ def test_the_acceptance_reads_the_engines_log_it_is_given(tmp_path):
     assert gb.jit_in_clocks(str(empty), clocks)[1] == [
         f"EAGLE3_ENGINE_LOG={empty} holds no engine's start: run pytest with -s, so the engines' output reaches it"]
     quiet = tmp_path / "quiet.log"
-    quiet.write_bytes(gzip.decompress((run.parent / "h200-vllm0.26.0-session18/benchkd.log.gz").read_bytes()))
+    quiet.write_bytes(gzip.decompress((run.parent / "2026-12-04-8ff3dae-h200-vllm0.26.0/benchkd.log.gz").read_bytes()))
     assert gb.jit_in_clocks(str(quiet), clocks)[1] == [
         (f"EAGLE3_ENGINE_LOG={quiet}: 2 of 2 engines ran without jit_monitor_verbose; vLLM logged only each one's "
          "first compile, so a later one inside a clock would not show")]
@@ -899,14 +899,14 @@ def test_the_clock_starts_and_ends_a_wall_second_apart_from_what_runs_around_it(
 
 def test_the_benchmark_s_acceptance_test_fails_on_a_compile_in_a_clock_or_a_log_that_cannot_show_one(
         tmp_path, monkeypatch):
-    """The GPU acceptance test itself (test_ratios_acceptance_and_baseline), on session 17's mini-Kimi figures that
+    """The GPU acceptance test itself (test_ratios_acceptance_and_baseline), on the 6b3715c run's mini-Kimi figures that
     met every bar: the engines' log it is given (EAGLE3_ENGINE_LOG) decides. A compile inside plain's clock fails
     it; so does a log whose engines logged only their first compile; a clean log passes, the check in
     bench_summary.json."""
     from eagle3.extract import vllm_compat
     from tests.gpu import test_bench_extract as gb
 
-    monkeypatch.setattr(gb, "RESULTS", _measured("session17"))
+    monkeypatch.setattr(gb, "RESULTS", _measured("2026-12-04-6b3715c-h200-vllm0.26.0"))
     monkeypatch.setattr(gb, "CLOCKS", {"plain/64x512": ["05:00:05", "05:00:40"],
                                        "host_direct/64x512": ["05:02:05", "05:02:40"]})
     for name in ("SPREADS", "PEAKS"):

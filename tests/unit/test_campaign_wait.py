@@ -1,6 +1,6 @@
 """The GPU campaign's poll (tests/gpu/wait.sh): it must not sit out its limit where nothing runs.
 
-Session 19: the host that ran the campaign was taken back between two polls; the next poll landed on a fresh host
+The 288d049 run: the host that ran the campaign was taken back between two polls; the next poll landed on a fresh host
 with no campaign and waited its whole 560 s, which spent a third of the session's device time on nothing."""
 
 import os

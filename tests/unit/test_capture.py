@@ -294,7 +294,7 @@ def test_every_writer_thread_can_hold_a_shard_while_the_capture_fills_more(pinne
 def test_the_forward_issues_no_copy_to_the_host(tmp_path, monkeypatch, mode):
     """A device-to-host copy issued in the forward queues ahead of the engine's own small copies of the step
     (sampled-token counts), which its next step waits for: on the H200 the null sink lost the copies' time
-    (0.71x plain, 0.82x with the consumer issuing them, same run, session 6). With the consumer held back, the
+    (0.71x plain, 0.82x with the consumer issuing them, same run, the 118974b run). With the consumer held back, the
     forward has returned and nothing is copied yet; released, the consumer copies the step's rows."""
     gate = hold_back_capture_consumer(monkeypatch)
     cap = Capturer(N_LAYERS, H, torch.float32, slots=2)
@@ -346,7 +346,7 @@ def test_a_step_s_copies_go_in_chunks_of_the_session_s_size(monkeypatch, chunk, 
 
 
 def test_the_timing_counts_steps_by_their_size():
-    """How the engine cut a batch into steps (sessions 6-7: the aux engine ran 96 steps for 32 batches of 64x512,
+    """How the engine cut a batch into steps (the 118974b and 90b2d70 runs: the aux engine ran 96 steps for 32 batches of 64x512,
     where a 16,384-token budget needs 2 a batch): the step sizes say which steps are extra."""
     cap = Capturer(N_LAYERS, H, torch.float32)
     for n in [16, 16, 2, 16, 16, 2, 5]:
@@ -431,7 +431,7 @@ def test_a_malformed_announcement_is_refused_naming_what_does_not_add_up():
 def test_copies_in_chunks_cover_every_row_once_in_order_and_no_chunk_is_over_the_limit(pairs, limit):
     """The consumer issues a step's copies a chunk at a time, waiting for each before the one after next, so an
     engine's small copy queues behind at most two chunks in the copy engine instead of a whole step's states
-    (64x512 on the H200: host 0.90x the same engine's count with the step's copy issued whole, session 9).
+    (64x512 on the H200: host 0.90x the same engine's count with the step's copy issued whole, the 6e3f68b run).
     Each (dst, src) pair is cut along rows; a row larger than the limit goes alone; 0 keeps the pairs whole."""
     srcs = [torch.arange(rows * width, dtype=torch.float32).view(rows, width) + 1000 * i
             for i, (rows, width) in enumerate(pairs)]
@@ -462,7 +462,7 @@ def test_a_small_step_takes_the_smallest_free_buffer_so_a_large_one_needs_no_new
     """A batch's steps alternate large and small (64x512 at a 16,384-token budget: 16384, 1024, 15360, ...). Taking
     the first free buffer that fits gave a small step the large buffer, and the next large step pinned a new one
     (cudaHostAlloc: ~0.1-0.3 s a GiB) inside the timed loop: host_direct's first quarter ran at 0.85x its others
-    (H200, session 13). ``pinned_allocs`` in the timing counts the buffers a session pinned."""
+    (H200, the 0ccc20f run). ``pinned_allocs`` in the timing counts the buffers a session pinned."""
     pool = PinnedPool(slots=4, pin=False)
     big, _ = pool.get((3_000_000,), torch.bfloat16)  # a buffer of 4 Mi elements; the small one 1 Mi (the least)
     small, _ = pool.get((10,), torch.bfloat16)

@@ -1,6 +1,6 @@
 """The extraction loop commits in a thread: the next batch is computed while the previous commit (the manifest's
 fsync, which on ext4 waits for the writers' dirty data) runs; commits keep their order and a failed one stops
-the run with its error (session 6 on the H200: committing in the loop held the fsynced store at 0.85x of its
+the run with its error (the 118974b run on the H200: committing in the loop held the fsynced store at 0.85x of its
 disk limit, 0.98x from a thread)."""
 
 import threading
@@ -90,7 +90,7 @@ class Recorder:
 
 
 def test_batches_queued_behind_a_slow_commit_go_into_one_manifest_write_and_the_loop_never_waits():
-    """On a disk-bound run each manifest fsync waits for the writers' data (session 7 on the H200: the fsynced
+    """On a disk-bound run each manifest fsync waits for the writers' data (the 90b2d70 run on the H200: the fsynced
     store's loop blocked 28.7 of 57.9 s on a committer two commits deep, 0.83x of the disk limit). Batches that
     arrive during a commit are committed together, in order, by the next manifest write."""
     rec = Recorder(hold="a")

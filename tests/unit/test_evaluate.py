@@ -16,7 +16,7 @@ def test_divergence_is_located_with_the_plain_runs_margin():
 
 
 def test_eval_starts_its_engines_in_the_capture_engines_environment(monkeypatch, tmp_path):
-    """Session 16: `evaluate.run` in a process that had not extracted first (as `eagle3 eval` is) started vLLM
+    """The 8ec8ff9 run: `evaluate.run` in a process that had not extracted first (as `eagle3 eval` is) started vLLM
     0.26's default V2 model runner, which has no `drafter`: eagle3_drafter_info failed with "'GPUModelRunner'
     object has no attribute 'drafter'" before a token was served. Every engine eagle3 starts gets
     vllm_compat.prepare_environment (V1 runner, spawned workers)."""
@@ -59,7 +59,7 @@ def _run_of(accepted: list[int], k: int = 3):
 
 
 def test_acceptance_standard_error_is_that_of_the_mean_over_drafts():
-    """Session 16: the fp8 draft served 3.764 against bf16's 3.821 on 162 drafts and missed the 0.05 bar, but each
+    """The 8ec8ff9 run: the fp8 draft served 3.764 against bf16's 3.821 on 162 drafts and missed the 0.05 bar, but each
     figure's own standard error was ~0.05: the test could not tell the two apart. The counters give each draft's
     accepted count (chain drafts: the per-position shares are its tail), so the error of the mean follows."""
     import statistics
@@ -74,7 +74,7 @@ def test_acceptance_standard_error_is_that_of_the_mean_over_drafts():
 
 
 def test_the_fp8_bar_is_judged_only_where_the_measurement_decides_it():
-    """Session 16's figures (64 prompts): bf16 457 accepted in 162 drafts (3.821), fp8 456 in 165 (3.764). The gap,
+    """The 8ec8ff9 run's figures (64 prompts): bf16 457 accepted in 162 drafts (3.821), fp8 456 in 165 (3.764). The gap,
     -0.057, is past the 0.05 bar, and its standard error (0.08) is larger than the bar: neither a pass nor a real
     miss. The same shares over 16x the drafts decide it; a gap past the bar that is resolved fails."""
     from eagle3.serve.evaluate import gap_verdict

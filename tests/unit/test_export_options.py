@@ -120,3 +120,13 @@ def test_vllm_s_own_parser_reads_what_vllm_reads_says(store_at, tmp_path, name):
     for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "num_attention_heads",
               "num_key_value_heads", "head_dim", "intermediate_size", "hidden_size"):
         assert pre[k] == r[k], k
+
+
+def test_problems_sees_a_vocabulary_map_of_another_size(store_at, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    draft = _train(store_at(""), tmp_path / "t", [])
+    w = load_file(str(draft / "model.safetensors"))
+    w["d2t"] = w["d2t"][:-1]
+    save_file(w, str(draft / "model.safetensors"))
+    assert vllm_reads.problems(draft) == ["d2t: the file has (255,), vLLM builds (256,)"]

@@ -259,7 +259,7 @@ def test_a_spool_that_can_never_move_is_reported_not_hung(tiny_kimi, tmp_path):
 def test_a_trainer_that_just_made_room_is_not_told_the_spool_can_never_move(tiny_kimi, tmp_path):
     """Room freed while the producer sleeps in reserve(): until it wakes, producer_waiting is still set. The
     trainer asking for its next position in that instant must wait for the producer, not report a spool that
-    can never move (CI, session 7: '0 committed + 0 reserved + 234,308 asked > 789,360 bytes')."""
+    can never move (CI, the 90b2d70 run: '0 committed + 0 reserved + 234,308 asked > 789,360 bytes')."""
     spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
     spool = online.Spool(tmp_path / "spool", spec, capacity=1000, fsync=False)
     spool.reserve(600)

@@ -22,7 +22,7 @@ esac
 
 @pytest.mark.parametrize("held", [True, False], ids=["left-over-engine", "free"])
 def test_a_step_s_left_over_gpu_process_is_killed_before_the_next_step(tmp_path, held):
-    """A step that died of SIGSEGV left its engine process holding 43 GB (H200, session 14): the next two steps
+    """A step that died of SIGSEGV left its engine process holding 43 GB (H200, the 73a4e94 run): the next two steps
     waited 120 s each and ran beside it. settle.sh waits its limit, then kills what still holds the GPU."""
     (tmp_path / "nvidia-smi").write_text(FAKE_SMI)
     (tmp_path / "nvidia-smi").chmod(0o755)

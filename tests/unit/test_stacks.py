@@ -18,7 +18,7 @@ def _busy_in_a_marked_function(path, dumps: int, limit_s: float = 20.0) -> None:
 
 def test_every_thread_s_whole_stack_is_written_each_period_and_nothing_after_the_end(tmp_path):
     """The online test dumped stacks with faulthandler.dump_traceback_later, which reads other threads' frames
-    without the GIL: twice on the H200 (session 14) the process died of SIGSEGV in the middle of a dump, the file
+    without the GIL: twice on the H200 (the 73a4e94 run) the process died of SIGSEGV in the middle of a dump, the file
     cut inside the main thread's stack (a line number of 32640 in a torch file read from a frame being changed),
     and faulthandler printed nothing, being the one that crashed. These dumps are whole: each names every thread
     and the main thread's stack down to its caller."""

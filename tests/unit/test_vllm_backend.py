@@ -135,7 +135,7 @@ def test_vllm_backend_store_equals_the_hf_reference(fake, tiny_kimi, tmp_path, h
 
 
 def test_auto_capture_is_direct_where_the_runner_can_be_wrapped_else_aux_else_hooks(fake, monkeypatch):
-    """The default capture: direct (a plain engine with async scheduling: 0.905x plain on the H200 in session 11
+    """The default capture: direct (a plain engine with async scheduling: 0.905x plain on the H200 in the ffdd6a0 run
     where aux's engine reached 0.845x), aux on a vLLM whose V1 runner lacks what direct wraps, hooks without
     extract_hidden_states."""
     assert compat.pick_strategy("auto") == "direct"
@@ -261,7 +261,7 @@ def test_the_last_batch_is_checked_by_finish(fake, tiny_kimi, tmp_path, monkeypa
     with the close, every batch since the last collect counted. An engine that skipped a prompt token must not
     pass: the self-check's one batch, or the run's 2 batches announced together (no self-check). On direct too:
     there (async scheduling) a step may carry a decode row of each request whose prompt ended in the step before,
-    and until session 20 the capture counted those rows as prompt tokens, so a skipped token passed."""
+    and until the 6b558c6 run the capture counted those rows as prompt tokens, so a skipped token passed."""
     from eagle3.extract import vllm_worker
 
     real = vllm_worker.CaptureExtension.eagle3_close
@@ -351,7 +351,7 @@ def test_benchmark_sinks_run_repeatedly_without_leaking_buffers(fake, tiny_kimi,
 
 def test_the_null_sink_pins_its_buffers_when_the_session_opens_never_in_the_forward(fake, tiny_kimi, tmp_path):
     """Pinning host memory takes ~0.1-0.3 s a GiB, and a buffer the pool lacks is pinned inside the forward: the
-    engine stalls. On the H200 (session 13) host_direct's first quarter ran at 200k tok/s, the others ~236k. Host mode
+    engine stalls. On the H200 (the 0ccc20f run) host_direct's first quarter ran at 200k tok/s, the others ~236k. Host mode
     pins a buffer for each slot, each as large as the engine's largest step (its token budget), when it opens."""
     from eagle3.extract.vllm_backend import VLLMSession
 
@@ -437,7 +437,7 @@ def test_the_session_times_each_phase_of_submit(fake, tiny_kimi, tmp_path, monke
 def test_a_page_cache_store_writes_with_more_threads_than_an_fsynced_one(fake, tiny_kimi, tmp_path, hf_store,
                                                                          monkeypatch, fsync, threads):
     """One writer thread copies ~2.4 GB/s into the page cache: 4 reached 169,000 tok/s at Kimi's 57,344 B a
-    token, under vLLM's own connector (175,000; H200, session 11). A page-cache store gets 8; an fsynced one keeps
+    token, under vLLM's own connector (175,000; H200, the ffdd6a0 run). A page-cache store gets 8; an fsynced one keeps
     4 (the disk's queue). The capture may hold a pinned buffer in each writer thread and 4 more: with 8 buffers
     the 8 writers would leave none to fill. The states stay the reference's."""
     from eagle3.extract import capture as capture_module
@@ -464,7 +464,7 @@ def test_a_page_cache_store_writes_with_more_threads_than_an_fsynced_one(fake, t
                          ids=["all-at-once", "token-cap", "one-a-batch", "batch-cap", "byte-cap", "one-a-batch-bytes"])
 def test_batches_announced_together_cost_the_engine_one_rpc(fake, tiny_kimi, tmp_path, hf_store, monkeypatch, capture,
                                                            batch_size, announce_tokens, announce_bytes, collects):
-    """The engine idles during each RPC between batches (plain prefill has none): on the H200 (session 13,
+    """The engine idles during each RPC between batches (plain prefill has none): on the H200 (the 0ccc20f run,
     mini-Kimi 64x512) the collect that carries the next batch's announcement took 4.6 ms a batch beside 122 ms of
     plain generate. extract.run announces up to ANNOUNCE_BATCHES batches and VLLMSession.ANNOUNCE_TOKENS tokens in
     one collect: the batches after it make no RPC. Batches of 244, 469 and 183 tokens here: a cap of 720 tokens
@@ -583,8 +583,8 @@ def test_unit_norms_sets_every_rank_s_layer_rmsnorms_to_one_and_nothing_else(fak
 def test_online_training_through_the_vllm_backend_uses_every_sample_once(fake, tiny_kimi, tmp_path, strategy):
     """train --online on the vLLM path (the GPU test's path, on the fake engine): the engine keeps a shard open
     between batches, the spool is tight (two extraction batches); every position is trained, in order. On direct
-    too, auto's capture since session 13: the online GPU test has not passed on it (session 14's runs crashed in
-    the test's own stack dumper), and until session 20 this test ran only on aux."""
+    too, auto's capture since the 0ccc20f run: the online GPU test has not passed on it (the 73a4e94 runs crashed in
+    the test's own stack dumper), and until the 6b558c6 run this test ran only on aux."""
     from eagle3.train import online
     from eagle3.train.train import TrainConfig
 
@@ -682,7 +682,7 @@ def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went
     assert timing["generate_s"] > 0
     cap = fake.last.workers[0]._e3["capturer"]
     # how long the worker's threads waited for the GIL (the engine's too): only a _gil sink runs the sampler, which
-    # costs the engine what it measures (session 11 ran it in every eagle3 mode and in no plain one)
+    # costs the engine what it measures (the ffdd6a0 run ran it in every eagle3 mode and in no plain one)
     if mode.endswith("_gil"):
         gil = loop.session.capture_timing["gil"]
         assert gil["samples"] > 0 and gil["late_ms_mean"] is not None, gil
@@ -779,7 +779,7 @@ def test_the_page_cache_sampler_reports_dirty_and_writeback_peaks(tmp_path):
 
 @pytest.mark.parametrize("min_seconds,timed", [(0.0, "BATCHES"), (0.25, "more"), (60.0, "MAX_BATCHES")])
 def test_a_short_figure_runs_on_after_the_page_cache_is_written(monkeypatch, min_seconds, timed):
-    """Each figure's clock starts once the page cache's dirty data is on the disk (session 11: count_direct ran
+    """Each figure's clock starts once the page cache's dirty data is on the disk (the ffdd6a0 run: count_direct ran
     with vllm_ehs's last 8.6 GB dirty, written back during it), and a figure shorter than MIN_SECONDS runs on
     with more of the same prompts, up to MAX_BATCHES (mini-Kimi's 32 batches took 4 s: 0.877 against a 0.90
     target, within plain's own spread of 6.8%). Tokens/s counts the batches timed."""
@@ -862,7 +862,7 @@ def test_the_benchmark_window_unlinks_the_oldest_files_without_holding_the_loop(
 def test_the_benchmark_window_counts_the_folder_s_files_not_yet_handed_over(tmp_path, monkeypatch):
     """The store hands its shards to the window once committed; vLLM's connector its files as it opens them.
     Counted against DISK_WINDOW, only what was handed over let the store keep its written, uncommitted shards on
-    top: 4 GB more in the page cache than vllm_ehs, past the kernel's writeback threshold (H200, session 11: 21
+    top: 4 GB more in the page cache than vllm_ehs, past the kernel's writeback threshold (H200, the ffdd6a0 run: 21
     GB dirty against 9, and 0.28x vllm_ehs). The window counts every byte under the folder."""
     from tests.gpu import test_bench_extract as gb
 
@@ -880,7 +880,7 @@ def test_the_benchmark_window_counts_the_folder_s_files_not_yet_handed_over(tmp_
 
 
 def test_the_benchmark_window_stays_under_the_kernel_s_background_writeback_threshold(tmp_path, monkeypatch):
-    """H200, session 13: with 8 GiB kept, vllm_ehs peaked at 12.09 GB dirty, just under the kernel's background
+    """H200, the 0ccc20f run: with 8 GiB kept, vllm_ehs peaked at 12.09 GB dirty, just under the kernel's background
     writeback threshold (10% of ~117 GB); the page-cache store crossed it, its oldest files went under writeback,
     the window's unlinks waited on the disk (37 s of them in a 24 s figure), 40 GB piled up and the store fell to
     0.23x vllm_ehs. Which sink tipped first measured the threshold, not the sinks: the window keeps a third of it."""

@@ -1,0 +1,67 @@
+"""The repository's documents: every relative link resolves, and no tracked file outside the CHANGELOG names a
+work session by number (a measured run is named by date, commit, hardware and vLLM version)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")  # [text](target)
+SESSION = re.compile(r"session[\s_-]*\d", re.IGNORECASE)
+
+
+def tracked() -> list[str]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    return out.stdout.split()
+
+
+def broken_links(path: Path) -> list[str]:
+    bad = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        for target in LINK.findall(line):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # a URL, or an anchor in the same file
+            if not (path.parent / target.split("#")[0]).exists():
+                bad.append(f"{path.relative_to(ROOT)}:{n}: {target}")
+    return bad
+
+
+def test_every_relative_link_in_the_markdown_files_resolves():
+    files = [ROOT / f for f in tracked() if f.endswith(".md")]
+    assert len(files) > 5
+    bad = [b for f in files for b in broken_links(f)]
+    assert bad == []
+
+
+def test_the_link_check_sees_a_broken_link(tmp_path):
+    (tmp_path / "a.md").write_text("[ok](a.md) [web](https://x.org) [here](#top)\n[gone](docs/none.md)\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert broken_links(tmp_path / "a.md") == ["a.md:2: docs/none.md"]
+    finally:
+        ROOT = saved
+
+
+def test_no_tracked_file_outside_the_changelog_names_a_session_by_number():
+    found = []
+    for f in tracked():
+        p = ROOT / f
+        if "CHANGELOG" in p.name or not p.is_file() or p.suffix in (".png", ".gz"):
+            continue
+        try:
+            text = p.read_text()
+        except UnicodeDecodeError:
+            continue
+        found += [f"{f}:{n}" for n, line in enumerate(text.splitlines(), 1) if SESSION.search(line)]
+        if SESSION.search(f):
+            found.append(f)
+    assert found == [], found[:20]
+    assert SESSION.search("in Session 12 we") and SESSION.search("baselines-session16") and not SESSION.search(
+        "a session's time")
