@@ -82,8 +82,9 @@ def test_cli_bench_disk_refuses_what_cannot_run_naming_the_fix(tmp_path, monkeyp
     assert cli.main(["bench", "disk", "--dir", str(tmp_path / "f")]) == 2
     assert "f: is a file; give a folder" in capsys.readouterr().err
     (tmp_path / "f").unlink()
-    assert cli.main(["bench", "disk", "--dir", str(tmp_path), "--writers", "0"]) == 2
-    assert "--writers 0: give a positive number" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # refused by the argument parser, as every number out of range
+        cli.main(["bench", "disk", "--dir", str(tmp_path), "--writers", "0"])
+    assert e.value.code == 2 and "--writers: 0 is not a positive integer" in capsys.readouterr().err
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**30, 9 * 2**30, 2**30))
     assert cli.main(["bench", "disk", "--dir", str(tmp_path)]) == 2  # 8 x 512 MiB at once (page cache), 1 GiB free
