@@ -40,7 +40,7 @@ BENCH_OUT=(--gpu-out "$OUT/bench" --benchmark-json="$OUT/bench/benchmark.json" -
 NEW="deepseek_draft or preemption or selfcheck_passes or (hf_reference and hooks) or indexing"
 for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" != "$arg" ] && LIMIT=${arg#*:}
   case $s in
-  contract) step contract $PT tests/unit/test_vllm_contract.py ;;
+  contract) step contract $PT tests/unit/test_vllm_contract.py tests/unit/test_export_options.py ;;  # + vLLM's parser
   suite)    # the GPU suite (pytest -m gpu) in two steps of under 600 s each (one step took 762 s on the H200): the
             # capture's engines against the hf reference and kill/resume; then preemption, self-check, served draft
             [ "$LIMIT" -gt 0 ] || LIMIT=600
