@@ -12,7 +12,14 @@ from eagle3.data import corpus
 from eagle3.data.conversations import DataConfig
 from eagle3.targets import presets, tiny
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist each worker is a process of its own: one torch thread each, or the workers' OpenMP threads
+# fight over the cores (a 7 s test took 59 s with 2 workers x 2 threads on 2 cores). Subprocesses the tests start
+# inherit the same through OMP_NUM_THREADS.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(scope="session")

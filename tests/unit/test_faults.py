@@ -1,6 +1,7 @@
 """kill -9 during extraction at seeded-random points; a rerun of the same command must produce the
 same store as an uninterrupted run: every sample exactly once, same ids, tokens and states."""
 
+import os
 import random
 
 import pytest
@@ -37,7 +38,7 @@ def setup(tiny_kimi, small_data, tmp_path_factory):
 
     extract.run(cfg(root / "reference", fault=count), backend=backend, progress=False)
     yield cfg, backend, root, counts
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 def _contents(path):

@@ -265,14 +265,14 @@ def test_numbers_out_of_range_are_refused_naming_the_option(world, capsys, name,
 
 def test_when_epochs_stop_the_run_before_steps_the_run_says_so(small_store, tmp_path, capsys):
     """At 9c6575d `--steps 5` on an 11-sample store ran 1 step without saying why."""
-    code = cli.main(["train", "--store", str(small_store), "--out", str(tmp_path / "t"), "--steps", "9", "--batch",
-                     "8", "--draft-vocab", "64"])
+    code = cli.main(["train", "--store", str(small_store), "--out", str(tmp_path / "t"), "--steps", "5", "--batch",
+                     "16", "--draft-vocab", "64"])
     cap = capsys.readouterr()
     assert code == 0, cap.err
     said = cap.out + cap.err
-    assert ("--steps 9: stopping at 6 steps: --epochs 1 over 48 samples in batches of 8 is 6 steps "
+    assert ("--steps 5: stopping at 3 steps: --epochs 1 over 48 samples in batches of 16 is 3 steps "
             "(raise --epochs for more)") in said, said
-    assert re.search(r"steps\s+6 \(48 samples", cap.out), cap.out
+    assert re.search(r"steps\s+3 \(48 samples", cap.out), cap.out
 
 
 # -- interrupts -------------------------------------------------------------------------------------------------
