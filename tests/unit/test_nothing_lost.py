@@ -288,27 +288,27 @@ def _run(argv, fault=None, timeout=240):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,point", [("SIGINT", "after_batch:2"), ("SIGTERM", "mid_write:2")])  # main, writer thread
+@pytest.mark.parametrize("sig,point", [("SIGINT", "after_commit:1"), ("SIGTERM", "mid_write:2")])  # committer, writer
 def test_a_signal_during_extraction_ends_in_one_line_and_the_rerun_says_where_it_resumes(tiny_kimi, small_data,
                                                                                          tmp_path, sig, point):
     out = tmp_path / "s"
-    argv = _extract_argv(tiny_kimi, small_data, out, "--no-selfcheck")
+    argv = _extract_argv(tiny_kimi, small_data, out, "--no-selfcheck", "--max-samples", "24")  # 6 batches, 6 shards
     name, k = point.split(":")
     done, _ = _run(argv, fault=f"{name}:{k}:{sig}")
     code = 128 + getattr(signal, sig)
     assert done.returncode == code, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr
     stored = len(Store(out, json.loads((out / "manifest.json").read_text())).done_ids)
-    assert 0 < stored < 12
+    assert 0 < stored < 24
     assert done.stderr.strip().splitlines()[-1] == (
-        f"interrupted: {stored} of 12 samples stored in {out}; rerun the same command to resume"), done.stderr
+        f"interrupted: {stored} of 24 samples stored in {out}; rerun the same command to resume"), done.stderr
     # consistent: what the manifest names is whole; a shard written but not committed waits for the rerun to remove it
     assert {f.kind for f in verify.verify(out).findings} <= {"missing_sample", "uncommitted_file"}
     if sig == "SIGTERM":
         return  # the rerun is the same after either signal: once is enough
     again, _ = _run(argv)
     assert again.returncode == 0, again.stderr
-    assert f"resuming: {stored} of 12 samples already stored in {out}" in again.stderr.splitlines()[0], again.stderr
+    assert f"resuming: {stored} of 24 samples already stored in {out}" in again.stderr.splitlines()[0], again.stderr
     assert verify.verify(out).ok
 
 
