@@ -308,9 +308,11 @@ def cmd_eval(a) -> int:
 def cmd_make_target(a) -> int:
     from eagle3.targets import learnable
 
-    info = learnable.make_target(a.out, steps=a.steps, device=a.device)
-    print(f"target     {a.out} (learnable-llama: hidden 256, 8 layers) trained {info['steps']} steps in "
-          f"{info['seconds']} s; loss {info['first_loss']:.3f} -> {info['final_loss']:.3f}")
+    info = learnable.make_target(a.out, steps=a.steps, device=a.device, arch=a.arch)
+    prof = learnable.ARCHES[a.arch]
+    print(f"target     {a.out} ({prof.name}: {prof.architecture}, hidden {prof.hidden_size}, {prof.num_hidden_layers} "
+          f"layers) trained {info['steps']} steps in {info['seconds']} s; loss {info['first_loss']:.3f} -> "
+          f"{info['final_loss']:.3f}")
     return 0
 
 
@@ -399,7 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpu-mem", type=FRACTION, default=0.3, help="vLLM gpu_memory_utilization")
     e.add_argument("--no-shifted", action="store_true", help="skip the layer-ids-shifted-by-one run")
     e.add_argument("--no-baseline", action="store_true", help="skip the target-only run")
-    m = sub.add_parser("make-target", formatter_class=_Help, help="train the learnable tiny Llama target (a minute on a GPU)")
+    m = sub.add_parser("make-target", formatter_class=_Help,
+                       help="train a learnable tiny target, Llama or DeepseekV3 (a minute or a few on a GPU)")
+    m.add_argument("--arch", choices=["llama", "deepseek"], default="llama",
+                   help="llama (hidden 256, 8 layers) or deepseek (DeepseekV3: Kimi's MLA latent sizes, MoE 8 experts "
+                        "top-2 + 1 shared, first layer dense; hidden 256, 8 layers)")
     m.add_argument("--out", required=True, help="folder for the trained target")
     m.add_argument("--steps", type=POSITIVE, default=1500, help="training steps of the target")
     m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")

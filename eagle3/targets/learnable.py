@@ -1,4 +1,5 @@
-"""A small target with something to learn: a Llama trained on the project's templated dialogues.
+"""Small targets with something to learn: a Llama, or a DeepseekV3 (MLA + MoE, as Kimi-K2.5), trained on the
+project's templated dialogues.
 
 Its assistant turns follow from the user turns by fixed rules (counting, arithmetic, spelling,
 calendars), so once trained the target's next token is predictable from context, and a draft that
@@ -28,6 +29,21 @@ LEARNABLE = TargetProfile(
                    vocab_size=1024, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
                    tie_word_embeddings=False, hidden_act="silu"),
 )
+# Kimi-K2.5's architecture at a size one GPU trains in minutes: MLA with Kimi's latent sizes (kv_lora_rank 512 and
+# qk_rope_head_dim 64, what vLLM's MLA backends are built for; nope 128, v 128), the first layer dense, then MoE with
+# 8 routed experts top-2 (sigmoid scores, noaux_tc) + 1 shared expert. About 28M parameters.
+LEARNABLE_DEEPSEEK = TargetProfile(
+    "learnable-deepseek", "DeepseekV3ForCausalLM", 256, 8, 1024, seq_len=256,
+    hf_config=dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=256, num_hidden_layers=8,
+        vocab_size=1024, intermediate_size=688, moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.0, scoring_func="sigmoid",
+        topk_method="noaux_tc", norm_topk_prob=True, n_group=1, topk_group=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu",
+        attention_bias=False, num_nextn_predict_layers=0, tie_word_embeddings=False),
+)
+ARCHES = {"llama": LEARNABLE, "deepseek": LEARNABLE_DEEPSEEK}
 TRAIN_SEED, HELD_OUT_SEED = 100, 999  # conversation seeds: training text vs evaluation prompts
 # Held-out prompts to serve a draft on when two drafts' acceptance is compared against a bar of 0.05. The 8ec8ff9 run
 # served 64 (~9 answer tokens each): 162 drafts, a standard error of ~0.05 on each acceptance, the size of the bar
@@ -45,13 +61,16 @@ def token_stream(tokenizer, n_conversations: int, seed: int) -> torch.Tensor:
 
 
 def make_target(out: str | Path, steps: int = 1500, batch: int = 64, seq_len: int = 256, lr: float = 2e-3,
-                device: str | None = None, seed: int = 0, n_conversations: int = 30000) -> dict:
-    """Build, train and save the learnable target in ``out``; returns {final_loss, seconds, tokens}."""
+                device: str | None = None, seed: int = 0, n_conversations: int = 30000, arch: str = "llama") -> dict:
+    """Build, train and save the learnable target (``arch``: llama or deepseek) in ``out``; returns {final_loss,
+    first_loss, steps, seconds, tokens, arch}."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if arch not in ARCHES:
+        raise ValueError(f"arch {arch!r}: use {' or '.join(ARCHES)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(out)
-    tiny.build_model(LEARNABLE, out, seed=seed)
+    tiny.build_model(ARCHES[arch], out, seed=seed)
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device).train()
     stream = token_stream(tokenizer, n_conversations, TRAIN_SEED)
@@ -76,7 +95,8 @@ def make_target(out: str | Path, steps: int = 1500, batch: int = 64, seq_len: in
             log.info("target step %d loss %.3f", step, losses[-1])
     model.eval().to("cpu").save_pretrained(out)
     info = {"final_loss": sum(losses[-20:]) / len(losses[-20:]), "first_loss": losses[0], "steps": steps,
-            "seconds": round(time.perf_counter() - t0, 1), "tokens": steps * batch * seq_len}
+            "seconds": round(time.perf_counter() - t0, 1), "tokens": steps * batch * seq_len, "arch": arch,
+            "profile": ARCHES[arch].name}
     (out / "eagle3_target.json").write_text(__import__("json").dumps(info, indent=1))
     return info
 
