@@ -90,7 +90,7 @@ def make_target(out: str | Path, steps: int = 1500, batch: int = 64, seq_len: in
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 200 == 0:
             log.info("target step %d loss %.3f", step, losses[-1])
     model.eval().to("cpu").save_pretrained(out)

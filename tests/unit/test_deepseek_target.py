@@ -1,0 +1,119 @@
+"""The learnable DeepseekV3 target (`eagle3 make-target --arch deepseek`) and Kimi-K2.5's own config.json.
+
+Kimi-K2.5 is not DeepseekV3ForCausalLM: its config.json names KimiK25ForConditionalGeneration, with the
+DeepseekV3 language model in ``text_config``, a ``vision_config``, and its routed experts as INT4
+(compressed-tensors, a ``quantization_config``). Every reader of a target's config must take it as it is."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from eagle3 import cli
+from eagle3.targets import learnable, presets
+
+
+@pytest.fixture(scope="module")
+def deepseek_target(tmp_path_factory):
+    out = tmp_path_factory.mktemp("learnable-deepseek")
+    info = learnable.make_target(out, steps=6, batch=2, seq_len=64, n_conversations=40, device="cpu", arch="deepseek",
+                                 lr=3e-3)
+    return out, info
+
+
+def test_the_deepseek_target_is_kimi_s_architecture_at_a_trainable_size(deepseek_target):
+    out, info = deepseek_target
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["model_type"] == "deepseek_v3"
+    # MLA in Kimi's latent layout (what vLLM's MLA backends are built for), MoE top-2 of 8 + a shared expert, the
+    # first layer dense
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]) == (512, 64, 128, 128)
+    assert cfg["q_lora_rank"] and cfg["n_routed_experts"] == 8 and cfg["num_experts_per_tok"] == 2
+    assert cfg["n_shared_experts"] == 1 and cfg["first_k_dense_replace"] == 1
+    assert info["arch"] == "deepseek" and info["steps"] == 6
+    assert math.isfinite(info["first_loss"]) and math.isfinite(info["final_loss"])
+    assert info["final_loss"] < info["first_loss"]  # 6 steps at lr 3e-3 from ln(1024) = 6.93
+
+
+def test_the_deepseek_target_extracts_and_a_draft_trains_on_it(deepseek_target, small_data, tmp_path, capsys):
+    """The chain on the trained DeepseekV3 target (hf backend): the default ids, the final-state self-check on its
+    MLA/MoE layers, a verified store, a draft exported as vLLM reads it."""
+    from eagle3.store import verify
+    from eagle3.train import vllm_reads
+
+    out, _ = deepseek_target
+    store = tmp_path / "store"
+    assert cli.main(["extract", "--model", str(out), "--data", str(small_data), "--out", str(store), "--max-samples",
+                     "8", "--max-len", "64"]) == 0
+    said = capsys.readouterr().out
+    assert "final-state self-check PASS" in said, said
+    assert verify.verify(store).ok
+    assert cli.main(["train", "--store", str(store), "--out", str(tmp_path / "t"), "--steps", "1", "--batch", "4",
+                     "--draft-vocab", "128"]) == 0
+    got = vllm_reads.reads(tmp_path / "t" / "draft")
+    assert got["aux_layer_ids"] == [2, 4, 5] and got["num_aux_hidden_states"] == 3 and got["target_hidden_size"] == 256
+    assert vllm_reads.problems(tmp_path / "t" / "draft") == []
+
+
+def test_make_target_takes_the_arch_and_refuses_another():
+    p = cli.build_parser()
+    assert p.parse_args(["make-target", "--out", "x", "--arch", "deepseek"]).arch == "deepseek"
+    assert p.parse_args(["make-target", "--out", "x"]).arch == "llama"
+    with pytest.raises(SystemExit):
+        p.parse_args(["make-target", "--out", "x", "--arch", "mamba"])
+    with pytest.raises(ValueError, match="use llama or deepseek"):
+        learnable.make_target("unused", arch="mamba")
+
+
+# Kimi-K2.5's published config.json, as vLLM 0.26's KimiK25Config reads it (the text model's shapes as in
+# eagle3.targets.presets.KIMI_K25_TEXT), with its INT4 experts' quantization_config at the top or in text_config.
+QUANT = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+                                                                          "group_size": 32, "symmetric": True,
+                                                                          "strategy": "group"}}},
+         "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]}
+
+
+def kimi_k25_config(quant_in_text: bool) -> dict:
+    text = dict(presets.KIMI_K25_TEXT)
+    cfg = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+           "text_config": text, "vision_config": {"model_type": "kimi_k25_vision", "hidden_size": 1152,
+                                                 "num_hidden_layers": 27, "patch_size": 14},
+           "media_placeholder_token_id": 163605, "torch_dtype": "bfloat16"}
+    if quant_in_text:
+        text["quantization_config"] = QUANT
+    else:
+        cfg["quantization_config"] = QUANT
+    return cfg
+
+
+@pytest.mark.parametrize("quant_in_text", [False, True])
+def test_every_config_reader_takes_kimi_k25_s_config_as_it_is(tmp_path, small_data, capsys, quant_in_text):
+    from eagle3.extract import extract
+    from eagle3.train.draft import DraftShape, check_servable
+
+    folder = tmp_path / "Kimi-K2.5"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(kimi_k25_config(quant_in_text)))
+    (folder / "tokenizer_config.json").write_text("{}")
+    prof = presets.profile_from_config(json.loads((folder / "config.json").read_text()))
+    assert (prof.architecture, prof.hidden_size, prof.num_hidden_layers, prof.vocab_size) == (
+        "KimiK25ForConditionalGeneration", 7168, 61, 163840)
+    assert prof.layer_ids == (2, 30, 58, 61)
+    spec = extract.store_spec(folder, None, "bfloat16")
+    assert spec.layer_ids == (2, 30, 58, 61) and spec.hidden_size == 7168 and spec.bytes_per_token == 57344
+    assert spec.target["architecture"] == "KimiK25ForConditionalGeneration" and spec.target["vocab_size"] == 163840
+    shape = DraftShape.for_target(json.loads((folder / "config.json").read_text()))
+    assert (shape.hidden_size, shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim,
+            shape.intermediate_size) == (7168, 64, 8, 128, 18432)
+    check_servable(shape, (8,))
+    # the identity a store records is the text model's: the wrapper's vision tower and bookkeeping do not enter it
+    plain = {"architectures": ["DeepseekV3ForCausalLM"], **kimi_k25_config(True)["text_config"]}
+    assert presets.config_hash(kimi_k25_config(True)) == presets.config_hash({"text_config": plain})
+    # the command line reads it too: --layer-ids checked against its 61 layers, before anything is made
+    code = cli.main(["extract", "--model", str(folder), "--data", str(small_data), "--out", str(tmp_path / "s"),
+                     "--backend", "vllm", "--layer-ids", "2,30,58,62"])
+    assert code == 2 and "a target with 61 layers has ids 0..61" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
