@@ -30,8 +30,15 @@ def folders(tmp_path, tiny_kimi, small_data, small_store):
         shutil.copy(tiny_kimi / name, no_tok / name)
     (tmp_path / "not-a-store").mkdir()
     (tmp_path / "empty.json").write_text(json.dumps({"benchmarks": []}))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("the user's")
+    partial = tmp_path / "partial"  # an extraction that stopped: its last shard never committed
+    shutil.copytree(small_store, partial)
+    m = json.loads((partial / "manifest.json").read_text())
+    (partial / m["shards"].pop()["file"]).unlink()
+    (partial / "manifest.json").write_text(json.dumps(m))
     return {"model": str(tiny_kimi), "data": str(small_data), "store": str(small_store), "tmp": tmp_path,
-            "no_weights": str(no_weights), "no_tok": str(no_tok)}
+            "no_weights": str(no_weights), "no_tok": str(no_tok), "partial": str(partial)}
 
 
 def _has_vllm():
@@ -65,6 +72,11 @@ MISTAKES = [
      r"--history .*nope.json: no such file"),
     ("bench report, empty history", "bench report --history {tmp}/empty.json --out {tmp}/out",
      r"no benchmark records.*--benchmark-json"),
+    ("extract into a folder of the user's files", "extract --model {model} --data {data} --out {tmp}/mine",
+     r"is not a store and holds files that are not a store's \(notes.txt\).*empty or new --out folder"),
+    ("data given as a folder", "extract --model {model} --data {tmp} --out {tmp}/out", r"is a directory; give the JSONL"),
+    ("train on a store whose extraction stopped", "train --store {partial} --out {tmp}/out",
+     r"holds 40 of the 48 samples its plan names \(8 missing\).*extract --resume.*--allow-incomplete"),
 ]
 if not _has_vllm():
     MISTAKES += [

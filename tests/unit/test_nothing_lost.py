@@ -352,7 +352,7 @@ def test_every_refusal_comes_in_under_a_second(world, tmp_path, partial_store):
     (tmp_path / "mine" / "notes.txt").write_text("x")
     (tmp_path / "not-a-store").mkdir(exist_ok=True)
     (tmp_path / "empty.json").write_text(json.dumps({"benchmarks": []}))
-    world = dict(world, no_weights=str(tmp_path / "nope"), no_tok=str(tmp_path / "nope"))
+    world = dict(world, no_weights=str(tmp_path / "nope"), no_tok=str(tmp_path / "nope"), partial=str(partial_store))
     cases = [(n, a) for n, a, _ in MISTAKES if "{no_" not in a] + [(n, a) for n, a, _ in OUT_OF_RANGE] + [
         ("extract into a foreign folder", "extract --model {model} --data {data} --out {tmp}/mine"),
         ("train on an incomplete store", f"train --store {partial_store} --out {{tmp}}/t"),
