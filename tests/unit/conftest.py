@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,40 +22,15 @@ else:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
-def shared(tmp_path_factory, name: str, build) -> Path:
-    """A folder built once per test run: under pytest-xdist the first worker to ask builds it (``build(path)``)
-    under a file lock and the others reuse it, instead of each worker building its own. Session fixtures whose
-    files tests only read (they copy before changing anything) use it."""
-    import fcntl
-    import shutil
-
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        path = tmp_path_factory.mktemp(name)
-        build(path)
-        return path
-    root = tmp_path_factory.getbasetemp().parent / "shared"  # the run's folder, above each worker's own
-    root.mkdir(exist_ok=True)
-    path = root / name
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / f"{name}.done").exists():
-            shutil.rmtree(path, ignore_errors=True)
-            path.mkdir()
-            build(path)
-            (root / f"{name}.done").touch()
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_kimi(tmp_path_factory):
     """tiny-kimi (DeepseekV3: MLA + MoE, 8 layers, hidden 128) with random weights and the BPE tokenizer."""
-    return shared(tmp_path_factory, "tiny-kimi", lambda p: tiny.build_model(presets.from_name("tiny-kimi"), p, seed=0))
+    return tiny.build_model(presets.from_name("tiny-kimi"), tmp_path_factory.mktemp("tiny-kimi"), seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-    return shared(tmp_path_factory, "tiny-llama",
-                  lambda p: tiny.build_model(presets.from_name("tiny-llama"), p, seed=0))
+    return tiny.build_model(presets.from_name("tiny-llama"), tmp_path_factory.mktemp("tiny-llama"), seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -69,9 +43,8 @@ def tokenizer(tiny_kimi):
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory):
     """48 bundled-style conversations in a JSONL file."""
-    folder = shared(tmp_path_factory, "data",
-                    lambda p: corpus.write_jsonl(p / "small.jsonl", corpus.generate(48, seed=7)))
-    return folder / "small.jsonl"
+    path = tmp_path_factory.mktemp("data") / "small.jsonl"
+    return corpus.write_jsonl(path, corpus.generate(48, seed=7))
 
 
 @pytest.fixture(scope="session")
@@ -79,29 +52,22 @@ def small_store(tiny_kimi, small_data, tmp_path_factory):
     """An hf-backend store of small_data on tiny-kimi, shards of 8 samples."""
     from eagle3.extract import extract
 
-    def build(folder):
-        cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(folder / "store"), batch_size=8, shard_samples=8,
-                                    data=DataConfig([str(small_data)], max_len=192), writer_threads=0)
-        extract.run(cfg, progress=False)
-
-    return shared(tmp_path_factory, "store", build) / "store"
+    out = tmp_path_factory.mktemp("store") / "store"
+    cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(out), data=DataConfig([str(small_data)], max_len=192),
+                                batch_size=8, shard_samples=8, writer_threads=0)
+    extract.run(cfg, progress=False)
+    return out
 
 
 @pytest.fixture(scope="session")
 def trained_run(small_store, tmp_path_factory):
     """A short training run on small_store (12 steps, checkpoints every 4): (TrainResult, out folder)."""
-    import dataclasses
-    import json
+    from eagle3.train.train import TrainConfig, train
 
-    from eagle3.train.train import TrainConfig, TrainResult, train
-
-    def build(out):
-        cfg = TrainConfig(store=str(small_store), out=str(out), draft_vocab_size=256, batch_samples=4, lr=3e-3,
-                          seed=0, max_steps=12, checkpoint_every=4)
-        (out / "result.json").write_text(json.dumps(dataclasses.asdict(train(cfg, progress=False))))
-
-    out = shared(tmp_path_factory, "train", build)
-    return TrainResult(**json.loads((out / "result.json").read_text())), out
+    out = tmp_path_factory.mktemp("train")
+    cfg = TrainConfig(store=str(small_store), out=str(out), draft_vocab_size=256, batch_samples=4, lr=3e-3, seed=0,
+                      max_steps=12, checkpoint_every=4)
+    return train(cfg, progress=False), out
 
 
 @pytest.fixture(scope="session")
