@@ -7,7 +7,8 @@
 #   tests/gpu/campaign.sh online:660 bench  STEP:SECONDS stops that step (SIGINT, then SIGKILL 30 s later) after SECONDS
 #   BENCH_SHAPES=64x512 BENCH_MODES="plain host" (mini-Kimi), BENCHKD_SHAPES / _MODES / _BATCHES (kimi-depth; by
 #   default 32 batches of plain count host store disk, ~14 min at 64x512) narrow the benchmarks (tests/gpu/test_bench_extract.py)
-#   E2E_K="trained_draft" narrows the e2e step (default "not online": the draft test and fp8's)
+#   E2E_K="trained_draft" narrows the e2e step (default "not online": the draft test and fp8's); EAGLE3_E2E_ARCH=deepseek
+#   runs it on the learnable DeepseekV3 target
 #   DIRECTBENCH_K="(direct and not preemption) or bench_extract" narrows directbench's value checks (default: all of direct's)
 #   BENCH_TESTS="FILE::test_b FILE::test_a FILE::test_ratios..." runs the mini-Kimi benchmark's tests in that order (a
 #   short lease measures first what matters most; default tests/gpu, in file order)

@@ -19,6 +19,8 @@ with speculative_config method eagle3 and k = 3 on held-out prompts.
   standard error of 0.08 on the gap: undecided.
   Its own test since the 3cf512b run (`-k fp8` runs the shared chain + it); PASSED on the H200 in the e41ccad run: 3.846 fp8
   vs 3.810 bf16, 0.509 of the bytes (results/2026-12-03-e41ccad-h200-vllm0.26.0/).
+- EAGLE3_E2E_ARCH=deepseek runs the same chain on the learnable DeepseekV3 target (`make-target --arch deepseek`:
+  Kimi's MLA latent sizes, MoE top-2 of 8 + shared; not yet run on a GPU).
 - Speedup is reported with both engines eager; on a 8-layer, hidden-256 target the draft costs about as much as
   the target, so the figure says nothing about a large target.
 """
@@ -26,6 +28,7 @@ with speculative_config method eagle3 and k = 3 on held-out prompts.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import time
 
@@ -45,6 +48,7 @@ MIN_ACCEPTANCE_LENGTH = 1.8
 SPREAD_FACTOR = 3.0
 MIN_SPREAD = 0.02  # a floor, so two seeds that happen to agree closely do not make the control trivial
 FP8_MAX_GAP = 0.05  # issue 14: a draft trained on fp8 states within 0.05 acceptance of the bf16 one (same seed)
+ARCH = os.environ.get("EAGLE3_E2E_ARCH", "llama")  # the learnable target's architecture: llama or deepseek
 
 
 def misaligned_copy(store, out):
@@ -74,7 +78,7 @@ def chain(request, tmp_path_factory, gpu_out, report):
     t0 = time.perf_counter()
     tmp = tmp_path_factory.mktemp("e2e")
     target = tmp / "target"
-    info = learnable.make_target(target, steps=1500)
+    info = learnable.make_target(target, steps=1500, arch=ARCH)
     report("e2e_target", info)
     assert info["final_loss"] < 0.6 * info["first_loss"]
     data = corpus.write_jsonl(tmp / "train.jsonl", corpus.generate(6000, seed=7))
