@@ -194,6 +194,20 @@ class FakeLLM:
         self.rng = random.Random(0)
         FakeLLM.last = self
 
+    @property
+    def llm_engine(self):
+        """What VLLMBackend.close() calls: ``llm_engine.engine_core.shutdown()``. vLLM's ends the worker processes,
+        and with them each capture's consumer thread and shard buffers; in this one process the threads would live
+        on, each holding its capturer's buffers (up to 12 x 512 MiB reserved): one test process passed 24 GB of
+        address space that way and its next fork failed with ENOMEM. Here shutdown ends the consumer threads."""
+        def shutdown():
+            for w in self.workers:
+                cap = (getattr(w, "_e3", None) or {}).get("capturer")
+                if cap is not None and cap.thread.is_alive():
+                    cap.close()
+
+        return types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=shutdown))
+
     @contextmanager
     def _as(self, rank):
         _CURRENT.update(tp_rank=rank, tp_size=self.tp)
