@@ -166,6 +166,7 @@ class FakeLLM:
     encode_replies = False     # return tensors in replies engine-encoded, as vLLM 0.26 does
     preempt = 0.0              # chance per step that one partly computed request is preempted
     last = None
+    instances: list["FakeLLM"] = []  # the engines of the current test (shutdown_all)
 
     def __init__(self, **kw):
         from eagle3.extract.vllm_worker import CaptureExtension
@@ -193,6 +194,7 @@ class FakeLLM:
         self.seen_prefixes: set[tuple[int, ...]] = set()
         self.rng = random.Random(0)
         FakeLLM.last = self
+        FakeLLM.instances.append(self)
 
     @property
     def llm_engine(self):
@@ -200,13 +202,14 @@ class FakeLLM:
         and with them each capture's consumer thread and shard buffers; in this one process the threads would live
         on, each holding its capturer's buffers (up to 12 x 512 MiB reserved): one test process passed 24 GB of
         address space that way and its next fork failed with ENOMEM. Here shutdown ends the consumer threads."""
-        def shutdown():
-            for w in self.workers:
-                cap = (getattr(w, "_e3", None) or {}).get("capturer")
-                if cap is not None and cap.thread.is_alive():
-                    cap.close()
+        return types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=self.shutdown))
 
-        return types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=shutdown))
+    def shutdown(self) -> None:
+        for w in self.workers:
+            cap = (getattr(w, "_e3", None) or {}).get("capturer")
+            if cap is not None and cap.thread.is_alive():
+                cap.close()
+
 
     @contextmanager
     def _as(self, rank):
@@ -322,6 +325,8 @@ class FakeLLM:
 def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits) -> type[FakeLLM]:
     """Put fake `vllm` modules in sys.modules for the duration of a test. ``reference(prompt)`` gives the states
     of every layer id [L + 1, T, H]; ``reference_logits(prompt)`` the next-token logits [V] after the prompt."""
+    shutdown_all()  # an earlier test's engines that nothing closed
+    FakeLLM.instances = []  # this test's engines, for shutdown_all
     FakeLLM.n_layers, FakeLLM.hidden, FakeLLM.reference = n_layers, hidden, staticmethod(reference)
     FakeLLM.reference_logits = staticmethod(reference_logits)
     vllm = types.ModuleType("vllm")
@@ -356,3 +361,10 @@ def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits
     assert vllm_compat.install_direct_capture() and runner_cls._eagle3_direct_patched
     monkeypatch.setattr("eagle3.extract.vllm_compat.installed_version", lambda: "0.26.0")
     return FakeLLM
+
+
+def shutdown_all() -> None:
+    """End every fake engine of the test (one a test forgot to close too): a fixture's teardown calls this."""
+    for llm in FakeLLM.instances:
+        llm.shutdown()
+    FakeLLM.instances.clear()

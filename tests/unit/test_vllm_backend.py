@@ -62,7 +62,8 @@ def fake(monkeypatch, reference_states, reference_logits):
     monkeypatch.setattr(llm, "token_budget", 96)
     monkeypatch.setattr(llm, "prefix_caching", False)
     monkeypatch.setattr(llm, "preempt", 0.0)
-    return llm
+    yield llm
+    fake_vllm.shutdown_all()  # every engine's capture thread ends, and its shard buffers are let go
 
 
 def _samples():
