@@ -723,7 +723,7 @@ def test_ratios_acceptance_and_baseline(target, gpu_out, report):
     (gpu_out / "bench_summary.json").write_text(json.dumps(summary, indent=1))
     report("bench_ratios", summary["ratios"])
     assert not summary["regressions"], summary["regressions"]
-    assert not failures, failures
+    assert not failures, "\n".join(failures)  # whole lines: a repr is cut short where a path is long
 
 
 CAPTURES = {"aux": "", "direct": bench.DIRECT_SUFFIX}  # capture strategy -> the suffix of its modes
