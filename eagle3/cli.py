@@ -526,9 +526,7 @@ def interrupted_line(a) -> str:
     from eagle3.store import status
 
     if a.cmd == "extract" and a.out:
-        done, planned = status.counts(a.out)
-        return (f"interrupted: {done} of {planned if planned is not None else '?'} samples stored in {a.out}; "
-                "rerun the same command to resume")
+        return f"interrupted: {status.stored(a.out)} stored in {a.out}; rerun the same command to resume"
     if a.cmd in ("train", "demo"):
         root = Path(a.out) / ("train" if a.cmd == "demo" else "")
         steps = sorted(int(p.name.split("-")[1]) for p in (root / "checkpoints").glob("step-*")) \

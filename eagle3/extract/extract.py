@@ -152,10 +152,8 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
 
 def resume_line(root: str | Path) -> str | None:
     """'resuming: N of M samples already stored in ROOT' for a store with samples, else None (JSON only)."""
-    done, planned = store_status.counts(root)
-    if not done:
-        return None
-    return f"resuming: {done} of {planned if planned is not None else '?'} samples already stored in {root}"
+    counted = store_status.counts(root)
+    return f"resuming: {store_status.stored(root, counted)} already stored in {root}" if counted[0] else None
 
 
 def _run_locked(cfg: ExtractConfig, samples, backend, progress: bool, store: Store, spec: StoreSpec, fault,

@@ -15,7 +15,7 @@ def output_store(path: str | Path, command: str) -> None:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise UsageError(f"--out {p}: is a file; give a new folder for the store")
-    if (p / "manifest.json").is_file():
+    if (p / status.MANIFEST).is_file():
         store_not_busy(p, command)
         return
     why = lock.foreign_files_message(p)

@@ -62,7 +62,7 @@ def foreign_files_message(root: str | Path) -> str | None:
 
 
 def holder(root: str | Path) -> str:
-    """'pid N (command)' of the process that wrote STORE/.lock last (the holder, while it is held)."""
+    """'pid N (command)' of the process that wrote STORE/lock.json last (the holder, while it is held)."""
     try:
         info = json.loads((Path(root) / LOCK).read_text() or "{}")
     except (OSError, ValueError):
@@ -98,12 +98,16 @@ def _command_line() -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def _busy(root: str | Path, who: str, what: str) -> StoreBusy:
+    return StoreBusy(f"{root} is being written by {who}; one process writes a store at a time. Wait for it to "
+                     f"finish (or stop it), then {what} again")
+
+
 def refuse_if_busy(root: str | Path, what: str) -> None:
     """StoreBusy when a process writes the store at ``root`` now; ``what``: the user's command, for the message."""
-    busy = being_written(root)
-    if busy:
-        raise StoreBusy(f"{root} is being written by {busy}; one process writes a store at a time. Wait for it to "
-                        f"finish (or stop it), then {what} again")
+    who = being_written(root)
+    if who:
+        raise _busy(root, who, what)
 
 
 class WriteLock:
@@ -118,8 +122,7 @@ class WriteLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise StoreBusy(f"{self.root} is being written by {holder(self.root)}; one process writes a store at a "
-                            f"time. Wait for it to finish (or stop it), then {what} again") from None
+            raise _busy(self.root, holder(self.root), what) from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "command": _command_line(),
                                  "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-MANIFEST, PLAN = "manifest.json", "plan.json"  # as eagle3/store/format.py and recipe.py name them
+from eagle3.store.recipe import PLAN
+
+MANIFEST = "manifest.json"  # as eagle3/store/format.py names it (format.py imports torch)
 
 
 def counts(root: str | Path) -> tuple[int, int | None]:
@@ -25,9 +27,16 @@ def counts(root: str | Path) -> tuple[int, int | None]:
     return len(done & planned), len(planned)
 
 
-def incomplete_message(root: str | Path) -> str | None:
-    """Why training on ``root`` is refused (fewer samples than its plan names), or None when it is complete."""
-    done, planned = counts(root)
+def stored(root: str | Path, counted: tuple[int, int | None] | None = None) -> str:
+    """'N of M samples' (M '?' without a plan): what the resume and interrupt lines say of a store."""
+    done, planned = counted or counts(root)
+    return f"{done} of {planned if planned is not None else '?'} samples"
+
+
+def incomplete_message(root: str | Path, counted: tuple[int, int | None] | None = None) -> str | None:
+    """Why training on ``root`` is refused (fewer samples than its plan names), or None when it is complete.
+    ``counted``: ``counts(root)`` when the caller has it already."""
+    done, planned = counted or counts(root)
     if planned is None or done >= planned:
         return None
     return (f"{root} holds {done} of the {planned} samples its plan names ({planned - done} missing): its extraction "

@@ -481,13 +481,11 @@ def _check_store_is_whole(cfg: TrainConfig) -> list[str]:
         store_lock.refuse_if_busy(cfg.store, "train")
     except store_lock.StoreBusy as e:
         raise StoreError(str(e)) from None
-    why = status.incomplete_message(cfg.store)
+    done, planned = counted = status.counts(cfg.store)
+    why = status.incomplete_message(cfg.store, counted)
     if why and not cfg.allow_incomplete:
         raise StoreError(why)
-    if why:
-        done, planned = status.counts(cfg.store)
-        return [f"training on {done} of the {planned} planned samples (--allow-incomplete)"]
-    return []
+    return [f"training on {done} of the {planned} planned samples (--allow-incomplete)"] if why else []
 
 
 def _acceptance(sums: dict[str, float]) -> dict[str, float]:
