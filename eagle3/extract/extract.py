@@ -183,6 +183,7 @@ def _run_locked(cfg: ExtractConfig, samples, backend, progress: bool, store: Sto
     written_tokens = written_bytes = 0
     bar = _progress(progress, total=sum(len(s) for s in todo), unit="tok", desc=f"extract ({cfg.backend})")
     committer = BackgroundCommitter(store, fsync=cfg.fsync, fault=fault)  # overlaps the next batch
+    session = None
     try:
         session = open_session(backend, store, cfg, fault)
         batches = [todo[start : start + cfg.batch_size] for start in range(0, len(todo), cfg.batch_size)]
@@ -199,6 +200,8 @@ def _run_locked(cfg: ExtractConfig, samples, backend, progress: bool, store: Sto
         written_tokens += sum(i.num_tokens for i in infos)
         written_bytes += sum(i.bytes for i in infos)
     finally:
+        if session is not None and hasattr(session, "close"):
+            session.close()  # a failing or interrupted loop: its writer threads end before the process may
         committer.close(raise_errors=False)  # a failing loop: what was queued is committed, its error stands
         bar.close()
         if own_backend:
@@ -308,6 +311,12 @@ class _LocalSession:
             return self.writer.flush()
         finally:
             self.writer.close()
+
+    def close(self) -> None:
+        """End the writer's threads (after the shard each is writing) without sealing the open shard: a loop that
+        failed or was interrupted. A thread left running as the interpreter exits aborted it ("terminate called
+        without an active exception", exit -6, seen after Ctrl-C). Again, or after finish: nothing more happens."""
+        self.writer.close()
 
 
 def _progress(enabled: bool, **kw):

@@ -367,3 +367,27 @@ def test_every_refusal_comes_in_under_a_second(world, tmp_path, partial_store):
                 break
     print("\n".join(f"{s:6.3f} s  {n}" for n, s in sorted(timings.items(), key=lambda x: -x[1])))
     assert max(timings.values()) < 1.0, timings
+
+
+def test_an_interrupted_extraction_leaves_no_writer_thread_running(tiny_kimi, small_data, tmp_path, monkeypatch):
+    """A shard writer thread still running as the interpreter exits aborted the process after Ctrl-C ("terminate
+    called without an active exception", exit -6, once in a full run): an interrupted loop ends its writer's threads."""
+    import threading
+
+    from eagle3.extract.hf_backend import HFBackend
+
+    real, calls = HFBackend.capture, []
+
+    def capture(self, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, batch)
+
+    monkeypatch.setattr(HFBackend, "capture", capture)
+    cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(tmp_path / "s"), batch_size=4, shard_samples=4,
+                                writer_threads=2, selfcheck=0,
+                                data=DataConfig([str(small_data)], max_len=96, max_samples=16))
+    with pytest.raises(KeyboardInterrupt):
+        extract.run(cfg, progress=False)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("eagle3-shard")] == []
