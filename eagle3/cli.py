@@ -93,6 +93,8 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-error", choices=["skip", "stop"], default="skip",
                    help="bad input lines: skip and write them to STORE/rejects.jsonl (default), or stop")
     p.add_argument("--max-samples", type=POSITIVE, default=None, help="stop after this many samples (default: all)")
+    p.add_argument("--dedup", action="store_true",
+                   help="drop conversations equal to an earlier one (they are counted in the data line either way)")
     p.add_argument("--shard-samples", type=POSITIVE, default=None,
                    help="hf backend: also cut a shard after this many samples (the vllm backend cuts by tokens)")
     p.add_argument("--shard-tokens", type=POSITIVE, default=None, help="tokens per shard (default: ~512 MiB of states)")
@@ -131,7 +133,7 @@ def _extract_config(a):
     return ExtractConfig(
         model=a.model, out=a.out, backend=a.backend, layer_ids=a.layer_ids, batch_size=a.batch_size,
         data=DataConfig(a.data, max_len=a.max_len, long_rule=a.long_rule, on_error=a.on_error,
-                        max_samples=a.max_samples),
+                        max_samples=a.max_samples, dedup=a.dedup),
         shard_samples=a.shard_samples, shard_tokens=a.shard_tokens, device=a.device, tp=a.tp,
         capture=a.capture, fsync=not a.no_fsync, vllm_kwargs={"gpu_memory_utilization": a.gpu_mem},
         selfcheck=0 if a.no_selfcheck else a.selfcheck_prompts, recipe=recipe.from_args(a),

@@ -1,7 +1,9 @@
 """Conversations (JSONL) -> samples {input_ids [T], loss_mask [T]} through the tokenizer's chat template.
 
-Readers: OpenAI ``{"messages": [{"role", "content"}]}`` and ShareGPT ``{"conversations": [{"from", "value"}]}``.
-Loss mask: 1 on tokens that start inside an assistant turn (its content and the end-of-turn marker).
+Readers (schema.py): the OpenAI chat schema in full (tools, tool calls, tool turns, thinking, text parts, per-turn
+weight) and ShareGPT with its function-call roles. Loss mask (masks.py): exactly what the target generates in an
+assistant turn of weight 1 (thinking, text, tool-call markup, the end-of-turn token), none of the template's headers.
+Exact duplicates are counted (``dedup`` drops them); what the template dropped of the data is counted too.
 
 Long samples (more than ``max_len`` tokens), by ``long_rule``:
   truncate (default) keep the first max_len tokens;
@@ -24,20 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from eagle3.data import masks, schema
+from eagle3.data.schema import ROLES, Conversation, DataError  # noqa: F401 - ROLES, DataError: the package's names
+
 log = logging.getLogger(__name__)
 
-ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
 LONG_RULES = ("truncate", "split", "drop", "error")
 ON_ERROR = ("skip", "stop")
-
-
-class DataError(ValueError):
-    """Bad input: names the file, the line, what is wrong and what to do."""
-
-    def __init__(self, path: str | Path, line: int | None, problem: str, fix: str, reason: str = "invalid"):
-        where = f"{path}:{line}" if line else str(path)
-        super().__init__(f"{where}: {problem}. {fix}")
-        self.path, self.line, self.problem, self.fix, self.reason = str(path), line, problem, fix, reason
 
 
 @dataclass(frozen=True)
@@ -58,6 +53,7 @@ class DataConfig:
     on_error: str = "skip"
     rejects_path: str | None = None
     max_samples: int | None = None
+    dedup: bool = False            # drop exact duplicates (same messages, tools, weights); counted either way
 
     def __post_init__(self):
         if self.long_rule not in LONG_RULES:
@@ -77,13 +73,22 @@ class DataReport:
     assistant_tokens: int = 0
     truncated: int = 0
     split_parts: int = 0
+    duplicates: int = 0            # lines equal to an earlier one (dropped with dedup)
+    views: int = 0                 # extra samples: turns the template renders differently once later turns follow
     rejected: Counter = field(default_factory=Counter)
+    template_dropped: Counter = field(default_factory=Counter)  # "role.field" -> turns whose data the template left out
 
     def summary(self) -> str:
         rej = ", ".join(f"{k}: {v}" for k, v in sorted(self.rejected.items())) or "none"
-        return (f"{self.lines} lines -> {self.samples} samples, {self.tokens} tokens "
-                f"({self.assistant_tokens} assistant); truncated {self.truncated}, split parts "
-                f"{self.split_parts}; rejected: {rej}")
+        out = (f"{self.lines} lines ({self.blank_lines} blank) -> {self.samples} samples, {self.tokens} tokens "
+               f"({self.assistant_tokens} assistant); truncated {self.truncated}, split parts {self.split_parts}; "
+               f"duplicates {self.duplicates}; rejected: {rej}")
+        if self.views:
+            out += f"; {self.views} turns learned from their own view (the template re-renders them later)"
+        if self.template_dropped:
+            out += "; the chat template dropped " + ", ".join(
+                f"{k} in {v} turns" for k, v in sorted(self.template_dropped.items())) + " (the data held them)"
+        return out
 
 
 # ---------------------------------------------------------------------------------------- reading
@@ -102,52 +107,23 @@ def json_problem(text: str, e: json.JSONDecodeError) -> str:
     return f"{e.msg} at column {e.colno} of {end}: ...{text[max(0, e.pos - 20):e.pos + 1]!r} <- here"
 
 
-def parse_conversation(text: str, path: str | Path, line: int) -> list[dict[str, str]]:
-    """One JSONL line -> messages [{role, content}], or DataError saying what is wrong."""
+def parse_line(text: str, path: str | Path, line: int) -> Conversation:
+    """One JSONL line -> Conversation, or DataError saying what is wrong."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(path, line, f"invalid JSON ({json_problem(text, e)})",
                         "Each line must be one JSON object; fix or remove the line", "invalid_json") from None
-    if not isinstance(obj, dict):
-        raise DataError(path, line, f"expected a JSON object, got {type(obj).__name__}",
-                        'Write {"messages": [...]} or {"conversations": [...]}', "wrong_schema")
-    if "messages" in obj and "conversations" in obj:
-        raise DataError(path, line, 'has both "messages" and "conversations"', "Keep one of them",
-                        "wrong_schema")
-    if "messages" in obj:
-        turns, role_key, text_key = obj["messages"], "role", "content"
-    elif "conversations" in obj:
-        turns, role_key, text_key = obj["conversations"], "from", "value"
-    else:
-        raise DataError(path, line, f'no "messages" or "conversations" key (keys: {sorted(obj)[:8]})',
-                        'Use OpenAI {"messages": [{"role", "content"}]} or ShareGPT '
-                        '{"conversations": [{"from", "value"}]}', "wrong_schema")
-    if not isinstance(turns, list):
-        raise DataError(path, line, f"the turn list is {type(turns).__name__}, not a list",
-                        "Make it a JSON array of turns", "wrong_schema")
-    if not turns:
-        raise DataError(path, line, "empty conversation", "Remove the line or add turns", "empty")
-    messages = []
-    for k, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise DataError(path, line, f"turn {k} is {type(turn).__name__}, not an object",
-                            f'Write each turn as {{"{role_key}": ..., "{text_key}": ...}}', "wrong_schema")
-        if role_key not in turn or text_key not in turn:
-            raise DataError(path, line, f'turn {k} lacks "{role_key}" or "{text_key}" (keys: {sorted(turn)})',
-                            f'Give every turn "{role_key}" and "{text_key}"', "wrong_schema")
-        role, content = turn[role_key], turn[text_key]
-        if not isinstance(role, str) or role.lower() not in ROLES:
-            raise DataError(path, line, f"turn {k} has unknown role {role!r}",
-                            f"Use one of {sorted(ROLES)}", "unknown_role")
-        if not isinstance(content, str):
-            raise DataError(path, line, f"turn {k} content is {type(content).__name__}, not a string",
-                            "Make the content a string", "wrong_schema")
-        messages.append({"role": ROLES[role.lower()], "content": content})
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-        raise DataError(path, line, "no assistant turn with text (nothing to learn from)",
-                        "Add an assistant reply or remove the line", "no_assistant")
-    return messages
+
+    def err(problem, fix, reason):
+        raise DataError(path, line, problem, fix, reason)
+
+    return schema.parse(obj, err)
+
+
+def parse_conversation(text: str, path: str | Path, line: int) -> list[dict]:
+    """One JSONL line -> its messages as the chat template receives them."""
+    return parse_line(text, path, line).messages
 
 
 def read_conversations(path: str | Path, report: DataReport) -> Iterator[tuple[int, str | None, Any]]:
@@ -170,7 +146,7 @@ def read_conversations(path: str | Path, report: DataReport) -> Iterator[tuple[i
                 report.blank_lines += 1
                 continue
             try:
-                yield lineno, text, parse_conversation(text, path, lineno)
+                yield lineno, text, parse_line(text, path, lineno)
             except DataError as e:
                 yield lineno, text, e
 
@@ -188,27 +164,11 @@ def check_tokenizer(tokenizer, where: str) -> None:
                         "the loss mask", "Provide tokenizer.json", "slow_tokenizer")
 
 
-def render(tokenizer, messages: list[dict[str, str]], path: str | Path = "?", line: int = 0):
-    """messages -> (input_ids, loss_mask) via the chat template and character spans of assistant turns."""
-    def chat(msgs, gen=False):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) if msgs else ""
-
-    text = chat(messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before, through = chat(messages[:i], gen=True), chat(messages[: i + 1])
-        if not (text.startswith(through) and through.startswith(before)):
-            raise DataError(path, line, "the chat template does not render conversations as prefixes of "
-                            "each other, so assistant spans cannot be located",
-                            "Use a template whose rendering of the first n turns is a prefix of the whole",
-                            "template_not_prefix")
-        spans.append((len(before), len(through)))
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    mask = [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"]]
-    return ids, mask
+def render(tokenizer, messages: list[dict] | Conversation, path: str | Path = "?", line: int = 0):
+    """messages -> (input_ids, loss_mask) of the whole conversation (its first view)."""
+    conv = messages if isinstance(messages, Conversation) else Conversation(
+        messages, None, [1] * len(messages))
+    return masks.encode(tokenizer, masks.views(tokenizer, conv, path, line)[0], masks.stop_ids(tokenizer))
 
 
 def _cut(sample_id: str, ids: list[int], mask: list[int], cfg: DataConfig, report: DataReport,
@@ -241,14 +201,27 @@ def load_samples(cfg: DataConfig, tokenizer, tokenizer_where: str = "tokenizer")
     if dup:
         raise DataError(sorted(dup)[0], None, "two input files share this name, so sample ids would collide",
                         "Rename one of them")
-    report, samples, rejects = DataReport(), [], []
+    report, samples, rejects, seen = DataReport(), [], [], set()
+    stops = masks.stop_ids(tokenizer)
     for path in map(Path, cfg.paths):
         for line, text, parsed in read_conversations(path, report):
             try:
                 if isinstance(parsed, DataError):
                     raise parsed
-                ids, mask = render(tokenizer, parsed, path, line)
-                parts = _cut(f"{path.name}:{line}", ids, mask, cfg, report, path, line)
+                key = parsed.key()
+                if key in seen:
+                    report.duplicates += 1
+                    if cfg.dedup:
+                        continue
+                seen.add(key)
+                vs = masks.views(tokenizer, parsed, path, line)
+                report.views += len(vs) - 1
+                report.template_dropped.update(masks.dropped(parsed, vs))
+                parts = []
+                for v in vs:
+                    ids, mask = masks.encode(tokenizer, v, stops)
+                    sid = f"{path.name}:{line}" + ("" if v.end == len(parsed.messages) else f"@{v.end - 1}")
+                    parts += _cut(sid, ids, mask, cfg, report, path, line)
                 kept = [s for s in parts if any(s.loss_mask)]
                 if not kept:
                     raise DataError(path, line, "no assistant tokens left after the long-sample rule",
@@ -273,6 +246,8 @@ def load_samples(cfg: DataConfig, tokenizer, tokenizer_where: str = "tokenizer")
     report.assistant_tokens = sum(sum(s.loss_mask) for s in samples)
     if cfg.rejects_path and rejects:
         write_rejects(cfg.rejects_path, rejects)
+    if report.template_dropped:
+        log.warning("the chat template dropped what the data held: %s", dict(report.template_dropped))
     if rejects:
         log.warning("skipped %d bad lines (%s)%s", len(rejects), dict(report.rejected),
                     f"; see {cfg.rejects_path}" if cfg.rejects_path else "")

@@ -38,6 +38,8 @@ class EvalConfig:
     baseline: bool = True
     gpu_memory_utilization: float = 0.3
     tp: int = 1
+    load_format: str = "auto"       # "dummy": a config-only target (no weights; acceptance means nothing there)
+    max_model_len: int = 2048
 
 
 @dataclass
@@ -90,12 +92,16 @@ class EvalReport:
     engine_start_s: float = 0.0            # target + draft, eager
     baseline_start_s: float = 0.0          # target alone, eager, same options
     drafter: dict = field(default_factory=dict)  # what vLLM loaded (eagle3_drafter_info)
+    per_traffic: dict = field(default_factory=dict)  # traffic type (chat / thinking / tool) -> SpecRun of its prompts
 
     def lines(self) -> list[str]:
         d = self.draft
         out = [f"draft          acceptance length {d.acceptance_length:.3f} +- {d.acceptance_se:.3f} over "
                f"{d.drafts} drafts (k={self.config['k']}), per position "
                + ", ".join(f"{p:.3f}" for p in d.per_position) + f"; {d.tokens_per_s:,.0f} tok/s"]
+        for name, r in self.per_traffic.items():
+            out.append(f"  {name:<12} acceptance length {r.acceptance_length:.3f} +- {r.acceptance_se:.3f} over "
+                       f"{r.drafts} drafts")
         if self.shifted:
             s = self.shifted
             out.append(f"layers +1     acceptance length {s.acceptance_length:.3f} with ids {self.shifted_layer_ids} "
@@ -125,11 +131,16 @@ def spec_counters(llm) -> dict:
     return totals
 
 
-def divergences(spec: list[list[int]], base: list[list[int]], base_top2: list[list[dict]]) -> list[dict]:
+def divergences(spec: list[list[int]], base: list[list[int]], base_top2: list[list[dict]],
+                spec_top2: list[list[dict]] | None = None) -> list[dict]:
     """Where speculative and plain greedy outputs first differ, and the target's own margin there (log-prob of
     its top token minus the runner-up, from the plain run). A margin within bf16 noise means a near-tie that
-    the two computation paths (k+1 tokens verified at once vs one token per step) may break differently; a
-    large margin means the speculative path changed what the target says."""
+    the two computation paths (k+1 tokens verified at once vs one token per step) may break differently.
+
+    ``spec_top2`` (the speculative run's own top-2 log-probs: the target's logits in the verification forward)
+    tells the two causes of a larger margin apart: ``spec_top1`` true means the target itself, computed at the
+    verification's batch shape, chose the speculative token (bf16 MLA/MoE numerics, e.g. an expert-routing near-tie
+    flipped, not the draft); false means a token the target did not choose was emitted (an acceptance error)."""
     out = []
     for i, (a, b) in enumerate(zip(spec, base)):
         pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -138,7 +149,13 @@ def divergences(spec: list[list[int]], base: list[list[int]], base_top2: list[li
         if pos is None:
             continue
         top = sorted(base_top2[i][pos].values(), reverse=True) if pos < len(base_top2[i]) else []
-        out.append({"prompt": i, "position": pos, "margin": top[0] - top[1] if len(top) > 1 else float("nan")})
+        d = {"prompt": i, "position": pos, "margin": top[0] - top[1] if len(top) > 1 else float("nan")}
+        if spec_top2 is not None and pos < len(a) and pos < len(spec_top2[i]):
+            lp = spec_top2[i][pos]
+            ranked = sorted(lp, key=lp.get, reverse=True)
+            d["spec_top1"] = bool(ranked) and ranked[0] == a[pos]
+            d["spec_margin"] = lp[ranked[0]] - lp[ranked[1]] if len(ranked) > 1 else float("nan")
+        out.append(d)
     return out
 
 
@@ -158,29 +175,53 @@ def _run(llm, prompts, max_tokens: int, before: dict | None = None, top2: list |
     if before is None:
         return tokens, seconds, None
     after = spec_counters(llm)
+    return tokens, seconds, (spec_run(before, after, sum(map(len, tokens)), seconds), after)
+
+
+def spec_run(before: dict, after: dict, tokens: int, seconds: float) -> SpecRun:
+    """The SpecRun of what happened between two spec_counters readings."""
     d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
     per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))]
     drafts = max(d["drafts"], 1)
-    run = SpecRun(1 + d["accepted"] / drafts, [p / drafts for p in per_pos], d["drafts"], d["draft_tokens"],
-                  d["accepted"], sum(map(len, tokens)), seconds)
-    return tokens, seconds, (run, after)
+    return SpecRun(1 + d["accepted"] / drafts, [p / drafts for p in per_pos], d["drafts"], d["draft_tokens"],
+                   d["accepted"], tokens, seconds)
 
 
-def load_prompts(cfg: EvalConfig, tokenizer) -> list[list[int]]:
+def _run_by_traffic(llm, prompts, groups: dict, max_tokens: int, before: dict):
+    """The spec run of every prompt, one generate per traffic type: (tokens in prompt order, overall SpecRun, counters
+    after, {traffic: SpecRun})."""
+    tokens: list = [None] * len(prompts)
+    per, counters, seconds = {}, before, 0.0
+    for name, idx in groups.items():
+        got, sec, (per[name], counters) = _run(llm, [prompts[i] for i in idx], max_tokens, counters)
+        seconds += sec
+        for i, t in zip(idx, got):
+            tokens[i] = t
+    return tokens, spec_run(before, counters, sum(map(len, tokens)), seconds), counters, per
+
+
+def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[list[list[int]], dict[str, list[int]]]:
+    """(prompts, {traffic type: prompt indexes}). Without cfg.prompts: the learnable target's held-out prompts (its
+    arch from eagle3_target.json). A JSONL line's "traffic" names its type (default chat); a prompt is the
+    conversation up to its last assistant turn."""
+    from eagle3.data import kimi_traffic
     from eagle3.targets import learnable
 
     if cfg.prompts is None:
-        return learnable.eval_prompts(tokenizer, cfg.num_prompts)
-    prompts = []
-    with open(cfg.prompts) as f:
-        for line in f:
-            msgs = json.loads(line)["messages"]
-            last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-            text = tokenizer.apply_chat_template(msgs[:last], tokenize=False, add_generation_prompt=True)
-            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-            if len(prompts) >= cfg.num_prompts:
-                break
-    return prompts
+        made = Path(cfg.target) / "eagle3_target.json"
+        arch = json.loads(made.read_text()).get("arch", "llama") if made.exists() else "llama"
+        rows = learnable.eval_prompts(tokenizer, cfg.num_prompts, arch=arch)
+    else:
+        with open(cfg.prompts) as f:
+            convs = [json.loads(line) for line, _ in zip(f, range(cfg.num_prompts))]
+        rows = []
+        for traffic, msgs, tools in kimi_traffic.prompts(convs):
+            text = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+            rows.append((traffic, tokenizer(text, add_special_tokens=False)["input_ids"]))
+    groups: dict[str, list[int]] = {}
+    for i, (traffic, _) in enumerate(rows):
+        groups.setdefault(traffic, []).append(i)
+    return [ids for _, ids in rows], groups
 
 
 def run(cfg: EvalConfig) -> EvalReport:
@@ -189,12 +230,14 @@ def run(cfg: EvalConfig) -> EvalReport:
 
     if cfg.prompt_ids is not None:
         prompts = [list(p) for p in cfg.prompt_ids[: cfg.num_prompts]]
+        groups = {"chat": list(range(len(prompts)))}
     else:
-        prompts = load_prompts(cfg, AutoTokenizer.from_pretrained(cfg.target))
+        prompts, groups = load_prompts(cfg, AutoTokenizer.from_pretrained(cfg.target))
     prepare_environment()  # the V1 runner (V2 has no drafter) and spawned workers, as the capture's engines
     draft_cfg = json.loads((Path(cfg.draft) / "config.json").read_text())
     ids = list(draft_cfg["eagle_aux_hidden_state_layer_ids"])
-    common = dict(model=cfg.target, dtype="bfloat16", enforce_eager=True, max_model_len=2048, tensor_parallel_size=cfg.tp,
+    common = dict(model=cfg.target, dtype="bfloat16", enforce_eager=True, max_model_len=cfg.max_model_len,
+                  tensor_parallel_size=cfg.tp, load_format=cfg.load_format,
                   gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
                   kernel_config={"enable_flashinfer_autotune": False})
     t0 = time.perf_counter()
@@ -205,9 +248,14 @@ def run(cfg: EvalConfig) -> EvalReport:
     drafter = normalize_reply(llm.collective_rpc("eagle3_drafter_info", args=(list(ROPE_PROBE),)),
                               Expect(cfg.tp, Record(DRAFTER_KEYS), reply_rank=0))
     _run(llm, prompts[:8], 16)  # warm-up: the first generate of an engine pays one-time costs
-    spec_tokens, _, (draft_run, counters) = _run(llm, prompts, cfg.max_tokens, spec_counters(llm))
+    spec_tokens, draft_run, counters, per = _run_by_traffic(llm, prompts, groups, cfg.max_tokens, spec_counters(llm))
+    spec_top2 = None
+    if cfg.baseline:  # the same run again, untimed, with the verification's own top-2: what explains a divergence
+        spec_top2 = []
+        again, _, (_, counters) = _run(llm, prompts, cfg.max_tokens, counters, top2=spec_top2)
+        spec_top2 = [t if x == y else [] for t, x, y in zip(spec_top2, again, spec_tokens)]  # only where it repeated
     report = EvalReport({k: v for k, v in asdict(cfg).items() if k != "prompt_ids"}, ids, draft_run,
-                        engine_start_s=round(start, 1), drafter=drafter)
+                        engine_start_s=round(start, 1), drafter=drafter, per_traffic=per if len(per) > 1 else {})
     if cfg.shifted:
         shifted = [i + 1 for i in ids]
         llm.collective_rpc("eagle3_set_aux_layers", args=(shifted,))
@@ -227,7 +275,7 @@ def run(cfg: EvalConfig) -> EvalReport:
         if report.outputs_identical < 1:
             top2: list = []
             _run(base, prompts, cfg.max_tokens, top2=top2)  # the plain run again, timed apart, with margins
-            report.divergences = divergences(spec_tokens, base_tokens, top2)
+            report.divergences = divergences(spec_tokens, base_tokens, top2, spec_top2)
         base.llm_engine.engine_core.shutdown()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
-"""Small targets with something to learn: a Llama, or a DeepseekV3 (MLA + MoE, as Kimi-K2.5), trained on the
-project's templated dialogues.
+"""Small targets with something to learn: a Llama on the project's templated dialogues (ChatML), or a DeepseekV3
+(MLA + MoE, as Kimi-K2.5) on Kimi-style traffic (data/kimi_traffic.py: chat, thinking, tool use) in Kimi-K2's chat
+format (targets/kimi_format.py).
 
 Its assistant turns follow from the user turns by fixed rules (counting, arithmetic, spelling,
 calendars), so once trained the target's next token is predictable from context, and a draft that
@@ -42,6 +43,7 @@ LEARNABLE_DEEPSEEK = TargetProfile(
         num_key_value_heads=4, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu",
         attention_bias=False, num_nextn_predict_layers=0, tie_word_embeddings=False),
+    chat_format="kimi",
 )
 ARCHES = {"llama": LEARNABLE, "deepseek": LEARNABLE_DEEPSEEK}
 TRAIN_SEED, HELD_OUT_SEED = 100, 999  # conversation seeds: training text vs evaluation prompts
@@ -52,11 +54,19 @@ TRAIN_SEED, HELD_OUT_SEED = 100, 999  # conversation seeds: training text vs eva
 EVAL_PROMPTS = 1024
 
 
-def token_stream(tokenizer, n_conversations: int, seed: int) -> torch.Tensor:
+def conversations(arch: str, n: int, seed: int) -> list[dict]:
+    """The learnable target's text: templated dialogues (llama), or Kimi-style traffic (deepseek)."""
+    from eagle3.data import kimi_traffic
+
+    return kimi_traffic.generate(n, seed=seed) if ARCHES[arch].chat_format == "kimi" else corpus.generate(n, seed=seed)
+
+
+def token_stream(tokenizer, n_conversations: int, seed: int, arch: str = "llama") -> torch.Tensor:
     """All conversations rendered with the chat template, concatenated: [N] token ids."""
     ids: list[int] = []
-    for c in corpus.generate(n_conversations, seed=seed):
-        ids += tokenizer(tokenizer.apply_chat_template(c["messages"], tokenize=False), add_special_tokens=False)["input_ids"]
+    for c in conversations(arch, n_conversations, seed):
+        text = tokenizer.apply_chat_template(c["messages"], tools=c.get("tools"), tokenize=False)
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -73,7 +83,7 @@ def make_target(out: str | Path, steps: int = 1500, batch: int = 64, seq_len: in
     tiny.build_model(ARCHES[arch], out, seed=seed)
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device).train()
-    stream = token_stream(tokenizer, n_conversations, TRAIN_SEED)
+    stream = token_stream(tokenizer, n_conversations, TRAIN_SEED, arch)
     n_windows = (len(stream) - 1) // seq_len
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
@@ -101,12 +111,13 @@ def make_target(out: str | Path, steps: int = 1500, batch: int = 64, seq_len: in
     return info
 
 
-def eval_prompts(tokenizer, n: int, seed: int = HELD_OUT_SEED) -> list[list[int]]:
-    """Held-out prompts: each conversation up to its last assistant turn, with the generation prompt."""
-    prompts = []
-    for c in corpus.generate(n, seed=seed):
-        msgs = c["messages"]
-        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-        text = tokenizer.apply_chat_template(msgs[:last], tokenize=False, add_generation_prompt=True)
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return prompts
+def eval_prompts(tokenizer, n: int, seed: int = HELD_OUT_SEED, arch: str = "llama") -> list[tuple[str, list[int]]]:
+    """Held-out prompts, (traffic type, token ids): each conversation up to its last assistant turn (a tool
+    conversation alternately up to its call), with the generation prompt."""
+    from eagle3.data import kimi_traffic
+
+    out = []
+    for traffic, msgs, tools in kimi_traffic.prompts(conversations(arch, n, seed)):
+        text = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+        out.append((traffic, tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out

@@ -40,6 +40,7 @@ class TargetProfile:
     build: str = "random"      # random: built here with random weights (tiny.build_model);
                                # config: config.json only, served with vLLM's load_format="dummy";
                                # none: a real target, described here, never built
+    chat_format: str = "chatml"  # the built tokenizer's chat template: chatml, or kimi (targets/kimi_format.py)
 
     def __post_init__(self):
         ids = self.layer_ids or default_layer_ids(self.num_hidden_layers)
@@ -89,6 +90,16 @@ PRESETS: dict[str, TargetProfile] = {
     # shared, vocab 163840. About 35B parameters: config.json only, served with load_format="dummy" (61 GB).
     "kimi-depth": _deepseek("kimi-depth", 7168, 61, 163840, experts=8, topk=8, moe_inter=2048, inter=18432,
                             mla=KIMI_MLA, max_pos=16384, build="config"),
+    # Kimi-K2.5's own class: KimiK25ForConditionalGeneration (vLLM 0.26 kimi_k25.py: a MoonViT vision tower and the
+    # DeepseekV3 language model, which it hands the aux layers to), text_config = kimi-depth's, a one-layer vision
+    # tower. config.json only, served with load_format="dummy" and no tokenizer (text-only: token-id prompts).
+    "kimi-k25-depth": TargetProfile(
+        "kimi-k25-depth", "KimiK25ForConditionalGeneration", 7168, 61, 163840, build="config",
+        hf_config=dict(architectures=["KimiK25ForConditionalGeneration"], model_type="kimi_k25",
+                       text_config=None, media_placeholder_token_id=163605,
+                       vision_config=dict(model_type="kimi_k25_vision", patch_size=14, num_hidden_layers=1,
+                                          hidden_size=256, num_attention_heads=4, intermediate_size=512,
+                                          merge_kernel_size=[2, 2]))),
     # Same layer shapes as Kimi-K2.5 (hidden 7168, Kimi's MLA dims), 8 layers and 8 experts: one GPU.
     "mini-kimi": _deepseek("mini-kimi", 7168, 8, 32768, experts=8, topk=2, moe_inter=512, inter=2048,
                            mla=dict(KIMI_MLA, num_attention_heads=16, num_key_value_heads=16), max_pos=16384),
@@ -106,6 +117,8 @@ PRESETS: dict[str, TargetProfile] = {
                        hidden_act="silu"),
     ),
 }
+PRESETS["kimi-k25-depth"].hf_config["text_config"] = dict(
+    PRESETS["kimi-depth"].hf_config, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
 
 
 def from_name(name: str) -> TargetProfile:

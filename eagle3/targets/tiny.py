@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from eagle3.data import corpus
+from eagle3.targets import kimi_format
 from eagle3.targets.presets import TargetProfile
 
 log = logging.getLogger(__name__)
@@ -19,31 +20,53 @@ log = logging.getLogger(__name__)
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 # ChatML-style; BOS first. Assistant turns end with <|im_end|>, which the model learns to emit.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 1):
-    """Train a byte-level BPE on generated dialogues; save a fast tokenizer with the chat template."""
+def _texts(chat_format: str, seed: int) -> list[str]:
+    """What the BPE is trained on: the dialogues' text, and for kimi the thinking, tool calls and replies too."""
+    if chat_format == "chatml":
+        return [m["content"] for c in corpus.generate(3000, seed=seed) for m in c["messages"]] + [
+            "user", "assistant", "system", "\n"]
+    from eagle3.data import kimi_traffic
+
+    out = ["user", "assistant", "system", "tool", "tool_declare", "## Return of ", "\n", kimi_format.DEFAULT_SYSTEM,
+           json.dumps(kimi_traffic.TOOLS)]
+    for c in kimi_traffic.generate(3000, seed=seed):
+        for m in c["messages"]:
+            out += [m.get("content") or "", m.get("reasoning_content") or ""]
+            out += [t["id"] + t["function"]["arguments"] for t in m.get("tool_calls", [])]
+    return out
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 1, chat_format: str = "chatml"):
+    """Train a byte-level BPE on generated dialogues; save a fast tokenizer with the chat template (``chat_format``:
+    chatml, or kimi: Kimi-K2's role, thinking and tool-call tokens and template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    if chat_format not in ("chatml", "kimi"):
+        raise ValueError(f"chat_format {chat_format!r}: use chatml or kimi")
+    specials = SPECIAL_TOKENS if chat_format == "chatml" else kimi_format.SPECIAL_TOKENS
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = [m["content"] for c in corpus.generate(3000, seed=seed) for m in c["messages"]]
-    texts += ["user", "assistant", "system", "\n"]
-    tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>", pad_token="<|pad|>",
-        additional_special_tokens=["<|im_start|>", "<|eos|>"],
-    )
-    fast.chat_template = CHAT_TEMPLATE
+    tok.train_from_iterator(_texts(chat_format, seed), trainer=trainer)
+    if chat_format == "chatml":
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>", pad_token="<|pad|>",
+            additional_special_tokens=["<|im_start|>", "<|eos|>"],
+        )
+        fast.chat_template = CHAT_TEMPLATE
+    else:
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, **kimi_format.tokenizer_kwargs())
+        fast.chat_template = kimi_format.CHAT_TEMPLATE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out_dir)
@@ -99,13 +122,16 @@ def build_model(profile: TargetProfile, out_dir: str | Path, seed: int = 0, dtyp
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(dict(cfg, torch_dtype=dtype), indent=1))
         return out_dir
-    stamp = json.dumps({"cfg": cfg, "seed": seed, "dtype": dtype, "tok": with_tokenizer, "routing": fixed_routing,
-                        "norm": "random"}, sort_keys=True)
+    stamp = {"cfg": cfg, "seed": seed, "dtype": dtype, "tok": with_tokenizer, "routing": fixed_routing,
+             "norm": "random"}
+    if profile.chat_format != "chatml":
+        stamp["chat_format"] = profile.chat_format
+    stamp = json.dumps(stamp, sort_keys=True)
     if (out_dir / ".eagle3-build").exists() and (out_dir / ".eagle3-build").read_text() == stamp:
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     if with_tokenizer:
-        tok = build_tokenizer(out_dir, vocab_size=cfg["vocab_size"])
+        tok = build_tokenizer(out_dir, vocab_size=cfg["vocab_size"], chat_format=profile.chat_format)
         cfg.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "architectures"})

@@ -20,13 +20,21 @@ with speculative_config method eagle3 and k = 3 on held-out prompts.
   Its own test since the 3cf512b run (`-k fp8` runs the shared chain + it); PASSED on the H200 in the e41ccad run: 3.846 fp8
   vs 3.810 bf16, 0.509 of the bytes (results/2026-12-03-e41ccad-h200-vllm0.26.0/).
 - EAGLE3_E2E_ARCH=deepseek runs the same chain on the learnable DeepseekV3 target (`make-target --arch deepseek`:
-  Kimi's MLA latent sizes, MoE top-2 of 8 + shared; not yet run on a GPU).
+  Kimi's MLA latent sizes, MoE top-2 of 8 + shared) trained on Kimi-style traffic in Kimi-K2's chat format
+  (data/kimi_traffic.py: chat, thinking, tool use); acceptance is reported per traffic type, and the goal of 2.5 on
+  the chat prompts (issue 39) is reported beside the asserted bar.
+- Greedy outputs with the draft equal the target's alone, except where the target's own top-1 margin is a near-tie
+  (<= NEAR_TIE nats, as in test_deepseek_draft) or where the target itself, in the verification forward, chose the
+  speculative token (evaluate.divergences' spec_top1): on the DeepseekV3 target (2026-12-04 run, H200, vLLM 0.26.0)
+  13 of 1024 outputs diverged, 7 at plain-run margins of 0.19-1.75 nats, which bf16 logit noise cannot flip but a
+  top-2-of-8 expert-routing near-tie at another batch shape can. A token the target did not choose there fails.
 - Speedup is reported with both engines eager; on a 8-layer, hidden-256 target the draft costs about as much as
   the target, so the figure says nothing about a large target.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -34,7 +42,6 @@ import time
 
 import pytest
 
-from eagle3.data import corpus
 from eagle3.data.conversations import DataConfig
 from eagle3.extract import extract
 from eagle3.serve import evaluate
@@ -49,6 +56,10 @@ SPREAD_FACTOR = 3.0
 MIN_SPREAD = 0.02  # a floor, so two seeds that happen to agree closely do not make the control trivial
 FP8_MAX_GAP = 0.05  # issue 14: a draft trained on fp8 states within 0.05 acceptance of the bf16 one (same seed)
 ARCH = os.environ.get("EAGLE3_E2E_ARCH", "llama")  # the learnable target's architecture: llama or deepseek
+NEAR_TIE = 0.1  # nats: a divergence where the target's own top-1 margin is this small is a tie, not a draft's error
+N_TRAIN = {"llama": 6000, "deepseek": 3000}[ARCH]  # conversations extracted: ~520k tokens (llama), ~680k (deepseek:
+# a tool conversation's tools declaration alone is ~380 tokens)
+CHAT_GOAL = 2.5  # issue 39's goal for the deepseek target's chat prompts (reported, not asserted)
 
 
 def misaligned_copy(store, out):
@@ -81,7 +92,8 @@ def chain(request, tmp_path_factory, gpu_out, report):
     info = learnable.make_target(target, steps=1500, arch=ARCH)
     report("e2e_target", info)
     assert info["final_loss"] < 0.6 * info["first_loss"]
-    data = corpus.write_jsonl(tmp / "train.jsonl", corpus.generate(6000, seed=7))
+    data = tmp / "train.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in learnable.conversations(ARCH, N_TRAIN, seed=7)))
     store = tmp / "store"
     ex = extract.run(extract.ExtractConfig(
         model=str(target), out=str(store), backend="vllm", batch_size=512, shard_tokens=1 << 16,
@@ -125,10 +137,22 @@ def test_trained_draft_is_served_by_vllm_and_predicts_the_target(chain, report):
                "spread_two_seeds": round(spread, 3), "misaligned_drop": round(base - acc["misaligned"], 3),
                "layer_ids_plus_one": round(s0.shifted.acceptance_length, 3),
                "outputs_identical": s0.outputs_identical,
+               "divergence_margins": sorted(round(x["margin"], 4) for x in s0.divergences),
+               "divergences_target_chose_spec_token": sum(bool(x.get("spec_top1")) for x in s0.divergences),
+               "per_traffic": {k: {name: round(r.acceptance_length, 3) for name, r in runs[k].per_traffic.items()}
+                               for k in runs},
+               "arch": ARCH,
                "speedup_eager_both": round(s0.draft.tokens_per_s / s0.baseline_tokens_per_s, 2),
                "seconds": round(time.perf_counter() - chain["t0"], 1)}
+    if s0.per_traffic:
+        summary["chat_goal_2.5_met"] = min(runs[k].per_traffic["chat"].acceptance_length for k in ("seed0", "seed1")
+                                           ) >= CHAT_GOAL
     report("e2e_summary", summary)
-    assert s0.draft.drafts > 0 and s0.outputs_identical == 1.0, summary
+    assert s0.draft.drafts > 0 and s0.outputs_identical is not None, summary
+    # a divergence is a near-tie of the plain run, or the target's own choice in the verification forward (bf16 MoE
+    # routing / MLA at another batch shape); a token the target did not choose there is an acceptance error
+    unexplained = [x for x in s0.divergences if x["margin"] > NEAR_TIE and not x.get("spec_top1")]
+    assert not unexplained, (summary, unexplained)
     assert min(acc["seed0"], acc["seed1"]) >= MIN_ACCEPTANCE_LENGTH, summary
     assert base - acc["misaligned"] >= SPREAD_FACTOR * max(spread, MIN_SPREAD), summary
 

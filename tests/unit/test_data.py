@@ -42,7 +42,8 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
     ids, mask = render(tokenizer, msgs)
     assert len(ids) == len(mask)
     masked = tokenizer.decode([t for t, m in zip(ids, mask) if m])
-    assert masked == "2 plus 3 is 5.<|im_end|>\n5 times 2 is 10.<|im_end|>\n"
+    # the end-of-turn token is generated; the "\n" the template writes after it is not
+    assert masked == "2 plus 3 is 5.<|im_end|>5 times 2 is 10.<|im_end|>"
     unmasked = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
     assert "What is 2 plus 3?" in unmasked and "Be brief." in unmasked and "is 5" not in unmasked
 
@@ -80,11 +81,12 @@ def test_split_drops_a_last_window_of_one_token(tmp_path, tokenizer):
                          {"role": "assistant", "content": ", ".join(map(str, range(1, 61)))}]}
     full, mask = render(tokenizer, long["messages"])
     m = next(m for m in range(24, len(full)) if len(full) % m == 1)  # the last window holds one token
-    assert mask[-1] == 1  # an assistant token: only the length rule can drop it
+    assert mask[-2] == 1  # the end-of-turn token; the template's "\n" after it is the last token
     samples, rep = load_samples(DataConfig([str(_write(tmp_path, "d.jsonl", [long]))], max_len=m, long_rule="split"),
                                 tokenizer)
     assert [t for s in samples for t in s.input_ids] == full[:-1] and min(len(s) for s in samples) >= 2
     assert rep.split_parts == len(samples) == len(full) // m
+    assert not rep.rejected  # dropped by the length rule, not rejected as a window with no assistant token
 
 
 def test_skip_policy_reports_bad_lines_and_keeps_good_ones(tmp_path, tokenizer):

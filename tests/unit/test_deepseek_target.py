@@ -117,3 +117,27 @@ def test_every_config_reader_takes_kimi_k25_s_config_as_it_is(tmp_path, small_da
                      "--backend", "vllm", "--layer-ids", "2,30,58,62"])
     assert code == 2 and "a target with 61 layers has ids 0..61" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def test_held_out_prompts_are_kimi_traffic_for_deepseek_and_unchanged_for_llama(deepseek_target, tokenizer):
+    """The deepseek target's held-out prompts come in three traffic types, each ending at Kimi's generation prompt
+    (a tool conversation alternately before its call and after the tool's reply); the llama target's are its
+    dialogues up to the last assistant turn, as before."""
+    from transformers import AutoTokenizer
+
+    from eagle3.data import corpus
+
+    out, _ = deepseek_target
+    tok = AutoTokenizer.from_pretrained(out)
+    rows = learnable.eval_prompts(tok, 12, arch="deepseek")
+    assert [t for t, _ in rows] == ["chat", "thinking", "tool"] * 4
+    gen = tok.encode("<|im_assistant|>assistant<|im_middle|>", add_special_tokens=False)
+    assert all(ids[-len(gen):] == gen for _, ids in rows)
+    tool_turns = [tok.decode(ids).count("## Return of") for t, ids in rows if t == "tool"]
+    assert tool_turns == [0, 1, 0, 1]
+    old = []
+    for c in corpus.generate(5, seed=learnable.HELD_OUT_SEED):
+        last = max(i for i, m in enumerate(c["messages"]) if m["role"] == "assistant")
+        old.append(tokenizer(tokenizer.apply_chat_template(c["messages"][:last], tokenize=False,
+                                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+    assert [ids for _, ids in learnable.eval_prompts(tokenizer, 5)] == old

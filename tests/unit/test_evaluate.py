@@ -132,3 +132,59 @@ def test_a_run_s_acceptance_counts_only_its_own_drafts(monkeypatch):
     _, _, (run, _) = evaluate._run(llm, [[1, 2]], 3, before=evaluate.spec_counters(llm))
     assert (run.drafts, run.accepted, run.acceptance_length) == (10, 20, 3.0)
     assert run.per_position == [0.8, 0.6, 0.6]
+
+
+def test_acceptance_is_reported_per_traffic_type_from_each_type_s_own_drafts(monkeypatch):
+    """A fake engine that accepts every draft token on prompts starting with 1 (chat) and none on those starting with 2
+    (tool): each type's acceptance counts only its own prompts' drafts, the tokens stay in prompt order, and the
+    overall run is the two together."""
+    import sys
+    import types
+
+    from eagle3.serve import evaluate
+
+    class Metric:
+        def __init__(self, name, value=None, values=None):
+            self.name, self.value, self.values = name, value, values
+
+    class LLM:
+        c = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0, 0, 0]}
+
+        def get_metrics(self):
+            c = self.c
+            return [Metric("vllm:spec_decode_num_drafts", c["drafts"]),
+                    Metric("vllm:spec_decode_num_draft_tokens", c["draft_tokens"]),
+                    Metric("vllm:spec_decode_num_accepted_tokens", c["accepted"]),
+                    Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=c["per_pos"])]
+
+        def generate(self, prompts, params, use_tqdm=False):
+            for p in prompts:
+                full = p["prompt_token_ids"][0] == 1
+                self.c = {"drafts": self.c["drafts"] + 4, "draft_tokens": self.c["draft_tokens"] + 12,
+                          "accepted": self.c["accepted"] + (12 if full else 0),
+                          "per_pos": [x + (4 if full else 0) for x in self.c["per_pos"]]}
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=list(p["prompt_token_ids"]),
+                                                                         logprobs=None)]) for p in prompts]
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
+    llm = LLM()
+    prompts = [[1, 10], [2, 11], [1, 12], [2, 13]]
+    tokens, run, _, per = evaluate._run_by_traffic(llm, prompts, {"chat": [0, 2], "tool": [1, 3]}, 3,
+                                                   evaluate.spec_counters(llm))
+    assert tokens == prompts
+    assert per["chat"].acceptance_length == 4.0 and per["tool"].acceptance_length == 1.0
+    assert (run.drafts, run.acceptance_length) == (16, 2.5)
+
+
+def test_a_divergence_says_whether_the_target_chose_the_speculative_token():
+    """The speculative run's own top-2 (the target's logits in the verification forward) separates numerics (the
+    target chose the token there) from an acceptance error (a token it did not choose was emitted)."""
+    base = [[1, 2, 3], [1, 2, 3]]
+    spec = [[1, 5, 3], [1, 6, 3]]
+    base_top2 = [[{1: -0.1, 0: -4.0}, {2: -0.1, 5: -2.0}, {3: -0.1, 0: -4.0}]] * 2
+    spec_top2 = [[{1: -0.1, 0: -4.0}, {5: -0.3, 2: -0.4}, {3: -0.1, 0: -4.0}],   # the target chose 5 there
+                 [{1: -0.1, 0: -4.0}, {2: -0.1, 9: -3.0, 6: -5.0}, {3: -0.1, 0: -4.0}]]  # 6 was not its choice
+    got = divergences(spec, base, base_top2, spec_top2)
+    assert [(d["prompt"], d["position"], d["spec_top1"]) for d in got] == [(0, 1, True), (1, 1, False)]
+    assert math.isclose(got[0]["margin"], 1.9) and math.isclose(got[0]["spec_margin"], 0.1)
+    assert "spec_top1" not in divergences(spec, base, base_top2)[0]  # without the speculative top-2: not claimed

@@ -54,8 +54,9 @@ def test_presets_are_data_with_consistent_shapes():
     assert from_name("kimi-k2.5").bytes_per_token == 4 * 7168 * 2  # 57 KiB per token
     for p in PRESETS.values():
         if p.hf_config:
-            assert p.hf_config["hidden_size"] == p.hidden_size
-            assert p.hf_config["num_hidden_layers"] == p.num_hidden_layers
+            text = p.hf_config.get("text_config") or p.hf_config  # Kimi-K2.5's wrapper: the text model's shapes
+            assert text["hidden_size"] == p.hidden_size
+            assert text["num_hidden_layers"] == p.num_hidden_layers
     depth = from_name("kimi-depth")
     assert depth.layer_ids == (2, 30, 58, 61) and depth.build == "config" and not from_name("kimi-k2.5").buildable
     kimi = from_name("kimi-k2.5").hf_config

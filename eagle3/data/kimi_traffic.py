@@ -1,0 +1,99 @@
+"""Conversations shaped like Kimi-K2.5's traffic, written for this project: plain chat, thinking, and tool use.
+
+Every answer follows from the prompt by fixed rules (corpus.py's topics), so a small target learns them and a draft
+can learn to predict that target:
+  chat      corpus.py's dialogues (1-3 topics, several turns);
+  thinking  one question; ``reasoning_content`` restates it and works it out, then the answer;
+  tool      the ``tools`` list, a question, an assistant turn that calls a tool (``tool_calls``, Kimi's ids
+            ``functions.NAME:0``), the tool's reply (a ``tool`` turn, its JSON a function of the arguments), and the
+            answer read off the reply.
+Each line carries ``"traffic"`` (chat / thinking / tool), which the evaluation groups prompts by.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+
+from eagle3.data import corpus
+
+TRAFFIC = ("chat", "thinking", "tool")
+WEATHER = ["sunny", "cloudy", "rainy", "windy", "snowy", "foggy"]
+CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Delhi", "Quito", "Seoul", "Dakar", "Perth", "Austin", "Bergen"]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": {"type": "object", "required": ["city"],
+                                                     "properties": {"city": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "add", "description": "Add two integers",
+                                      "parameters": {"type": "object", "required": ["a", "b"],
+                                                     "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "day_after", "description": "The weekday n days after a weekday",
+                                      "parameters": {"type": "object", "required": ["day", "n"],
+                                                     "properties": {"day": {"type": "string"}, "n": {"type": "integer"}}}}},
+]
+
+
+def _weather(city: str) -> dict:
+    h = zlib.crc32(city.encode())
+    return {"city": city, "weather": WEATHER[h % len(WEATHER)], "celsius": h % 35 - 5}
+
+
+def _tool_use(r: random.Random) -> tuple[str, str, dict, dict, str]:
+    """(question, tool name, arguments, reply, answer)."""
+    kind = r.randrange(3)
+    if kind == 0:
+        city = r.choice(CITIES)
+        w = _weather(city)
+        return (f"What is the weather in {city} right now?", "get_weather", {"city": city}, w,
+                f"It is {w['weather']} in {city}, {w['celsius']} degrees Celsius.")
+    if kind == 1:
+        a, b = r.randint(100, 999), r.randint(100, 999)
+        return (f"Use the calculator to add {a} and {b}.", "add", {"a": a, "b": b}, {"sum": a + b},
+                f"{a} plus {b} is {a + b}.")
+    day, n = r.choice(corpus.DAYS), r.randint(1, 30)
+    got = corpus.DAYS[(corpus.DAYS.index(day) + n) % 7]
+    return (f"Which weekday is {n} days after {day}?", "day_after", {"day": day, "n": n}, {"day": got},
+            f"{n} days after {day} is {got}.")
+
+
+def chat(r: random.Random) -> dict:
+    return dict(corpus.conversation(r), traffic="chat")
+
+
+def thinking(r: random.Random) -> dict:
+    question, answer = r.choice(corpus.TOPICS)(r)[0]
+    reasoning = f"The user asks: {question} Working it out: {answer} So I answer that."
+    return {"traffic": "thinking", "messages": [{"role": "user", "content": question},
+                                                {"role": "assistant", "reasoning_content": reasoning,
+                                                 "content": answer}]}
+
+
+def tool(r: random.Random) -> dict:
+    question, name, args, reply, answer = _tool_use(r)
+    call_id = f"functions.{name}:0"
+    return {"traffic": "tool", "tools": TOOLS, "messages": [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": json.dumps(reply)},
+        {"role": "assistant", "content": answer}]}
+
+
+def generate(n: int, seed: int = 0) -> list[dict]:
+    """n conversations, the three kinds in turn (chat, thinking, tool, chat, ...)."""
+    r = random.Random(seed)
+    make = (chat, thinking, tool)
+    return [make[i % 3](r) for i in range(n)]
+
+
+def prompts(conversations: list[dict]) -> list[tuple[str, list[dict], list | None]]:
+    """(traffic, messages before an assistant turn, tools) per conversation: chat and thinking up to their last
+    assistant turn; tool conversations alternately up to the call and up to the answer after the reply."""
+    out = []
+    for k, c in enumerate(conversations):
+        msgs = c["messages"]
+        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        at = turns[-1] if c.get("traffic") != "tool" or k % 2 else turns[0]
+        out.append((c.get("traffic", "chat"), msgs[:at], c.get("tools")))
+    return out

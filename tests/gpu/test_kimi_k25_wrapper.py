@@ -1,0 +1,118 @@
+"""Kimi-K2.5's own class on one H200 (issue 39; opt-in with `-m kimi_depth`: 61 GB and 2-4 minutes per engine start).
+
+Kimi-K2.5's config.json names KimiK25ForConditionalGeneration (vLLM 0.26 kimi_k25.py): a MoonViT vision tower and a
+DeepseekV3 language model, to which its SupportsEagle3 methods hand the aux layers. Here: text_config = kimi-depth's
+(61 layers, hidden 7168, Kimi's MLA, 8 experts top-8 + shared), a one-layer vision tower, config.json only,
+load_format="dummy", no tokenizer (vLLM runs a multimodal model text-only without one): token-id prompts.
+- The capture: ids (2, 30, 58, 61) from the wrapper's language model, distinct layers, the store verified.
+- The final-state self-check on the engine's own head passes the id-61 state and fails a post-norm one (as the
+  kimi-depth test).
+- A draft trained on the store (a few steps) is served by vLLM with the wrapper as target: it loads and drafts;
+  acceptance means nothing on dummy weights and is only reported.
+Decoder-layer norms are set to 1 (VLLMBackend.unit_norms) as in test_kimi_depth, so the layers' updates show.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+
+import pytest
+import torch
+
+from eagle3.data.conversations import random_samples
+from eagle3.extract import extract, selfcheck
+from eagle3.serve import evaluate
+from eagle3.store import verify
+from eagle3.store.folder import Store
+from eagle3.targets import presets, tiny
+from eagle3.train import train, vllm_reads
+
+from .conftest import MAX_BATCHED_TOKENS
+from .test_extract_vllm import rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.kimi_depth]
+IDS = (2, 30, 58, 61)
+
+
+def write_verifier_weights(folder, head_files) -> None:
+    """The trainer reads the verifier's embedding, lm_head and final norm from its checkpoint; a config-only target
+    has none. Written under Kimi-K2.5's own key names (language_model.*, found by suffix): the engine's own final
+    norm and lm_head (its dummy weights, from dump_head), and a seeded random embedding (vLLM serves the draft with
+    the engine's). vLLM with load_format="dummy" reads none of it."""
+    from safetensors.torch import load_file, save_file
+
+    (path,) = head_files  # TP 1: one rank's file holds the whole head
+    head = load_file(path)
+    g = torch.Generator().manual_seed(0)
+    embed = (torch.randn(head["lm_head"].shape, generator=g) * 0.02).bfloat16()
+    save_file({"language_model.model.embed_tokens.weight": embed,
+               "language_model.lm_head.weight": head["lm_head"].bfloat16().contiguous(),
+               "language_model.model.norm.weight": head["norm"].bfloat16().contiguous()},
+              str(folder / "model.safetensors"))
+
+
+def test_kimi_k25_class_captures_self_checks_and_serves_a_draft(tmp_path_factory, tmp_path, report, gpu_out):
+    from eagle3.extract.vllm_backend import VLLMBackend
+
+    prof = presets.from_name("kimi-k25-depth")
+    folder = tiny.build_model(prof, tmp_path_factory.mktemp("kimi-k25-depth"), dtype="bfloat16")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"] and cfg["text_config"]["num_hidden_layers"] == 61
+    spec = extract.store_spec(folder, None, "bfloat16")
+    assert spec.layer_ids == IDS
+    t0 = time.perf_counter()
+    backend = VLLMBackend(str(folder), spec, gpu_memory_utilization=0.85, max_model_len=4096,
+                          max_num_batched_tokens=MAX_BATCHED_TOKENS, load_format="dummy", log_level="INFO")
+    report("kimi_k25_engine_start_s", round(time.perf_counter() - t0, 1))
+    report("kimi_k25_capture", backend.strategy)
+    report("kimi_k25_unit_norms", backend.unit_norms())
+    try:
+        samples = random_samples(32, 512, prof.vocab_size, seed=81)
+        store = tmp_path / "store"
+        ex = extract.run(extract.ExtractConfig(model=str(folder), out=str(store), backend="vllm", batch_size=16,
+                                               selfcheck=0), samples=samples, backend=backend, progress=False)
+        report("kimi_k25_extract", {"samples": ex.samples_written, "tokens_per_s": round(ex.tokens_per_s)})
+        assert verify.verify(store).ok
+        st = Store.open(store)
+        assert tuple(st.spec.layer_ids) == IDS
+        got = {s["sample_id"]: s for s in st.iter_samples()}
+        assert len(got) == 32
+        for s in got.values():
+            states = [s["states"][i] for i in IDS]
+            assert all(tuple(t.shape) == (512, 7168) and torch.isfinite(t).all() for t in states)
+            assert all(rel_err(states[a], states[b]) > 1e-3 for a in range(4) for b in range(a + 1, 4)), s["sample_id"]
+        first = samples[:8]
+        engine = backend.top_logprobs(first, selfcheck.K)
+        head_files = backend.dump_head(tmp_path)
+        head = selfcheck.load_head_files(head_files, 1e-6)
+        right = selfcheck.last_states([got[s.sample_id] for s in first], 61)
+        h = right.float()
+        post = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm).bfloat16()
+        ok, bad = selfcheck.compare(head, right, engine), selfcheck.compare(head, post, engine)
+        report("kimi_k25_selfcheck", {"id 61": ok.line(), "post-norm": bad.line()})
+        assert ok.ok and not bad.ok, (ok.line(), bad.line())
+    finally:
+        backend.close()
+
+    write_verifier_weights(folder, head_files)
+    tr = train.train(train.TrainConfig(store=str(store), out=str(tmp_path / "train"), device="cuda", batch_samples=4,
+                                       max_steps=4, lr=1e-4, warmup_steps=1, draft_vocab_size=32000, ttt_steps=3),
+                     progress=False)
+    gc.collect()
+    torch.cuda.empty_cache()  # the trainer's cached blocks: the serving engine wants 0.8 of the GPU
+    draft = tmp_path / "train" / "draft"
+    assert vllm_reads.problems(draft) == []
+    assert vllm_reads.reads(draft)["aux_layer_ids"] == [2, 30, 58]
+    prompts = [list(s.input_ids) for s in random_samples(16, 64, prof.vocab_size, seed=82)]
+    rep = evaluate.run(evaluate.EvalConfig(target=str(folder), draft=str(draft), prompt_ids=prompts,
+                                           out=str(tmp_path / "eval"), k=3, max_tokens=16, num_prompts=16,
+                                           shifted=False, baseline=False, gpu_memory_utilization=0.8,
+                                           load_format="dummy", max_model_len=4096))
+    (gpu_out / "kimi_k25_eval.json").write_text((tmp_path / "eval" / "eval.json").read_text())
+    report("kimi_k25_served", {"engine_start_s": rep.engine_start_s, "drafts": rep.draft.drafts,
+                               "acceptance_length_dummy_weights": round(rep.draft.acceptance_length, 3),
+                               "drafter": {k: v for k, v in rep.drafter.items() if not k.startswith("rope_c")},
+                               "train_steps": tr.steps})
+    assert rep.draft.drafts > 0 and len(rep.draft.per_position) == 3
