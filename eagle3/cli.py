@@ -318,6 +318,24 @@ def cmd_make_target(a) -> int:
     return 0
 
 
+def _regen_config(a):
+    from eagle3.extract.regenerate import RegenConfig
+
+    return RegenConfig(target=a.target, data=a.data, out=a.out, backend=a.backend, device=a.device, tp=a.tp,
+                       mode=a.mode, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed,
+                       max_samples=a.max_samples)
+
+
+def cmd_regenerate(a) -> int:
+    from eagle3 import faults
+    from eagle3.extract import regenerate
+
+    cfg = _regen_config(a)
+    summary = regenerate.run(cfg, fault=faults.from_env())
+    print(f"{summary.line()}\nout        {cfg.out} (settings: {cfg.out}.regen.json)")
+    return 0
+
+
 def cmd_bench_report(a) -> int:
     from eagle3 import bench
 
@@ -411,6 +429,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, help="folder for the trained target")
     m.add_argument("--steps", type=POSITIVE, default=1500, help="training steps of the target")
     m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    g = sub.add_parser("regenerate", formatter_class=_Help,
+                       help="the target writes the assistant turns itself (resumable; never overwrites)")
+    g.add_argument("--target", required=True, help="the target model folder (its tokenizer and chat template)")
+    g.add_argument("--data", required=True, help="JSONL conversations")
+    g.add_argument("--out", required=True, help="JSONL to write; rerun the same command to resume it")
+    g.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="hf: transformers; vllm: the engine")
+    g.add_argument("--device", default="cpu", help="hf backend device")
+    g.add_argument("--tp", type=POSITIVE, default=1, help="vllm backend tensor parallel size")
+    g.add_argument("--mode", choices=["all", "last"], default="all",
+                   help="all: every assistant turn, each on the regenerated history; last: the last turn only")
+    g.add_argument("--temperature", type=NON_NEGATIVE_FLOAT, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=FRACTION, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
+    g.add_argument("--max-tokens", type=POSITIVE, default=512, help="tokens a turn may run to")
+    g.add_argument("--seed", type=NON_NEGATIVE, default=0, help="line n samples with seed*1000003 + n")
+    g.add_argument("--max-samples", type=POSITIVE, default=None, help="stop after this many conversations")
     b = sub.add_parser("bench", formatter_class=_Help, help="benchmark reports")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     r = bsub.add_parser("report", formatter_class=_Help, help="Markdown table + PNG plot from pytest-benchmark JSON history")
@@ -462,6 +495,17 @@ def preflight(a) -> None:
             pf.cuda_available("extract --backend vllm")
         elif a.device.startswith("cuda"):
             pf.cuda_available(f"extract --device {a.device}")
+    elif a.cmd == "regenerate":
+        from eagle3.extract import regenerate
+
+        pf.model_folder(a.target, tokenizer=True, weights=a.backend == "hf")
+        pf.data_files([a.data])
+        regenerate.check_output(_regen_config(a))
+        if a.backend == "vllm":
+            pf.vllm_installed("regenerate --backend vllm")
+            pf.cuda_available("regenerate --backend vllm")
+        elif a.device.startswith("cuda"):
+            pf.cuda_available(f"regenerate --device {a.device}")
     elif a.cmd == "train":
         if a.online:
             missing = [f for f, v in (("--target", a.target), ("--data", a.data)) if not v]
@@ -605,6 +649,8 @@ def _main(args) -> int:
             return cmd_eval(args)
         if args.cmd == "make-target":
             return cmd_make_target(args)
+        if args.cmd == "regenerate":
+            return cmd_regenerate(args)
     except (DataError, StoreError, LayerIdError, DraftShapeError, TrainingDiverged, NonFiniteWeights,
             UsageError, SelfCheckFailed, StoreBusy) as e:
         return _fail(args, e)

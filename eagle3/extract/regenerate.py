@@ -1,0 +1,332 @@
+"""`eagle3 regenerate`: the target writes the assistant turns itself (drafts learn best from the target's own outputs).
+
+In: JSONL conversations (data/schema.py). Out: the same conversations, OpenAI schema, with assistant turns written by
+the target, in input order, one output line per input line.
+- mode "all" (default): every assistant turn of weight 1, in order, each conditioned on the regenerated history:
+  what the target says in that conversation. "last": only the last assistant turn; earlier ones as the data has them.
+- A regenerated turn that calls other tools than the data's (another name or other arguments) ends the conversation
+  there: the data's tool reply answers a different call (``regenerated.cut_after``).
+- Thinking and tool calls are kept as structured fields (``reasoning_content``, ``tool_calls``), parsed from the
+  target's text in Kimi-K2's format (<think>, the tool-call section tokens; ids ``functions.NAME:I`` as vLLM's
+  kimi_k2 parser reads them) where the tokenizer has those tokens; otherwise the text up to the end-of-turn token is
+  the content.
+- Sampling: temperature (0 = greedy), top_p, max_tokens; line n samples with seed ``seed * 1_000_003 + n``, so a
+  resumed run draws what an uninterrupted one would.
+- Resumable and never overwriting: each output line is appended and fsynced with its input line number; a rerun of
+  the same command keeps every complete line, drops a torn last one and continues after the last line written. The
+  settings are in OUT.regen.json; an OUT that another command or another program wrote is refused, untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from eagle3.data import masks, schema
+from eagle3.data.conversations import json_problem
+from eagle3.preflight import UsageError
+from eagle3.targets import kimi_format
+
+log = logging.getLogger(__name__)
+
+MODES = ("all", "last")
+SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class RegenConfig:
+    target: str
+    data: str
+    out: str
+    backend: str = "hf"
+    device: str = "cpu"
+    tp: int = 1
+    mode: str = "all"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 512
+    seed: int = 0
+    max_samples: int | None = None
+
+    def settings(self) -> dict:
+        """What decides the output (recorded; a resume must match it): not where or how fast it runs."""
+        d = asdict(self)
+        for k in ("device", "tp", "out"):
+            d.pop(k)
+        d["target"], d["data"] = str(Path(self.target).resolve()), str(Path(self.data).resolve())
+        return d
+
+
+class RegenError(UsageError):
+    """OUT cannot be written or resumed as asked (nothing touched)."""
+
+
+# --------------------------------------------------------------------------------------------- the target's text
+
+
+def parse_turn(text: str, kimi: bool) -> dict:
+    """The target's generated text (end token removed) -> an assistant message with structured fields."""
+    msg: dict = {"role": "assistant"}
+    if not kimi:
+        msg["content"] = text
+        return msg
+    think_open, think_close = kimi_format.THINK
+    rest = text
+    if rest.startswith(think_open) and think_close in rest:
+        reasoning, rest = rest[len(think_open):].split(think_close, 1)
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+    begin, end, call, arg, call_end = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                                       "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+    if begin in rest:
+        rest, section = rest.split(begin, 1)
+        section = section.split(end, 1)[0]
+        calls = []
+        for m in re.finditer(re.escape(call) + r"(.*?)" + re.escape(arg) + r"(.*?)(?:" + re.escape(call_end) + r"|$)",
+                             section, re.S):
+            call_id, args = m.group(1).strip(), m.group(2)
+            name = call_id.rsplit(":", 1)[0].split(".")[-1]  # functions.NAME:I -> NAME, as vLLM's kimi_k2 parser
+            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+        msg["tool_calls"] = calls
+    msg["content"] = rest
+    return msg
+
+
+def _same_calls(a: list[dict] | None, b: list[dict] | None) -> bool:
+    def key(calls):
+        out = []
+        for c in calls or []:
+            args = c["function"]["arguments"]
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except json.JSONDecodeError:
+                pass
+            out.append((c["function"]["name"], json.dumps(args, sort_keys=True)))
+        return out
+
+    return key(a) == key(b)
+
+
+# --------------------------------------------------------------------------------------------- the output file
+
+
+def _sidecar(out: Path) -> Path:
+    return out.with_name(out.name + ".regen.json")
+
+
+def check_output(cfg: RegenConfig) -> bool:
+    """May OUT be written (new) or resumed (same settings)? True when resuming. Reads JSON only, writes nothing."""
+    out, side = Path(cfg.out), _sidecar(Path(cfg.out))
+    if side.exists():
+        try:
+            recorded = json.loads(side.read_text())
+        except json.JSONDecodeError as e:
+            raise RegenError(f"{side} is not valid JSON ({e.msg}); restore it, or give a new --out") from None
+        if recorded != cfg.settings():
+            diff = sorted(k for k in set(recorded) | set(cfg.settings()) if recorded.get(k) != cfg.settings().get(k))
+            raise RegenError(f"--out {out} was regenerated with other settings ({', '.join(diff)} differ); rerun "
+                             f"that command to resume it, or give a new --out")
+        return True
+    if out.exists():
+        raise RegenError(f"--out {out} exists and was not written by eagle3 regenerate (no {side.name}); it is "
+                         f"left untouched: give a new --out")
+    return False
+
+
+def open_output(cfg: RegenConfig) -> int:
+    """Check OUT and make it ready to append; returns the last input line already written (0: none). A torn last
+    line (kill -9 mid-write) is cut off."""
+    out, side = Path(cfg.out), _sidecar(Path(cfg.out))
+    if not check_output(cfg):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = side.with_name(".tmp-" + side.name)
+        tmp.write_text(json.dumps(cfg.settings(), indent=1))
+        os.replace(tmp, side)
+        out.touch()
+        return 0
+    if not out.exists():
+        out.touch()
+        return 0
+    data = out.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        log.warning("%s: dropping a torn last line (%d bytes) left by an interrupted run", out, len(data) - keep)
+        with open(out, "r+b") as f:
+            f.truncate(keep)
+            os.fsync(f.fileno())
+    last = 0
+    for raw in data[:keep].splitlines():
+        last = max(last, json.loads(raw)["regenerated"]["line"])
+    return last
+
+
+# --------------------------------------------------------------------------------------------- generators
+
+
+class HFGenerator:
+    """transformers generate, one prompt at a time (each with its own seed)."""
+
+    def __init__(self, target: str, device: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+
+    def __call__(self, prompts: list[list[int]], seeds: list[int], cfg: RegenConfig, stops: set[int]):
+        torch = self.torch
+        out = []
+        for ids, seed in zip(prompts, seeds):
+            torch.manual_seed(seed)
+            x = torch.tensor([ids], device=self.device)
+            sample = cfg.temperature > 0
+            with torch.no_grad():
+                y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_tokens,
+                                        do_sample=sample, temperature=cfg.temperature if sample else None,
+                                        top_p=cfg.top_p if sample else None, top_k=None,
+                                        eos_token_id=sorted(stops), pad_token_id=sorted(stops)[0])
+            gen = y[0, len(ids):].tolist()
+            out.append(gen)
+        return out
+
+
+class VLLMGenerator:
+    """vLLM's LLM.generate over a batch, a seed per request (TP as for extract)."""
+
+    def __init__(self, target: str, tp: int):
+        import vllm
+
+        from eagle3.extract.vllm_compat import prepare_environment
+
+        prepare_environment()
+        self.vllm = vllm
+        self.llm = vllm.LLM(model=target, tensor_parallel_size=tp, dtype="bfloat16", enable_prefix_caching=True)
+
+    def __call__(self, prompts: list[list[int]], seeds: list[int], cfg: RegenConfig, stops: set[int]):
+        params = [self.vllm.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
+                                           seed=s, stop_token_ids=sorted(stops), skip_special_tokens=False,
+                                           detokenize=False) for s in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+
+# --------------------------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class RegenSummary:
+    lines: int = 0          # input lines read this run (after the resumed ones)
+    written: int = 0
+    skipped: int = 0        # bad input lines (schema errors)
+    resumed_after: int = 0  # input lines already in OUT
+    tokens: int = 0         # generated this run
+    cut: int = 0            # conversations ended early: a regenerated tool call differed from the data's
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        rate = self.tokens / self.seconds if self.seconds else 0.0
+        return (f"regenerated {self.written} conversations ({self.tokens:,} tokens, {rate:,.0f} tok/s)"
+                + (f" after the {self.resumed_after} lines already written" if self.resumed_after else "")
+                + f"; skipped {self.skipped} bad lines; {self.cut} cut at a differing tool call")
+
+
+def run(cfg: RegenConfig, generator: Callable | None = None, fault: Callable[[str], None] | None = None,
+        progress_every_s: float = 10.0) -> RegenSummary:
+    from transformers import AutoTokenizer
+
+    if cfg.mode not in MODES:
+        raise RegenError(f"mode {cfg.mode!r}: use {' or '.join(MODES)}")
+    done = open_output(cfg)
+    tok = AutoTokenizer.from_pretrained(cfg.target)
+    kimi = all(t in tok.get_vocab() for t in kimi_format.TOOL_TOKENS + kimi_format.THINK)
+    stops = masks.stop_ids(tok)
+    gen = generator or (HFGenerator(cfg.target, cfg.device) if cfg.backend == "hf" else VLLMGenerator(cfg.target, cfg.tp))
+    summary = RegenSummary(resumed_after=done)
+    if done:
+        log.info("resuming: input lines 1-%d already regenerated in %s", done, cfg.out)
+    t0 = last_report = time.perf_counter()
+    with open(cfg.data, "rb") as src, open(cfg.out, "ab") as out:
+        for n, raw in enumerate(src, 1):
+            if n <= done or not raw.strip():
+                continue
+            if cfg.max_samples and summary.written + done >= cfg.max_samples:
+                break
+            summary.lines += 1
+            def err(problem, fix, reason):
+                raise schema.DataError(cfg.data, n, problem, fix, reason)
+
+            try:
+                obj = json.loads(raw)
+                conv = schema.parse(obj, err)
+            except json.JSONDecodeError as e:
+                log.warning("%s:%d: invalid JSON (%s); skipped", cfg.data, n, json_problem(raw.decode(errors="replace"), e))
+                summary.skipped += 1
+                continue
+            except schema.DataError as e:
+                log.warning("%s; skipped", e)
+                summary.skipped += 1
+                continue
+            line = regenerate_one(conv, n, cfg, tok, gen, stops, kimi, summary)
+            keep = {k: v for k, v in obj.items() if k not in ("messages", "conversations", "tools")}
+            record = dict(keep, messages=line["messages"], **({"tools": conv.tools} if conv.tools else {}),
+                          regenerated=line["regenerated"])
+            data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+            half = len(data) // 2
+            out.write(data[:half])
+            out.flush()
+            if fault:
+                fault("mid_line")
+            out.write(data[half:])
+            out.flush()
+            os.fsync(out.fileno())
+            summary.written += 1
+            if fault:
+                fault("after_line")
+            now = time.perf_counter()
+            if now - last_report >= progress_every_s:
+                last_report = now
+                log.info("regenerate: line %d, %d conversations, %s tokens, %.0f tok/s", n, summary.written,
+                         f"{summary.tokens:,}", summary.tokens / (now - t0))
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def regenerate_one(conv: schema.Conversation, n: int, cfg: RegenConfig, tok, gen, stops: set[int], kimi: bool,
+                   summary: RegenSummary) -> dict:
+    msgs = [dict(m) for m in conv.messages]
+    turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and conv.weights[i]]
+    if cfg.mode == "last":
+        turns = turns[-1:]
+    done, tokens, finish, cut = [], [], [], None
+    for k, i in enumerate(turns):
+        prompt = tok(masks.chat(tok, msgs[:i], conv.tools, gen=True), add_special_tokens=False)["input_ids"]
+        (ids,) = gen([prompt], [cfg.seed * SEED_STRIDE + n + k * 7919], cfg, stops)
+        ended = bool(ids) and ids[-1] in stops
+        text = tok.decode(ids[:-1] if ended else ids, skip_special_tokens=not kimi)
+        new = parse_turn(text, kimi)
+        summary.tokens += len(ids)
+        old = msgs[i]
+        msgs[i] = new
+        done.append(i)
+        tokens.append(len(ids))
+        finish.append("stop" if ended else "length")
+        follows_tool = i + 1 < len(msgs) and msgs[i + 1]["role"] == "tool"
+        same = _same_calls(old.get("tool_calls"), new.get("tool_calls"))
+        if same and old.get("tool_calls"):  # the data's tool replies answer the data's ids
+            for c, o in zip(new["tool_calls"], old["tool_calls"]):
+                if "id" in o:
+                    c["id"] = o["id"]
+        if not same or (not ended and follows_tool):
+            cut = i
+            msgs = msgs[: i + 1]
+            summary.cut += 1
+            break
+    return {"messages": msgs, "regenerated": {"line": n, "turns": done, "tokens": tokens, "finish": finish,
+                                              "cut_after": cut}}

@@ -1,0 +1,152 @@
+"""`eagle3 regenerate`: the target writes the assistant turns; thinking and tool calls kept as structured fields;
+kill -9 anywhere and the same command completes the file with no line lost or written twice; never overwrites."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3 import cli
+from eagle3.data import kimi_traffic
+from eagle3.extract import regenerate
+from eagle3.extract.regenerate import RegenConfig, RegenError, parse_turn
+from eagle3.targets import tiny
+
+ROOT = Path(__file__).parents[2]
+KIMI_CALL = ('<think>Look it up.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+             '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>')
+
+
+def test_the_target_s_kimi_text_becomes_structured_fields():
+    got = parse_turn(KIMI_CALL, kimi=True)
+    assert got == {"role": "assistant", "reasoning_content": "Look it up.", "content": "",
+                   "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
+                                   "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+    assert parse_turn("<think></think>Foggy.", kimi=True) == {"role": "assistant", "content": "Foggy."}
+    assert parse_turn("<think>x</think>Foggy.", kimi=False)["content"] == "<think>x</think>Foggy."
+
+
+@pytest.fixture(scope="module")
+def kimi_target(tmp_path_factory):
+    """A config + Kimi-format tokenizer folder (the generator is scripted, so no weights are read)."""
+    out = tmp_path_factory.mktemp("kimi-target")
+    tiny.build_tokenizer(out, 1024, chat_format="kimi")
+    return out
+
+
+class Scripted:
+    """A generator that answers each prompt with the next scripted text (its ids, then the end token)."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.prompts = tok, list(texts), []
+
+    def __call__(self, prompts, seeds, cfg, stops):
+        self.prompts += [self.tok.decode(p) for p in prompts]
+        return [self.tok(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+                for _ in prompts]
+
+
+def _data(tmp_path, lines):
+    p = tmp_path / "in.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return p
+
+
+def test_each_turn_is_written_on_the_regenerated_history_and_a_same_call_keeps_the_tool_reply(tmp_path, kimi_target):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(kimi_target)
+    conv = next(c for c in kimi_traffic.generate(3, seed=5) if c["traffic"] == "tool")
+    call = conv["messages"][1]["tool_calls"][0]
+    conv["messages"][1]["tool_calls"][0] = dict(call, id="call_7")  # the data's own id; its reply answers it
+    conv["messages"][2]["tool_call_id"] = "call_7"
+    args = call["function"]["arguments"]
+    said = ("<think>Need the tool.</think><|tool_calls_section_begin|><|tool_call_begin|>functions."
+            f"{call['function']['name']}:0<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>")
+    gen = Scripted(tok, [said, "<think>Read it.</think>Done."])
+    cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, [conv])), out=str(tmp_path / "out.jsonl"))
+    s = regenerate.run(cfg, generator=gen)
+    (row,) = [json.loads(x) for x in Path(cfg.out).read_text().splitlines()]
+    m = row["messages"]
+    assert m[1]["reasoning_content"] == "Need the tool." and m[1]["tool_calls"][0]["id"] == "call_7"
+    assert m[2] == conv["messages"][2] and m[3] == {"role": "assistant", "reasoning_content": "Read it.",
+                                                    "content": "Done."}
+    assert row["regenerated"] == {"line": 1, "turns": [1, 3], "tokens": row["regenerated"]["tokens"],
+                                  "finish": ["stop", "stop"], "cut_after": None}
+    assert row["tools"] == conv["tools"] and row["traffic"] == "tool"
+    assert "Need the tool." in gen.prompts[1]  # the second turn saw the regenerated first
+    assert s.written == 1 and s.cut == 0
+    # the file reads back as data: the mask learns the regenerated thinking and call
+    from eagle3.data.conversations import DataConfig, load_samples
+
+    (sample,), rep = load_samples(DataConfig([cfg.out]), tok)
+    assert "Need the tool." in tok.decode([t for t, k in zip(sample.input_ids, sample.loss_mask) if k])
+    assert not rep.rejected
+
+
+def test_another_call_ends_the_conversation_and_last_mode_writes_only_the_last_turn(tmp_path, kimi_target):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(kimi_target)
+    conv = next(c for c in kimi_traffic.generate(3, seed=5) if c["traffic"] == "tool")
+    other = KIMI_CALL  # get_weather for Oslo, which the data did not ask
+    cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, [conv])), out=str(tmp_path / "a.jsonl"))
+    regenerate.run(cfg, generator=Scripted(tok, [other.replace("Oslo", "Nowhere")]))
+    row = json.loads(Path(cfg.out).read_text())
+    assert row["regenerated"]["cut_after"] == 1 and len(row["messages"]) == 2
+    chat = kimi_traffic.generate(1, seed=9)[0]
+    cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, [chat])), out=str(tmp_path / "b.jsonl"),
+                      mode="last")
+    regenerate.run(cfg, generator=Scripted(tok, ["Fine."]))
+    row = json.loads(Path(cfg.out).read_text())
+    turns = [i for i, m in enumerate(chat["messages"]) if m["role"] == "assistant"]
+    assert row["regenerated"]["turns"] == turns[-1:] and row["messages"][turns[-1]]["content"] == "Fine."
+    assert [m for i, m in enumerate(row["messages"]) if i != turns[-1]] == [
+        m for i, m in enumerate(chat["messages"]) if i != turns[-1]]
+
+
+def test_never_overwrites_and_refuses_other_settings(tmp_path, kimi_target):
+    data = _data(tmp_path, kimi_traffic.generate(2, seed=1))
+    mine = tmp_path / "notes.jsonl"
+    mine.write_text("my own file\n")
+    argv = ["regenerate", "--target", str(kimi_target), "--data", str(data)]
+    assert cli.main(argv + ["--out", str(mine)]) == 2
+    assert mine.read_text() == "my own file\n" and not (tmp_path / "notes.jsonl.regen.json").exists()
+    cfg = RegenConfig(target=str(kimi_target), data=str(data), out=str(tmp_path / "o.jsonl"))
+    regenerate.open_output(cfg)
+    with pytest.raises(RegenError, match="temperature differ"):
+        regenerate.check_output(RegenConfig(target=str(kimi_target), data=str(data), out=cfg.out, temperature=0.7))
+    assert regenerate.check_output(cfg) is True  # the same settings resume
+
+
+def _cli(args, env=None):
+    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "eagle3.cli", *args], cwd=ROOT, env=e, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("fault", ["mid_line:3", "after_line:2"])
+def test_kill_9_then_the_same_command_completes_the_file_with_no_line_lost_or_twice(tmp_path, tiny_llama, fault):
+    """hf backend on tiny-llama, sampled (temperature 0.9, seed 4: each line's seed is its own, so a resumed run
+    draws what an uninterrupted one does): killed mid-line (a torn line) or between lines, then rerun."""
+    lines = [{"messages": [{"role": "user", "content": f"Count from {i} to {i + 3}."},
+                           {"role": "assistant", "content": "x"}]} for i in range(5)]
+    data = tmp_path / "in.jsonl"  # line 3 is broken JSON, line 4 blank
+    data.write_text(json.dumps(lines[0]) + "\n" + json.dumps(lines[1]) + "\n{broken\n\n" +
+                    "".join(json.dumps(x) + "\n" for x in lines[2:]))
+    args = ["regenerate", "--target", str(tiny_llama), "--data", str(data), "--temperature", "0.9", "--seed", "4",
+            "--max-tokens", "12"]
+    whole = _cli(args + ["--out", str(tmp_path / "whole.jsonl")])
+    assert whole.returncode == 0, whole.stderr
+    assert "regenerated 5 conversations" in whole.stdout and "skipped 1 bad lines" in whole.stdout, whole.stdout
+    killed = _cli(args + ["--out", str(tmp_path / "cut.jsonl")], env={"EAGLE3_FAULT": fault})
+    assert killed.returncode == -9, (killed.returncode, killed.stderr[-2000:])
+    again = _cli(args + ["--out", str(tmp_path / "cut.jsonl")])
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "cut.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
+    rows = [json.loads(x) for x in (tmp_path / "whole.jsonl").read_text().splitlines()]
+    assert [r["regenerated"]["line"] for r in rows] == [1, 2, 5, 6, 7]
+    assert all(r["messages"][1]["content"] != "x" for r in rows)
