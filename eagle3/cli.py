@@ -182,6 +182,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=POSITIVE, default=32000, help="draft vocabulary size (default 32000)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="float32", help="training dtype (default float32)")
+    p.add_argument("--eagle-3.1", dest="eagle31", action="store_true",
+                   help="EAGLE-3.1: --fc-norm and --norm-output (vLLM 0.26 serves both)")
+    p.add_argument("--fc-norm", action="store_true", help="an RMSNorm on each aux state before the fusion layer")
+    p.add_argument("--norm-output", action="store_true", help="the post-norm state feeds the next draft step")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16-mixed"], default="auto",
+                   help="auto: bf16 matmuls under autocast on CUDA (float32 weights and optimizer), fp32 on the CPU")
     p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the published draft OUT/draft (default bfloat16, what vLLM serves in)")
     p.add_argument("--serve-tp", type=_tp_list, default=None,
@@ -212,7 +218,9 @@ def _train_config(a):
     store = (a.spool or str(Path(a.out) / "spool")) if a.online else a.store
     return TrainConfig(store=store, out=a.out, target=a.target, max_steps=a.steps, epochs=a.epochs,
                        batch_samples=a.batch, lr=a.lr, ttt_steps=a.ttt_steps, pack_tokens=a.pack_tokens,
-                       draft_vocab_size=a.draft_vocab, device=a.device, dtype=a.dtype, export_dtype=a.export_dtype,
+                       draft_vocab_size=a.draft_vocab, device=a.device, dtype=a.dtype, precision=a.precision,
+                       fc_norm=a.fc_norm or a.eagle31, norm_output=a.norm_output or a.eagle31,
+                       export_dtype=a.export_dtype,
                        serve_tps=a.serve_tp or SERVE_TPS, shape=shape, checkpoint_every=a.checkpoint_every,
                        checkpoint_minutes=a.checkpoint_minutes, keep_checkpoints=a.keep_checkpoints,
                        on_bad_sample=a.on_bad_sample, seed=a.seed, resume=not a.no_resume,

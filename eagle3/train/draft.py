@@ -155,7 +155,11 @@ def draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
 
 def speculators_config(shape: DraftShape, aux_layer_ids: Sequence[int], draft_vocab_size: int,
                        speculative_tokens: int, verifier_path: str, verifier_architectures: list[str],
-                       norm_before_residual: bool = False, attn_implementation: str = "sdpa"):
+                       norm_before_residual: bool = False, attn_implementation: str = "sdpa",
+                       fc_norm: bool = False, norm_output: bool = False):
+    """EAGLE-3.1's toggles (against attention drift on long contexts), read by vLLM 0.26 (llama_eagle3.py):
+    ``fc_norm`` an RMSNorm on each aux state before the fusion layer fc; ``norm_output`` the post-norm state (not
+    the pre-norm residual sum) fed to the next draft step."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -168,6 +172,8 @@ def speculators_config(shape: DraftShape, aux_layer_ids: Sequence[int], draft_vo
         transformer_layer_config=layer,
         draft_vocab_size=draft_vocab_size,
         norm_before_residual=norm_before_residual,
+        fc_norm=fc_norm,
+        norm_output=norm_output,
         target_hidden_size=shape.hidden_size,
         eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
         speculators_config=SpeculatorsConfig(

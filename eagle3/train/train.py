@@ -21,6 +21,7 @@ Checkpoints every ``checkpoint_minutes`` of work (and/or ``checkpoint_every`` st
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -70,6 +71,8 @@ class TrainConfig:
     export_dtype: str = "bfloat16"       # dtype of the published draft
     device: str = "cpu"
     dtype: str = "float32"               # training dtype of the draft and its inputs
+    precision: str = "auto"              # auto: bf16-mixed on CUDA (fp32 weights and optimizer, bf16 matmuls under
+                                         # autocast) when dtype is float32, fp32 on the CPU; or fp32 | bf16-mixed
     loss: str = "kl_div"
     loss_impl: str = "eager"             # eager | fused (Triton, GPU)
     attn_impl: str = "sdpa"
@@ -77,6 +80,8 @@ class TrainConfig:
     resume: bool = True
     speculative_tokens: int | None = None  # written to the config; default ttt_steps
     shape: dict = field(default_factory=dict)  # DraftShape overrides
+    fc_norm: bool = False                # EAGLE-3.1: an RMSNorm on each aux state before fc
+    norm_output: bool = False            # EAGLE-3.1: the post-norm state feeds the next draft step
     allow_incomplete: bool = False       # train on a store that holds fewer samples than its plan names
     restart_hint: str = "--no-resume starts over"  # what the resume warning tells the user (demo: its own way)
 
@@ -318,7 +323,8 @@ def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples, shape: Dr
     t2d, d2t = draft_vocab(samples.token_counts(shape.vocab_size), n_draft)
     config = speculators_config(
         shape, aux_ids(store.spec.layer_ids), n_draft, cfg.speculative_tokens or cfg.ttt_steps, target,
-        list(tcfg.get("architectures") or []), attn_implementation=cfg.attn_impl,
+        list(tcfg.get("architectures") or []), attn_implementation=cfg.attn_impl, fc_norm=cfg.fc_norm,
+        norm_output=cfg.norm_output,
     )
     torch.manual_seed(cfg.seed)
     model = Eagle3DraftModel(config)
@@ -326,6 +332,18 @@ def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples, shape: Dr
         model.load_vocab_mappings(t2d, d2t)
     model.load_verifier_weights()
     return model.to(cfg.device, getattr(torch, cfg.dtype))
+
+
+PRECISIONS = ("auto", "fp32", "bf16-mixed")
+
+
+def mixed_precision(cfg: TrainConfig) -> bool:
+    """Whether the forward runs under bf16 autocast (weights, gradients and optimizer state stay in cfg.dtype)."""
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"precision {cfg.precision!r}: use one of {', '.join(PRECISIONS)}")
+    if cfg.precision == "auto":
+        return cfg.device.startswith("cuda") and cfg.dtype == "float32"
+    return cfg.precision == "bf16-mixed"
 
 
 def _lr_lambda(cfg: TrainConfig, total: int):
@@ -398,6 +416,9 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
         ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()]
                                       if cfg.device.startswith("cuda") else None)
     model.train()
+    amp = mixed_precision(cfg)
+    autocast = functools.partial(torch.autocast, device_type=cfg.device.split(":")[0], dtype=torch.bfloat16,
+                                 enabled=amp)
     skipped = state["skipped"] if cfg.on_bad_sample == "skip" else None
     guard = max(0, cfg.ttt_steps - 1)
     accept_sums: dict[str, float] = {}
@@ -418,8 +439,9 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                 ctx = ddp.no_sync() if world > 1 and not sync else contextlib.nullcontext()
                 weight = len(pack)  # a pack's loss is a mean over its samples' tokens; weigh it by samples
                 with ctx:
-                    _, loss, metrics = ddp(**inputs, ttt_steps=cfg.ttt_steps,
-                                           ttt_step_loss_decay=cfg.ttt_step_loss_decay, loss_config=loss_config)
+                    with autocast():
+                        _, loss, metrics = ddp(**inputs, ttt_steps=cfg.ttt_steps,
+                                               ttt_step_loss_decay=cfg.ttt_step_loss_decay, loss_config=loss_config)
                     if not torch.isfinite(loss):
                         raise TrainingDiverged(
                             f"step {step + 1}: the loss is {float(loss.detach())} on samples "

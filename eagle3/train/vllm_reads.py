@@ -89,8 +89,14 @@ def problems(folder: str | Path) -> list[str]:
             "layers.0.mlp.down_proj.weight": (r["hidden_size"], r["intermediate_size"])}
     if r["draft_vocab_size"] < r["vocab_size"]:
         want["d2t"] = (r["draft_vocab_size"],)
+    if r["fc_norm"]:  # llama_eagle3.py: one RMSNorm per aux state before fc (EAGLE-3.1)
+        want.update({f"fc_norm.{i}.weight": (r["target_hidden_size"],) for i in range(r["num_aux_hidden_states"])})
+    if r["norm_before_fc"]:
+        want["input_norm.weight"] = (r["fc_input_size"],)
     out = [f"{k}: the file has {t[k][0] if k in t else 'no such tensor'}, vLLM builds {v}"
            for k, v in want.items() if t.get(k, (None,))[0] != v]
+    if not r["fc_norm"] and any(k.startswith("fc_norm.") for k in t):
+        out.append("the file has fc_norm weights but config.json says fc_norm false: vLLM would skip them")
     if r["aux_layer_ids"] is None:
         out.append("eagle_aux_hidden_state_layer_ids missing: vLLM would tap its default layers")
     elif len(r["aux_layer_ids"]) != r["num_aux_hidden_states"]:

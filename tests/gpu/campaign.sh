@@ -2,7 +2,7 @@
 # The GPU campaign (run on the GPU host, in the background). Results under /tmp/campaign.
 #   tests/gpu/campaign.sh                 contract, GPU suite, benchmarks + e2e (everything)
 #   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite direct directbench copies new draft depth online
-#                                         e2e e2eds wrapper fp8 aux
+#                                         e2e e2eds wrapper benchtrain fp8 aux
 #                                         probe bench benchkd report
 #   tests/gpu/campaign.sh online:660 bench  STEP:SECONDS stops that step (SIGINT, then SIGKILL 30 s later) after SECONDS
 #   BENCH_SHAPES=64x512 BENCH_MODES="plain host" (mini-Kimi), BENCHKD_SHAPES / _MODES / _BATCHES (kimi-depth; by
@@ -15,7 +15,7 @@
 set -u
 OUT=/tmp/campaign
 SRC=/tmp/eagle3-src          # a private copy: the working tree may be re-synced while this runs
-rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" "$OUT/suite2" "$OUT/suite3" "$OUT/e2eds" "$OUT/wrapper" && cp -r . "$SRC" && cd "$SRC"
+rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" "$OUT/suite2" "$OUT/suite3" "$OUT/e2eds" "$OUT/wrapper" "$OUT/benchtrain" && cp -r . "$SRC" && cd "$SRC"
 rm -f "$OUT/DONE"; echo $$ > "$OUT/pid"  # for wait.sh: a campaign that died without DONE ends its wait
 export PYTHONPATH="$SRC:/tmp/site:/tmp/gpu:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 # Every engine warms up FlashInfer's top-p/top-k sampler, JIT-compiled on a fresh host (flashinfer_python, no
@@ -68,6 +68,8 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
             # chain on the learnable DeepseekV3 target, Kimi-style traffic (~10 min)
   wrapper)  step wrapper $PT -m kimi_depth tests/gpu/test_kimi_k25_wrapper.py --gpu-out "$OUT/wrapper" ;;  # Kimi-K2.5's
             # class, kimi-depth text model: capture, self-check, a served draft (two engine starts of 2-4 min)
+  benchtrain) step benchtrain $PT -s -m benchmark tests/gpu/test_bench_train.py --gpu-out "$OUT/benchtrain" ;;  # the
+            # trainer at Kimi-K2.5's draft size: tok/s, MFU, peak memory at 2k/8k/32k, the longest sequence, the reader
   fp8)      step fp8 $PT -m e2e tests/gpu -k fp8 --gpu-out "$OUT/fp8" ;;
   probe)    step probe python3 tests/gpu/probe_d2h_interference.py ;;  # ~60 s; the capture's copies, whole vs chunked
   bench)    EAGLE3_ENGINE_LOG="$OUT/bench.log" EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} \

@@ -17,7 +17,7 @@ from eagle3.train import vllm_reads
 
 DEFAULTS = {"aux_layer_ids": [2, 4, 5], "num_aux_hidden_states": 3, "num_speculative_tokens": 3,
             "draft_vocab_size": 256, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 32,
-            "dtype": "bfloat16", "fc_input_size": 384}
+            "dtype": "bfloat16", "fc_input_size": 384, "fc_norm": False, "norm_output": False}
 
 # (layer ids at extraction, train options, what vLLM must read)
 CASES = {
@@ -31,6 +31,9 @@ CASES = {
         {"aux_layer_ids": [1, 3, 5, 6], "num_aux_hidden_states": 4, "fc_input_size": 512,
          "num_speculative_tokens": 4, "dtype": "float32", "num_attention_heads": 8, "num_key_value_heads": 2,
          "head_dim": 16}),
+    "EAGLE-3.1 (fc_norm and norm_output)": ("", ["--eagle-3.1"], {"fc_norm": True, "norm_output": True}),
+    "fc_norm alone, two aux layers": ("2,6,8", ["--fc-norm"], {"fc_norm": True, "aux_layer_ids": [2, 6],
+                                                               "num_aux_hidden_states": 2, "fc_input_size": 256}),
 }
 TORCH_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
@@ -73,9 +76,11 @@ def test_each_option_reaches_what_vllm_reads(store_at, tmp_path, name):
     assert {k: got[k] for k in want} == want
     assert all(want[k] != DEFAULTS[k] for k in want), "a case value equal to the default proves nothing"
     assert vllm_reads.problems(draft) == []
-    shapes = vllm_reads.tensor_shapes(draft)
-    assert {dt for name, (_, dt) in shapes.items() if name not in ("d2t", "t2d")} == {TORCH_DTYPE[want["dtype"]]}
-    assert shapes["fc.weight"][0] == (128, want["fc_input_size"])
+    shapes, full = vllm_reads.tensor_shapes(draft), {**DEFAULTS, **want}
+    assert {dt for name, (_, dt) in shapes.items() if name not in ("d2t", "t2d")} == {TORCH_DTYPE[full["dtype"]]}
+    assert shapes["fc.weight"][0] == (128, full["fc_input_size"])
+    assert sorted(k for k in shapes if k.startswith("fc_norm.")) == (
+        [f"fc_norm.{i}.weight" for i in range(full["num_aux_hidden_states"])] if full["fc_norm"] else [])
 
 
 def test_problems_sees_a_config_that_names_other_layers_than_the_weights(store_at, tmp_path):

@@ -243,3 +243,32 @@ def test_the_trainer_reads_states_at_the_store_s_precision_not_float16(tiny_kimi
         inputs = model_inputs([x], "cpu", torch.float32)
         assert torch.equal(inputs["hidden_states"][0], want[:-1].permute(1, 0, 2).reshape(6, -1)[:-1])
         assert torch.equal(inputs["verifier_last_hidden_states"][0], want[-1][1:])
+
+
+def test_bf16_mixed_precision_keeps_float32_weights_and_follows_the_fp32_curve(small_store, tmp_path, monkeypatch):
+    """precision bf16-mixed (the CUDA default): matmuls in bf16 under autocast, weights, gradients and AdamW's state
+    in float32. Run here on the CPU's autocast: the curve follows fp32's within bf16's error, differs from it (the
+    autocast is on), and the weights the optimizer steps are float32. precision auto on the CPU is fp32, bit for bit."""
+    from eagle3.train import train as train_mod
+
+    seen = {}
+    real = torch.optim.AdamW
+
+    class Watch(real):
+        def step(self, *a, **k):
+            seen["dtypes"] = {p.dtype for g in self.param_groups for p in g["params"]}
+            seen["state"] = {v.dtype for s in self.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim}
+            return super().step(*a, **k)
+
+    monkeypatch.setattr(train_mod.torch.optim, "AdamW", Watch)
+
+    def run(precision, out):
+        return train(TrainConfig(store=str(small_store), out=str(tmp_path / out), draft_vocab_size=256, batch_samples=4,
+                                 max_steps=6, lr=3e-3, seed=0, precision=precision), progress=False).losses
+
+    fp32, auto, mixed = run("fp32", "a"), run("auto", "b"), run("bf16-mixed", "c")
+    assert auto == fp32
+    assert mixed == pytest.approx(fp32, rel=0.05) and mixed != fp32
+    assert seen["dtypes"] == {torch.float32} and seen["state"] <= {torch.float32}
+    assert train_mod.mixed_precision(TrainConfig(store="s", out="o", device="cuda"))  # the CUDA default
+    assert not train_mod.mixed_precision(TrainConfig(store="s", out="o", device="cuda", dtype="bfloat16"))
