@@ -128,25 +128,36 @@ def _cli(args, env=None):
                           text=True, timeout=300)
 
 
-@pytest.mark.parametrize("fault", ["mid_line:3", "after_line:2"])
-def test_kill_9_then_the_same_command_completes_the_file_with_no_line_lost_or_twice(tmp_path, tiny_llama, fault):
-    """hf backend on tiny-llama, sampled (temperature 0.9, seed 4: each line's seed is its own, so a resumed run
-    draws what an uninterrupted one does): killed mid-line (a torn line) or between lines, then rerun."""
-    lines = [{"messages": [{"role": "user", "content": f"Count from {i} to {i + 3}."},
-                           {"role": "assistant", "content": "x"}]} for i in range(5)]
-    data = tmp_path / "in.jsonl"  # line 3 is broken JSON, line 4 blank
-    data.write_text(json.dumps(lines[0]) + "\n" + json.dumps(lines[1]) + "\n{broken\n\n" +
-                    "".join(json.dumps(x) + "\n" for x in lines[2:]))
+LINES = [{"messages": [{"role": "user", "content": f"Count from {i} to {i + 3}."}, {"role": "assistant", "content": "x"}]}
+         for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def regen_args(tiny_llama, tmp_path_factory):
+    """The input (line 3 broken JSON, line 4 blank), the command's arguments (sampled: temperature 0.9, seed 4), and
+    the file an uninterrupted run writes."""
+    tmp = tmp_path_factory.mktemp("regen")
+    data = tmp / "in.jsonl"
+    data.write_text(json.dumps(LINES[0]) + "\n" + json.dumps(LINES[1]) + "\n{broken\n\n" +
+                    "".join(json.dumps(x) + "\n" for x in LINES[2:]))
     args = ["regenerate", "--target", str(tiny_llama), "--data", str(data), "--temperature", "0.9", "--seed", "4",
             "--max-tokens", "12"]
-    whole = _cli(args + ["--out", str(tmp_path / "whole.jsonl")])
+    whole = _cli(args + ["--out", str(tmp / "whole.jsonl")])
     assert whole.returncode == 0, whole.stderr
     assert "regenerated 5 conversations" in whole.stdout and "skipped 1 bad lines" in whole.stdout, whole.stdout
+    return args, (tmp / "whole.jsonl").read_text()
+
+
+@pytest.mark.parametrize("fault", ["mid_line:3", "after_line:2"])
+def test_kill_9_then_the_same_command_completes_the_file_with_no_line_lost_or_twice(tmp_path, regen_args, fault):
+    """hf backend on tiny-llama, sampled (each line's seed is its own, so a resumed run draws what an uninterrupted one
+    does): killed mid-line (a torn line) or between lines, then rerun."""
+    args, whole = regen_args
     killed = _cli(args + ["--out", str(tmp_path / "cut.jsonl")], env={"EAGLE3_FAULT": fault})
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-2000:])
     again = _cli(args + ["--out", str(tmp_path / "cut.jsonl")])
     assert again.returncode == 0, again.stderr
-    assert (tmp_path / "cut.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
-    rows = [json.loads(x) for x in (tmp_path / "whole.jsonl").read_text().splitlines()]
+    assert (tmp_path / "cut.jsonl").read_text() == whole
+    rows = [json.loads(x) for x in whole.splitlines()]
     assert [r["regenerated"]["line"] for r in rows] == [1, 2, 5, 6, 7]
     assert all(r["messages"][1]["content"] != "x" for r in rows)
