@@ -331,7 +331,7 @@ def _regen_config(a):
 
     return RegenConfig(target=a.target, data=a.data, out=a.out, backend=a.backend, device=a.device, tp=a.tp,
                        mode=a.mode, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed,
-                       max_samples=a.max_samples)
+                       max_samples=a.max_samples, batch_size=a.batch_size)
 
 
 def cmd_regenerate(a) -> int:
@@ -452,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=POSITIVE, default=512, help="tokens a turn may run to")
     g.add_argument("--seed", type=NON_NEGATIVE, default=0, help="line n samples with seed*1000003 + n")
     g.add_argument("--max-samples", type=POSITIVE, default=None, help="stop after this many conversations")
+    g.add_argument("--batch-size", type=POSITIVE, default=64,
+                   help="conversations an engine call serves (a killed run redoes at most one batch)")
     b = sub.add_parser("bench", formatter_class=_Help, help="benchmark reports")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     r = bsub.add_parser("report", formatter_class=_Help, help="Markdown table + PNG plot from pytest-benchmark JSON history")

@@ -53,11 +53,12 @@ class RegenConfig:
     max_tokens: int = 512
     seed: int = 0
     max_samples: int | None = None
+    batch_size: int = 64          # conversations an engine call serves (one call per turn round)
 
     def settings(self) -> dict:
         """What decides the output (recorded; a resume must match it): not where or how fast it runs."""
         d = asdict(self)
-        for k in ("device", "tp", "out"):
+        for k in ("device", "tp", "out", "batch_size"):
             d.pop(k)
         d["target"], d["data"] = str(Path(self.target).resolve()), str(Path(self.data).resolve())
         return d
@@ -237,8 +238,31 @@ class RegenSummary:
                 + f"; skipped {self.skipped} bad lines; {self.cut} cut at a differing tool call")
 
 
+def _read(cfg: RegenConfig, done: int, summary: RegenSummary):
+    """(input line number, decoded object, Conversation) for each line after ``done``; bad lines skipped, counted."""
+    with open(cfg.data, "rb") as src:
+        for n, raw in enumerate(src, 1):
+            if n <= done or not raw.strip():
+                continue
+            summary.lines += 1
+
+            def err(problem, fix, reason):
+                raise schema.DataError(cfg.data, n, problem, fix, reason)
+
+            try:
+                obj = json.loads(raw)
+                yield n, obj, schema.parse(obj, err)
+            except json.JSONDecodeError as e:
+                log.warning("%s:%d: invalid JSON (%s); skipped", cfg.data, n, json_problem(raw.decode(errors="replace"), e))
+                summary.skipped += 1
+            except schema.DataError as e:
+                log.warning("%s; skipped", e)
+                summary.skipped += 1
+
+
 def run(cfg: RegenConfig, generator: Callable | None = None, fault: Callable[[str], None] | None = None,
         progress_every_s: float = 10.0) -> RegenSummary:
+    """Regenerate cfg.data into cfg.out, ``batch_size`` conversations an engine call (one call per turn round)."""
     from transformers import AutoTokenizer
 
     if cfg.mode not in MODES:
@@ -252,81 +276,96 @@ def run(cfg: RegenConfig, generator: Callable | None = None, fault: Callable[[st
     if done:
         log.info("resuming: input lines 1-%d already regenerated in %s", done, cfg.out)
     t0 = last_report = time.perf_counter()
-    with open(cfg.data, "rb") as src, open(cfg.out, "ab") as out:
-        for n, raw in enumerate(src, 1):
-            if n <= done or not raw.strip():
-                continue
-            if cfg.max_samples and summary.written + done >= cfg.max_samples:
-                break
-            summary.lines += 1
-            def err(problem, fix, reason):
-                raise schema.DataError(cfg.data, n, problem, fix, reason)
-
-            try:
-                obj = json.loads(raw)
-                conv = schema.parse(obj, err)
-            except json.JSONDecodeError as e:
-                log.warning("%s:%d: invalid JSON (%s); skipped", cfg.data, n, json_problem(raw.decode(errors="replace"), e))
-                summary.skipped += 1
-                continue
-            except schema.DataError as e:
-                log.warning("%s; skipped", e)
-                summary.skipped += 1
-                continue
-            line = regenerate_one(conv, n, cfg, tok, gen, stops, kimi, summary)
-            keep = {k: v for k, v in obj.items() if k not in ("messages", "conversations", "tools")}
-            record = dict(keep, messages=line["messages"], **({"tools": conv.tools} if conv.tools else {}),
-                          regenerated=line["regenerated"])
-            data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-            half = len(data) // 2
-            out.write(data[:half])
-            out.flush()
-            if fault:
-                fault("mid_line")
-            out.write(data[half:])
-            out.flush()
-            os.fsync(out.fileno())
-            summary.written += 1
-            if fault:
-                fault("after_line")
+    left = cfg.max_samples - done if cfg.max_samples else None
+    batch: list = []
+    with open(cfg.out, "ab") as out:
+        def flush():
+            nonlocal last_report
+            for (n, obj, conv), line in zip(batch, regenerate_batch([(n, c) for n, _, c in batch], cfg, tok, gen,
+                                                                    stops, kimi, summary)):
+                keep = {k: v for k, v in obj.items() if k not in ("messages", "conversations", "tools")}
+                record = dict(keep, messages=line["messages"], **({"tools": conv.tools} if conv.tools else {}),
+                              regenerated=line["regenerated"])
+                _append(out, (json.dumps(record, ensure_ascii=False) + "\n").encode(), fault)
+                summary.written += 1
+            batch.clear()
             now = time.perf_counter()
             if now - last_report >= progress_every_s:
                 last_report = now
-                log.info("regenerate: line %d, %d conversations, %s tokens, %.0f tok/s", n, summary.written,
+                log.info("regenerate: %d conversations, %s tokens, %.0f tok/s", summary.written,
                          f"{summary.tokens:,}", summary.tokens / (now - t0))
+
+        for item in _read(cfg, done, summary):
+            if left is not None and summary.written + len(batch) >= left:
+                break
+            batch.append(item)
+            if len(batch) == cfg.batch_size:
+                flush()
+        if batch:
+            flush()
     summary.seconds = time.perf_counter() - t0
     return summary
 
 
-def regenerate_one(conv: schema.Conversation, n: int, cfg: RegenConfig, tok, gen, stops: set[int], kimi: bool,
-                   summary: RegenSummary) -> dict:
-    msgs = [dict(m) for m in conv.messages]
-    turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and conv.weights[i]]
-    if cfg.mode == "last":
-        turns = turns[-1:]
-    done, tokens, finish, cut = [], [], [], None
-    for k, i in enumerate(turns):
-        prompt = tok(masks.chat(tok, msgs[:i], conv.tools, gen=True), add_special_tokens=False)["input_ids"]
-        (ids,) = gen([prompt], [cfg.seed * SEED_STRIDE + n + k * 7919], cfg, stops)
-        ended = bool(ids) and ids[-1] in stops
-        text = tok.decode(ids[:-1] if ended else ids, skip_special_tokens=not kimi)
-        new = parse_turn(text, kimi)
-        summary.tokens += len(ids)
-        old = msgs[i]
-        msgs[i] = new
-        done.append(i)
-        tokens.append(len(ids))
-        finish.append("stop" if ended else "length")
-        follows_tool = i + 1 < len(msgs) and msgs[i + 1]["role"] == "tool"
-        same = _same_calls(old.get("tool_calls"), new.get("tool_calls"))
-        if same and old.get("tool_calls"):  # the data's tool replies answer the data's ids
-            for c, o in zip(new["tool_calls"], old["tool_calls"]):
-                if "id" in o:
-                    c["id"] = o["id"]
-        if not same or (not ended and follows_tool):
-            cut = i
-            msgs = msgs[: i + 1]
-            summary.cut += 1
+def _append(out, data: bytes, fault) -> None:
+    """One output line, fsynced (kill points: mid_line leaves a torn line, after_line a whole one)."""
+    half = len(data) // 2
+    out.write(data[:half])
+    out.flush()
+    if fault:
+        fault("mid_line")
+    out.write(data[half:])
+    out.flush()
+    os.fsync(out.fileno())
+    if fault:
+        fault("after_line")
+
+
+def regenerate_batch(items: list[tuple[int, schema.Conversation]], cfg: RegenConfig, tok, gen, stops: set[int],
+                     kimi: bool, summary: RegenSummary) -> list[dict]:
+    """Each conversation's turns in order; round r generates turn r of every conversation that has one, in one call."""
+    state = []
+    for n, conv in items:
+        turns = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant" and conv.weights[i]]
+        state.append({"n": n, "conv": conv, "msgs": [dict(m) for m in conv.messages],
+                      "turns": turns[-1:] if cfg.mode == "last" else turns, "k": 0, "done": [], "tokens": [],
+                      "finish": [], "cut": None})
+    while True:
+        active = [st for st in state if st["cut"] is None and st["k"] < len(st["turns"])]
+        if not active:
             break
-    return {"messages": msgs, "regenerated": {"line": n, "turns": done, "tokens": tokens, "finish": finish,
-                                              "cut_after": cut}}
+        prompts, seeds = [], []
+        for st in active:
+            i = st["turns"][st["k"]]
+            prompts.append(tok(masks.chat(tok, st["msgs"][:i], st["conv"].tools, gen=True),
+                               add_special_tokens=False)["input_ids"])
+            seeds.append(cfg.seed * SEED_STRIDE + st["n"] + st["k"] * 7919)
+        for st, ids in zip(active, gen(prompts, seeds, cfg, stops)):
+            _take(st, ids, tok, stops, kimi, summary)
+    return [{"messages": st["msgs"], "regenerated": {"line": st["n"], "turns": st["done"], "tokens": st["tokens"],
+                                                     "finish": st["finish"], "cut_after": st["cut"]}} for st in state]
+
+
+def _take(st: dict, ids: list[int], tok, stops: set[int], kimi: bool, summary: RegenSummary) -> None:
+    """Put the generated turn into the conversation; a call other than the data's (or a turn cut off by max_tokens
+    before a tool reply) ends it there."""
+    i = st["turns"][st["k"]]
+    st["k"] += 1
+    ended = bool(ids) and ids[-1] in stops
+    new = parse_turn(tok.decode(ids[:-1] if ended else ids, skip_special_tokens=not kimi), kimi)
+    summary.tokens += len(ids)
+    msgs, old = st["msgs"], st["msgs"][i]
+    msgs[i] = new
+    st["done"].append(i)
+    st["tokens"].append(len(ids))
+    st["finish"].append("stop" if ended else "length")
+    follows_tool = i + 1 < len(msgs) and msgs[i + 1]["role"] == "tool"
+    same = _same_calls(old.get("tool_calls"), new.get("tool_calls"))
+    if same and old.get("tool_calls"):  # the data's tool replies answer the data's ids
+        for c, o in zip(new["tool_calls"], old["tool_calls"]):
+            if "id" in o:
+                c["id"] = o["id"]
+    if not same or (not ended and follows_tool):
+        st["cut"] = i
+        del msgs[i + 1:]
+        summary.cut += 1

@@ -153,6 +153,7 @@ def test_kill_9_then_the_same_command_completes_the_file_with_no_line_lost_or_tw
     """hf backend on tiny-llama, sampled (each line's seed is its own, so a resumed run draws what an uninterrupted one
     does): killed mid-line (a torn line) or between lines, then rerun."""
     args, whole = regen_args
+    args = args + ["--batch-size", "2"]  # the uninterrupted run took them in one batch: the output does not depend on it
     killed = _cli(args + ["--out", str(tmp_path / "cut.jsonl")], env={"EAGLE3_FAULT": fault})
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-2000:])
     again = _cli(args + ["--out", str(tmp_path / "cut.jsonl")])
@@ -161,3 +162,43 @@ def test_kill_9_then_the_same_command_completes_the_file_with_no_line_lost_or_tw
     rows = [json.loads(x) for x in whole.splitlines()]
     assert [r["regenerated"]["line"] for r in rows] == [1, 2, 5, 6, 7]
     assert all(r["messages"][1]["content"] != "x" for r in rows)
+
+
+def test_the_vllm_backend_batches_conversations_with_a_seed_and_the_end_tokens_per_request(tmp_path, kimi_target,
+                                                                                          monkeypatch):
+    """No GPU here: a stand-in for vllm.LLM records what the backend asks. One generate per turn round over the batch,
+    each request with its line's seed, the target's end-of-turn tokens as stops, the sampling settings."""
+    import sys
+    import types
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(kimi_target)
+    calls = []
+
+    class LLM:
+        def __init__(self, **kw):
+            self.kw = kw
+
+        def generate(self, prompts, params, use_tqdm=False):
+            calls.append((len(prompts), [p.kw for p in params]))
+            ids = tok("<think></think>Fine.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids)]) for _ in prompts]
+
+    class SamplingParams:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
+    chats = [c for c in kimi_traffic.generate(9, seed=2) if c["traffic"] == "chat"]  # 3 chats of 1-6 turns
+    cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, chats)), out=str(tmp_path / "o.jsonl"),
+                      backend="vllm", temperature=0.6, top_p=0.9, max_tokens=40, seed=3)
+    s = regenerate.run(cfg)
+    turns = [sum(m["role"] == "assistant" for m in c["messages"]) for c in chats]
+    assert [n for n, _ in calls] == [sum(t > r for t in turns) for r in range(max(turns))]  # a call per round
+    first = calls[0][1]
+    assert [p["seed"] for p in first] == [3 * regenerate.SEED_STRIDE + n for n in (1, 2, 3)]
+    assert {(p["temperature"], p["top_p"], p["max_tokens"]) for p in first} == {(0.6, 0.9, 40)}
+    assert all(tok.eos_token_id in p["stop_token_ids"] for p in first)
+    assert s.written == 3 and s.tokens == sum(turns) * len(tok("<think></think>Fine.", add_special_tokens=False)[
+        "input_ids"]) + sum(turns)
