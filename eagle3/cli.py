@@ -182,6 +182,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=POSITIVE, default=32000, help="draft vocabulary size (default 32000)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="float32", help="training dtype (default float32)")
+    p.add_argument("--draft-arch", choices=["llama", "mla"], default="llama",
+                   help="llama: speculators' layer (Eagle3LlamaForCausalLM); mla: DeepSeek's latent attention + a dense "
+                        "MLP (Eagle3DeepseekV3ForCausalLM), for DeepseekV3 / Kimi targets")
     p.add_argument("--eagle-3.1", dest="eagle31", action="store_true",
                    help="EAGLE-3.1: --fc-norm and --norm-output (vLLM 0.26 serves both)")
     p.add_argument("--fc-norm", action="store_true", help="an RMSNorm on each aux state before the fusion layer")
@@ -219,7 +222,7 @@ def _train_config(a):
     return TrainConfig(store=store, out=a.out, target=a.target, max_steps=a.steps, epochs=a.epochs,
                        batch_samples=a.batch, lr=a.lr, ttt_steps=a.ttt_steps, pack_tokens=a.pack_tokens,
                        draft_vocab_size=a.draft_vocab, device=a.device, dtype=a.dtype, precision=a.precision,
-                       fc_norm=a.fc_norm or a.eagle31, norm_output=a.norm_output or a.eagle31,
+                       fc_norm=a.fc_norm or a.eagle31, norm_output=a.norm_output or a.eagle31, draft_arch=a.draft_arch,
                        export_dtype=a.export_dtype,
                        serve_tps=a.serve_tp or SERVE_TPS, shape=shape, checkpoint_every=a.checkpoint_every,
                        checkpoint_minutes=a.checkpoint_minutes, keep_checkpoints=a.keep_checkpoints,

@@ -184,7 +184,14 @@ def publish(ckpt: Path, out: Path, dtype: str = "bfloat16", serve_tps=()) -> Pat
     from eagle3.train.draft import DraftShape, check_servable
 
     config = json.loads((ckpt / "config.json").read_text())
-    check_servable(DraftShape.from_layer_config(config["transformer_layer_config"]), serve_tps)
+    if config.get("eagle3_mla"):  # the MLA draft: vLLM loads it from an HF-style config (train/mla_draft.py)
+        from eagle3.train import mla_draft
+
+        shape = mla_draft.MLAShape(**config["eagle3_mla"])
+        shape.check_servable(serve_tps)
+        config = mla_draft.hf_config(shape, config, dtype)
+    else:
+        check_servable(DraftShape.from_layer_config(config["transformer_layer_config"]), serve_tps)
     tensors = {k: (t.to(getattr(torch, dtype)) if t.is_floating_point() else t)
                for k, t in load_file(str(ckpt / "model.safetensors")).items()}
     bad = nonfinite_parameters(tensors)
@@ -192,7 +199,8 @@ def publish(ckpt: Path, out: Path, dtype: str = "bfloat16", serve_tps=()) -> Pat
         raise NonFiniteWeights(f"{ckpt}: the draft has non-finite weights ({sum(bad.values())} values in "
                                f"{sorted(bad)[:4]}); not publishing it")
     config["torch_dtype"] = dtype
-    config["transformer_layer_config"]["torch_dtype"] = dtype
+    if "transformer_layer_config" in config:
+        config["transformer_layer_config"]["torch_dtype"] = dtype
     dest, tmp = Path(out) / "draft", Path(out) / ".tmp-draft"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

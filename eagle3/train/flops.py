@@ -58,3 +58,26 @@ def kimi_k25_draft() -> DraftShape:
     from eagle3.targets.presets import KIMI_K25_TEXT
 
     return DraftShape.for_target(KIMI_K25_TEXT)
+
+
+def mla_linear_flops(shape, n_aux: int, draft_vocab: int, ttt_steps: int) -> dict[str, int]:
+    """The MLA draft (train/mla_draft.py, an MLAShape): matmul FLOPs a token of a training step, by part. Its layer
+    per step: q_a [2H -> q_lora] + q_b [q_lora -> heads * (nope + rope)] (or q [2H -> heads * (nope + rope)]),
+    kv_a [2H -> kv_lora + rope], kv_b [kv_lora -> heads * (nope + v)], o [heads * v -> H], MLP 3 x [H <-> I]."""
+    h, nh = shape.hidden_size, shape.num_attention_heads
+    qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
+    q = 2 * h * shape.q_lora_rank + shape.q_lora_rank * nh * qk if shape.q_lora_rank else 2 * h * nh * qk
+    kv = 2 * h * (shape.kv_lora_rank + shape.qk_rope_head_dim) + \
+        shape.kv_lora_rank * nh * (shape.qk_nope_head_dim + shape.v_head_dim)
+    layer = 2 * (q + kv + nh * shape.v_head_dim * h + 3 * h * shape.intermediate_size)
+    head = 2 * h * draft_vocab
+    return {"fc": 2 * (2 * n_aux * h * h), "layer": 3 * ttt_steps * layer, "lm_head": 2 * ttt_steps * head,
+            "targets": head}
+
+
+def mla_attention_flops(shape, ttt_steps: int, seq_len: int, dense: bool = False) -> float:
+    """MLA attention FLOPs a token (scores over nope + rope dims, values over v dims); ``dense``: what a dense masked
+    kernel computes, else the useful causal share."""
+    per_key = 2 * shape.num_attention_heads * (shape.qk_nope_head_dim + shape.qk_rope_head_dim + shape.v_head_dim)
+    keys = sum((s + 1) * seq_len if dense else (seq_len + 1) / 2 + s for s in range(ttt_steps))
+    return 3 * per_key * keys

@@ -80,6 +80,7 @@ class TrainConfig:
     resume: bool = True
     speculative_tokens: int | None = None  # written to the config; default ttt_steps
     shape: dict = field(default_factory=dict)  # DraftShape overrides
+    draft_arch: str = "llama"            # llama (speculators' layer) | mla (DeepSeek MLA: Eagle3DeepseekV3ForCausalLM)
     fc_norm: bool = False                # EAGLE-3.1: an RMSNorm on each aux state before fc
     norm_output: bool = False            # EAGLE-3.1: the post-norm state feeds the next draft step
     allow_incomplete: bool = False       # train on a store that holds fewer samples than its plan names
@@ -328,6 +329,14 @@ def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples, shape: Dr
     )
     torch.manual_seed(cfg.seed)
     model = Eagle3DraftModel(config)
+    if cfg.draft_arch == "mla":
+        from eagle3.train import mla_draft
+
+        mla = mla_draft.MLAShape.for_target(tcfg)
+        mla.check_servable(cfg.serve_tps)
+        mla_draft.install(model, mla, cfg.attn_impl)
+    elif cfg.draft_arch != "llama":
+        raise ValueError(f"draft_arch {cfg.draft_arch!r}: use llama or mla")
     if n_draft < shape.vocab_size:
         model.load_vocab_mappings(t2d, d2t)
     model.load_verifier_weights()

@@ -78,8 +78,39 @@ def tensor_shapes(folder: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
+def mla_problems(folder: str | Path) -> list[str]:
+    """The MLA draft (Eagle3DeepseekV3ForCausalLM, deepseek_eagle3.py + DeepseekV2MLAAttention): the tensors vLLM
+    builds from config.json against the file's."""
+    c, t = json.loads((Path(folder) / "config.json").read_text()), tensor_shapes(folder)
+    h, nh, qk = c["hidden_size"], c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    p = "layers.0.self_attn."
+    want = {"fc.weight": (h, c["target_hidden_size"] * c["num_aux_hidden_states"]),
+            "lm_head.weight": (c["draft_vocab_size"], h),
+            p + "kv_a_proj_with_mqa.weight": (c["kv_lora_rank"] + c["qk_rope_head_dim"], 2 * h),
+            p + "kv_b_proj.weight": (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
+            p + "o_proj.weight": (h, nh * c["v_head_dim"]),
+            "layers.0.mlp.down_proj.weight": (h, c["intermediate_size"])}
+    if c.get("q_lora_rank"):
+        want.update({p + "q_a_proj.weight": (c["q_lora_rank"], 2 * h), p + "q_b_proj.weight": (nh * qk, c["q_lora_rank"])})
+    else:
+        want[p + "q_proj.weight"] = (nh * qk, 2 * h)
+    if c.get("fc_norm"):
+        want.update({f"fc_norm.{i}.weight": (c["target_hidden_size"],) for i in range(c["num_aux_hidden_states"])})
+    if c["draft_vocab_size"] < c["vocab_size"]:
+        want["d2t"] = (c["draft_vocab_size"],)
+    out = [f"{k}: the file has {t[k][0] if k in t else 'no such tensor'}, vLLM builds {v}"
+           for k, v in want.items() if t.get(k, (None,))[0] != v]
+    if c.get("architectures") != ["Eagle3DeepseekV3ForCausalLM"]:
+        out.append(f"architectures {c.get('architectures')}: vLLM builds the MLA draft as Eagle3DeepseekV3ForCausalLM")
+    if len(c.get("eagle_aux_hidden_state_layer_ids") or []) != c["num_aux_hidden_states"]:
+        out.append("eagle_aux_hidden_state_layer_ids and num_aux_hidden_states disagree")
+    return out
+
+
 def problems(folder: str | Path) -> list[str]:
     """Where DRAFT/model.safetensors disagrees with what vLLM builds from DRAFT/config.json (empty: none)."""
+    if json.loads((Path(folder) / "config.json").read_text()).get("eagle3_mla"):
+        return mla_problems(folder)
     r, t = reads(folder), tensor_shapes(folder)
     q_out = r["num_attention_heads"] * r["head_dim"]
     want = {"fc.weight": (r["hidden_size"], r["fc_input_size"]),

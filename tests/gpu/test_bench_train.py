@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.benchmark]
 N_AUX, DRAFT_VOCAB, TTT = 3, 32000, 3
 
 
-def _model(shape, device="cuda"):
+def _model(shape, device="cuda", mla=None):
     from speculators.models.eagle3 import Eagle3DraftModel
 
     from eagle3.train.draft import speculators_config
@@ -36,6 +36,10 @@ def _model(shape, device="cuda"):
     torch.manual_seed(0)
     with torch.device(device):
         m = Eagle3DraftModel(cfg)
+    if mla is not None:
+        from eagle3.train import mla_draft
+
+        mla_draft.install(m, mla)
     for p in m.parameters():
         if p.isnan().any():  # the verifier's weights, unloaded: any values do for a speed test
             p.data.normal_(0, 0.02)
@@ -80,13 +84,14 @@ def _steps(model, opt, inputs, n: int, amp: bool) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def _measure(model, opt, shape, seq: int, amp: bool, steps: int = 5) -> dict:
+def _measure(model, opt, shape, seq: int, amp: bool, steps: int = 5, mla=None) -> dict:
     inputs = _inputs(shape, seq)
     torch.cuda.reset_peak_memory_stats()
     _steps(model, opt, inputs, 2, amp)  # warm-up: allocator, kernels
     sec = _steps(model, opt, inputs, steps, amp)
-    per_token = flops.train_flops_per_token(shape, N_AUX, DRAFT_VOCAB, TTT, seq)
-    return {"seq": seq, "precision": "bf16-mixed" if amp else "fp32", "s_per_step": round(sec, 4),
+    per_token = flops.train_flops_per_token(shape, N_AUX, DRAFT_VOCAB, TTT, seq) if mla is None else (
+        sum(flops.mla_linear_flops(mla, N_AUX, DRAFT_VOCAB, TTT).values()) + flops.mla_attention_flops(mla, TTT, seq))
+    return {"draft": "mla" if mla is not None else "llama", "seq": seq, "precision": "bf16-mixed" if amp else "fp32", "s_per_step": round(sec, 4),
             "tok_per_s": round(seq / sec), "gflop_per_token": round(per_token / 1e9, 2),
             "mfu": round(flops.mfu(seq / sec, per_token), 4),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
@@ -113,6 +118,15 @@ def test_bench_train_kimi_draft(report, gpu_out):
     eight = next(r for r in rows if r["seq"] == 8192 and r["precision"] == "bf16-mixed")
     report("bench_train_goals", {"mfu_8k": eight["mfu"], "mfu_goal_0.35_met": eight["mfu"] >= 0.35,
                                  "longest": longest, "32k_goal_met": (longest or 0) >= 32768})
+    del model, opt
+    torch.cuda.empty_cache()
+    from eagle3.targets.presets import KIMI_K25_TEXT
+    from eagle3.train import mla_draft
+
+    mla = mla_draft.MLAShape.for_target(KIMI_K25_TEXT)
+    model = _model(shape, mla=mla)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    report("bench_train_kimi_mla_draft", [_measure(model, opt, shape, seq, amp=True, mla=mla) for seq in (2048, 8192)])
 
 
 def reader_rate(root, n: int, seq: int, hidden: int = 7168) -> dict:

@@ -61,3 +61,36 @@ def test_kimi_k25_s_draft_costs_about_16_gflop_a_token_at_8k():
     per_token = flops.train_flops_per_token(shape, 3, 32000, 3, 8192)
     assert 15.5e9 < per_token < 16.5e9  # 14.66 GFLOP of matmuls + 1.21 of attention at 8k
     assert flops.mfu(21_811, per_token) == pytest.approx(0.35, abs=0.001)
+
+
+@pytest.mark.parametrize("q_lora", [24, None])
+def test_the_mla_formula_is_torch_s_count_of_the_mla_draft(q_lora):
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle3.train import mla_draft
+
+    shape = DraftShape(64, 512, 4, 2, 16, 128)
+    mla = mla_draft.MLAShape(64, 4, q_lora, 32, 16, 8, 12, 96)
+    n_aux, draft_vocab, ttt, seq = 3, 256, 3, 20
+    cfg = speculators_config(shape, [2, 3, 4], draft_vocab, ttt, "/nonexistent", ["DeepseekV3ForCausalLM"],
+                             attn_implementation="sdpa")
+    torch.manual_seed(0)
+    m = Eagle3DraftModel(cfg).float()
+    mla_draft.install(m, mla)
+    for p in m.parameters():
+        if p.isnan().any():
+            p.data.normal_()
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    m.load_vocab_mappings(t2d, torch.zeros(draft_vocab, dtype=torch.long))
+    inputs = dict(input_ids=torch.randint(0, 512, (1, seq)), hidden_states=torch.randn(1, seq, n_aux * 64),
+                  verifier_last_hidden_states=torch.randn(1, seq, 64), loss_mask=torch.ones(1, seq, dtype=torch.bool),
+                  position_ids=torch.arange(1, seq + 1)[None], document_ids=torch.zeros(1, seq, dtype=torch.long))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        _, loss, _ = m(**inputs, ttt_steps=ttt, loss_config=resolve_loss_config("kl_div", "eager"))
+        loss.backward()
+    counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    rotary = ttt * 2 * (shape.head_dim // 2) * seq  # speculators' own (Llama) rotary, still computed, unused by MLA
+    assert counts["aten.mm"] == sum(flops.mla_linear_flops(mla, n_aux, draft_vocab, ttt).values()) * seq
+    assert counts["aten.bmm"] - rotary == flops.mla_attention_flops(mla, ttt, seq, dense=True) * seq

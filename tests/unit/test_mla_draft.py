@@ -1,0 +1,124 @@
+"""The MLA draft (`train --draft-arch mla`, eagle3/train/mla_draft.py): trained in speculators' TTT loop, published as
+vLLM 0.26's Eagle3DeepseekV3ForCausalLM loads it, and computing there what it computed in training: the trainer's
+checkpoint under the training forward against the published folder under vLLM's MLA drafter forward written again
+(tests/unit/vllm_mla_ref.py), logits and the state fed to the next step, with and without EAGLE-3.1's toggles.
+The RoPE (GPT-J pairs; DeepSeek-YaRN at Kimi-K2.5's rope_scaling) against the same written-again vLLM tables."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3 import cli
+from eagle3.targets.presets import KIMI_K25_TEXT
+from eagle3.train import checkpoint, mla_draft, vllm_reads
+from eagle3.train.draft import DraftShapeError
+from eagle3.train.train import TrainConfig, train
+
+from . import vllm_mla_ref as ref
+
+
+@pytest.fixture(scope="module")
+def mla_drafts(small_store, tmp_path_factory):
+    """tiny-kimi's store (an MLA target: kv_lora 32, rope 8, nope 16, v 16, q_lora 64): MLA drafts trained 4 steps at a
+    high rate (every norm off 1), plain and with EAGLE-3.1's toggles: (checkpoint, published folder, result)."""
+    out = {}
+    for toggles in ((False, False), (True, True)):
+        tmp = tmp_path_factory.mktemp(f"mla-{int(toggles[0])}")
+        res = train(TrainConfig(store=str(small_store), out=str(tmp), draft_vocab_size=256, batch_samples=4,
+                                max_steps=4, lr=2e-2, seed=0, draft_arch="mla", fc_norm=toggles[0],
+                                norm_output=toggles[1]), progress=False)
+        out[toggles] = checkpoint.latest(tmp), Path(res.draft), res
+    return out
+
+
+def _training_forward(ckpt, input_ids, aux, positions):
+    """speculators' model with the MLA layer on the checkpoint's weights (rounded to the published bf16, run in
+    float32): step 0's logits and the state it hands step 1."""
+    from safetensors.torch import load_file
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    config = Eagle3SpeculatorConfig.from_pretrained(ckpt)
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    model = Eagle3DraftModel(config)
+    mla_draft.install(model, mla_draft.MLAShape(**json.loads((Path(ckpt) / "config.json").read_text())["eagle3_mla"]))
+    missing, unexpected = model.load_state_dict(load_file(str(Path(ckpt) / "model.safetensors")), strict=False)
+    assert not unexpected and all(k.startswith(("embed_tokens", "verifier_")) for k in missing), (missing, unexpected)
+    model.load_verifier_weights()
+    model = model.float().eval()
+    for p in model.parameters():
+        p.data = p.data.bfloat16().float()
+    seen = {"logits": [], "layer_in": []}
+    model.lm_head.register_forward_hook(lambda m, a, o: seen["logits"].append(o))
+    model.layers[0].register_forward_pre_hook(lambda m, a: seen["layer_in"].append(a[0]))
+    with torch.no_grad():
+        model(input_ids=input_ids, hidden_states=aux, position_ids=positions, ttt_steps=2,
+              document_ids=torch.zeros_like(input_ids))
+    h = model.embed_tokens.weight.shape[1]
+    return model, seen["logits"][0][0], seen["layer_in"][1][0, :, h:]
+
+
+@pytest.mark.parametrize("toggles", [(False, False), (True, True)])
+def test_the_mla_draft_computes_in_vllm_what_it_computed_in_training(mla_drafts, toggles):
+    ckpt, published, res = mla_drafts[toggles]
+    cfg, w = ref.read(published)
+    assert cfg["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and vllm_reads.problems(published) == []
+    assert (cfg["fc_norm"], cfg["norm_output"]) == toggles and cfg["num_attention_heads"] == 16  # 4 rounded up
+    assert math.isfinite(res.losses[-1]) and res.losses[-1] < res.losses[0]
+    g = torch.Generator().manual_seed(0)
+    t = 20
+    input_ids = torch.randint(5, 1000, (1, t), generator=g)
+    aux = torch.randn(1, t, cfg["num_aux_hidden_states"] * cfg["target_hidden_size"], generator=g) * 3
+    positions = torch.arange(1, t + 1)[None]
+    model, logits, carried = _training_forward(ckpt, input_ids, aux, positions)
+    embeds = model.embed_tokens.weight[input_ids[0]].float()
+    want_logits, want_state = ref.step(cfg, w, embeds, ref.combine(cfg, w, aux[0]), positions[0])
+    torch.testing.assert_close(logits, want_logits, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(carried, want_state, atol=2e-4, rtol=2e-4)
+
+
+def test_rope_at_kimi_s_yarn_is_vllm_s_deepseek_yarn():
+    shape = mla_draft.MLAShape.for_target(KIMI_K25_TEXT)
+    inv, mult, scale = mla_draft.rope_tables(shape)
+    want_inv, want_mult, want_scale = ref.rope_cache({**{k: getattr(shape, k) for k in (
+        "qk_rope_head_dim", "qk_nope_head_dim", "rope_theta")}, "rope_scaling": shape.rope_scaling})
+    torch.testing.assert_close(inv, want_inv)
+    assert (mult, scale) == pytest.approx((want_mult, want_scale))
+    assert scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(64) + 1) ** 2)  # mscale_all_dim 1, factor 64
+    x = torch.randn(1, 2, 5, 64)
+    pos = torch.tensor([[0, 1, 100, 4096, 200000]])
+    torch.testing.assert_close(mla_draft.rope_gptj(x, pos, inv, mult)[0].transpose(0, 1),
+                               ref.rope(x[0].transpose(0, 1), pos[0], want_inv, want_mult), atol=1e-5, rtol=1e-5)
+
+
+def test_kimi_s_mla_draft_is_servable_at_tp_1_to_16_and_its_size():
+    shape = mla_draft.MLAShape.for_target(KIMI_K25_TEXT)
+    assert (shape.num_attention_heads, shape.q_lora_rank, shape.kv_lora_rank, shape.qk_rope_head_dim) == (64, 1536, 512,
+                                                                                                           64)
+    shape.check_servable((1, 2, 4, 8, 16))
+    assert shape.params(3, 32000) == 896_169_984  # 1.79 GB in bf16
+    with pytest.raises(DraftShapeError, match=r"24 heads do not split over TP \[16\]"):
+        mla_draft.MLAShape(**{**shape.__dict__, "num_attention_heads": 24}).check_servable((1, 2, 4, 8, 16))
+
+
+def test_mla_on_a_target_without_mla_is_refused_with_the_reason(tmp_path, tiny_llama, small_data, capsys):
+    store = tmp_path / "s"
+    assert cli.main(["extract", "--model", str(tiny_llama), "--data", str(small_data), "--out", str(store),
+                     "--max-samples", "4", "--max-len", "64", "--no-selfcheck"]) == 0
+    assert cli.main(["train", "--store", str(store), "--out", str(tmp_path / "t"), "--steps", "1", "--batch", "4",
+                     "--draft-vocab", "128", "--draft-arch", "mla"]) == 2
+    assert "--draft-arch mla needs an MLA target" in capsys.readouterr().err
+
+
+def test_without_rope_scaling_the_draft_s_rope_base_is_the_one_vllm_serves_it_with():
+    """vLLM 0.26 gives the MLA draft rope_parameters {"rope_type": "default"} when the target has no rope_scaling, and
+    get_rope then takes base 10000 whatever rope_theta says: the draft trains with what it will be served with."""
+    target = dict(KIMI_K25_TEXT, rope_theta=50000.0)
+    del target["rope_scaling"]
+    shape = mla_draft.MLAShape.for_target(target)
+    assert shape.rope_theta == 10000.0 and shape.rope_scaling is None
+    inv, _, _ = mla_draft.rope_tables(shape)
+    want, _, _ = ref.rope_cache({"qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "rope_theta": 50000.0})
+    torch.testing.assert_close(inv, want)
