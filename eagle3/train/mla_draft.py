@@ -53,11 +53,7 @@ class MLAShape:
         return cls(int(t["hidden_size"]), _round_up(int(t["num_attention_heads"]), max(SERVE_TPS)),
                    t.get("q_lora_rank"), int(t["kv_lora_rank"]), int(t["qk_nope_head_dim"]),
                    int(t["qk_rope_head_dim"]), int(t["v_head_dim"]), int(t.get("intermediate_size") or 4 * t["hidden_size"]),
-                   float(t.get("rms_norm_eps", 1e-6)),
-                   # vLLM 0.26 serves the MLA draft with rope_parameters = the target's rope_scaling (then its theta)
-                   # or {"rope_type": "default"}, whose base get_rope takes as 10000 whatever rope_theta says
-                   # (deepseek_eagle3.py: rope_params; rotary_embedding/__init__.py get_rope: base default)
-                   float(t.get("rope_theta") or 10000.0) if t.get("rope_scaling") else 10000.0,
+                   float(t.get("rms_norm_eps", 1e-6)), float(t.get("rope_theta") or 10000.0),
                    dict(t["rope_scaling"]) if t.get("rope_scaling") else None,
                    int(t.get("max_position_embeddings", 4096)))
 
@@ -218,7 +214,9 @@ def hf_config(shape: MLAShape, spec_config: dict, dtype: str) -> dict:
     maps only llama and qwen3 layers)."""
     layer = spec_config["transformer_layer_config"]
     ids = list(spec_config["eagle_aux_hidden_state_layer_ids"])
-    out = {"architectures": ["Eagle3DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    # model_type deepseek_v2: vLLM 0.26 turns every draft of model_type deepseek_v3 into DeepSeekMTPModel
+    # (config/speculative.py hf_config_override; "Eagle3DeepSeekMTPModel ... not supported", seen on the H200)
+    out = {"architectures": ["Eagle3DeepseekV3ForCausalLM"], "model_type": "deepseek_v2",
            "hidden_size": shape.hidden_size, "num_hidden_layers": 1,
            "num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_attention_heads,
            "q_lora_rank": shape.q_lora_rank, "kv_lora_rank": shape.kv_lora_rank,
@@ -235,6 +233,18 @@ def hf_config(shape: MLAShape, spec_config: dict, dtype: str) -> dict:
            "tie_word_embeddings": False, "torch_dtype": dtype,
            "num_speculative_tokens": spec_config["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
            "eagle3_mla": asdict(shape)}
-    if shape.rope_scaling:
-        out["rope_scaling"] = dict(shape.rope_scaling)
+    out["rope_scaling"] = served_rope_scaling(shape)
     return out
+
+
+def served_rope_scaling(shape: MLAShape) -> dict:
+    """The rope_scaling the export writes: the target's YaRN, or for a plain-RoPE target a DeepSeek-YaRN of factor 1
+    (the same tables: interpolation and extrapolation coincide, mscale 1), both carrying rope_theta. vLLM 0.26 builds
+    the MLA draft's RoPE as deepseek_yarn from whatever config.rope_scaling returns, and under transformers 5 a config
+    without rope_scaling returns its default rope dict: deepseek_yarn without a factor, KeyError 'factor' (seen on the
+    H200); with no rope_theta in it, get_rope would take base 10000."""
+    if shape.rope_scaling:
+        return dict(shape.rope_scaling, rope_theta=shape.rope_theta)
+    return {"type": "yarn", "rope_type": "yarn", "factor": 1.0,
+            "original_max_position_embeddings": shape.max_position_embeddings, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": shape.rope_theta}

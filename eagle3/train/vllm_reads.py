@@ -104,6 +104,12 @@ def mla_problems(folder: str | Path) -> list[str]:
         out.append(f"architectures {c.get('architectures')}: vLLM builds the MLA draft as Eagle3DeepseekV3ForCausalLM")
     if len(c.get("eagle_aux_hidden_state_layer_ids") or []) != c["num_aux_hidden_states"]:
         out.append("eagle_aux_hidden_state_layer_ids and num_aux_hidden_states disagree")
+    if c.get("model_type") in ("deepseek_v3", "deepseek_v32"):  # config/speculative.py hf_config_override
+        out.append(f"model_type {c['model_type']}: vLLM 0.26 takes the draft for a DeepSeek MTP model; write deepseek_v2")
+    rs = c.get("rope_scaling") or {}
+    if "factor" not in rs or "rope_theta" not in rs:  # deepseek_eagle3.py builds deepseek_yarn from rope_scaling
+        out.append("rope_scaling without factor or rope_theta: vLLM 0.26 builds the MLA draft's RoPE as deepseek_yarn "
+                   "from it (KeyError 'factor'; base 10000 without rope_theta)")
     return out
 
 

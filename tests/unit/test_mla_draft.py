@@ -83,7 +83,7 @@ def test_rope_at_kimi_s_yarn_is_vllm_s_deepseek_yarn():
     shape = mla_draft.MLAShape.for_target(KIMI_K25_TEXT)
     inv, mult, scale = mla_draft.rope_tables(shape)
     want_inv, want_mult, want_scale = ref.rope_cache({**{k: getattr(shape, k) for k in (
-        "qk_rope_head_dim", "qk_nope_head_dim", "rope_theta")}, "rope_scaling": shape.rope_scaling})
+        "qk_rope_head_dim", "qk_nope_head_dim", "rope_theta")}, "rope_scaling": mla_draft.served_rope_scaling(shape)})
     torch.testing.assert_close(inv, want_inv)
     assert (mult, scale) == pytest.approx((want_mult, want_scale))
     assert scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(64) + 1) ** 2)  # mscale_all_dim 1, factor 64
@@ -112,13 +112,24 @@ def test_mla_on_a_target_without_mla_is_refused_with_the_reason(tmp_path, tiny_l
     assert "--draft-arch mla needs an MLA target" in capsys.readouterr().err
 
 
-def test_without_rope_scaling_the_draft_s_rope_base_is_the_one_vllm_serves_it_with():
-    """vLLM 0.26 gives the MLA draft rope_parameters {"rope_type": "default"} when the target has no rope_scaling, and
-    get_rope then takes base 10000 whatever rope_theta says: the draft trains with what it will be served with."""
+def test_the_export_always_gives_vllm_a_yarn_it_can_build_with_the_target_s_theta():
+    """vLLM 0.26 makes the MLA draft's RoPE deepseek_yarn from config.rope_scaling, which transformers 5 fills with a
+    factor-less default dict when the config has none (KeyError 'factor' on the H200), and takes base 10000 unless
+    rope_theta is in it. The export writes the target's YaRN, or an identity YaRN (factor 1: the same tables as plain
+    RoPE), each with rope_theta: the tables vLLM builds from it are the training's."""
     target = dict(KIMI_K25_TEXT, rope_theta=50000.0)
     del target["rope_scaling"]
-    shape = mla_draft.MLAShape.for_target(target)
-    assert shape.rope_theta == 10000.0 and shape.rope_scaling is None
-    inv, _, _ = mla_draft.rope_tables(shape)
-    want, _, _ = ref.rope_cache({"qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "rope_theta": 50000.0})
-    torch.testing.assert_close(inv, want)
+    plain = mla_draft.MLAShape.for_target(target)
+    served = mla_draft.served_rope_scaling(plain)
+    assert served["factor"] == 1.0 and served["rope_theta"] == 50000.0
+    inv, mult, scale = mla_draft.rope_tables(plain)
+    want_inv, want_mult, want_scale = ref.rope_cache({"qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                                                      "rope_theta": 50000.0, "rope_scaling": served})
+    torch.testing.assert_close(inv, want_inv)
+    assert (mult, scale) == pytest.approx((want_mult, want_scale))
+    kimi = mla_draft.MLAShape.for_target(KIMI_K25_TEXT)
+    assert mla_draft.served_rope_scaling(kimi) == dict(KIMI_K25_TEXT["rope_scaling"], rope_theta=50000.0)
+    assert mla_draft.hf_config(kimi, {"transformer_layer_config": {"vocab_size": 163840}, "draft_vocab_size": 32000,
+                                      "eagle_aux_hidden_state_layer_ids": [2, 30, 58],
+                                      "speculators_config": {"proposal_methods": [{"speculative_tokens": 3}]}},
+                               "bfloat16")["model_type"] == "deepseek_v2"  # deepseek_v3 is taken for an MTP model

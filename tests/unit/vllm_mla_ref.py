@@ -40,9 +40,9 @@ def _mscale(scale: float, m: float = 1.0) -> float:  # deepseek_scaling_rope.yar
 def rope_cache(cfg: dict) -> tuple[torch.Tensor, float, float]:
     """(inv_freq, cos/sin multiplier, attention scaling): get_rope's default or deepseek_yarn branch."""
     rs = cfg.get("rope_scaling")
-    # deepseek_eagle3.py: rope_parameters = rope_scaling + deepseek_yarn, or {"rope_type": "default"}: get_rope's
-    # base is then rope_parameters.get("rope_theta", 10000), not the config's rope_theta
-    d, base = cfg["qk_rope_head_dim"], (cfg["rope_theta"] if rs else 10000)
+    # deepseek_eagle3.py: rope_parameters = rope_scaling + deepseek_yarn (or {"rope_type": "default"}); get_rope's base
+    # is rope_parameters.get("rope_theta", 10000), not the config's rope_theta
+    d, base = cfg["qk_rope_head_dim"], (rs or {}).get("rope_theta", 10000)
     scaling = (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5
     pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float) / d)
     if not rs:
