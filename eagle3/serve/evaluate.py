@@ -93,12 +93,14 @@ class EvalReport:
     baseline_start_s: float = 0.0          # target alone, eager, same options
     drafter: dict = field(default_factory=dict)  # what vLLM loaded (eagle3_drafter_info)
     per_traffic: dict = field(default_factory=dict)  # traffic type (chat / thinking / tool) -> SpecRun of its prompts
+    notes: list = field(default_factory=list)        # what the evaluation could not measure, and why
 
     def lines(self) -> list[str]:
         d = self.draft
         out = [f"draft          acceptance length {d.acceptance_length:.3f} +- {d.acceptance_se:.3f} over "
                f"{d.drafts} drafts (k={self.config['k']}), per position "
                + ", ".join(f"{p:.3f}" for p in d.per_position) + f"; {d.tokens_per_s:,.0f} tok/s"]
+        out += [f"note           {n}" for n in self.notes]
         for name, r in self.per_traffic.items():
             out.append(f"  {name:<12} acceptance length {r.acceptance_length:.3f} +- {r.acceptance_se:.3f} over "
                        f"{r.drafts} drafts")
@@ -249,13 +251,19 @@ def run(cfg: EvalConfig) -> EvalReport:
                               Expect(cfg.tp, Record(DRAFTER_KEYS), reply_rank=0))
     _run(llm, prompts[:8], 16)  # warm-up: the first generate of an engine pays one-time costs
     spec_tokens, draft_run, counters, per = _run_by_traffic(llm, prompts, groups, cfg.max_tokens, spec_counters(llm))
-    spec_top2 = None
+    spec_top2, notes = None, []
     if cfg.baseline:  # the same run again, untimed, with the verification's own top-2: what explains a divergence
-        spec_top2 = []
-        again, _, (_, counters) = _run(llm, prompts, cfg.max_tokens, counters, top2=spec_top2)
-        spec_top2 = [t if x == y else [] for t, x, y in zip(spec_top2, again, spec_tokens)]  # only where it repeated
+        try:
+            got: list = []
+            again, _, (_, counters) = _run(llm, prompts, cfg.max_tokens, counters, top2=got)
+            spec_top2 = [t if x == y else [] for t, x, y in zip(got, again, spec_tokens)]  # only where it repeated
+        except Exception as e:  # noqa: BLE001 - an engine that returns no logprobs with a draft: say so, go on
+            notes.append(f"the speculative run's top-2 log-probs are not available ({type(e).__name__}: {e}); "
+                         "divergences carry the plain run's margin only")
+            counters = spec_counters(llm)
     report = EvalReport({k: v for k, v in asdict(cfg).items() if k != "prompt_ids"}, ids, draft_run,
-                        engine_start_s=round(start, 1), drafter=drafter, per_traffic=per if len(per) > 1 else {})
+                        engine_start_s=round(start, 1), drafter=drafter, per_traffic=per if len(per) > 1 else {},
+                        notes=notes)
     if cfg.shifted:
         shifted = [i + 1 for i in ids]
         llm.collective_rpc("eagle3_set_aux_layers", args=(shifted,))

@@ -139,6 +139,7 @@ def test_trained_draft_is_served_by_vllm_and_predicts_the_target(chain, report):
                "outputs_identical": s0.outputs_identical,
                "divergence_margins": sorted(round(x["margin"], 4) for x in s0.divergences),
                "divergences_target_chose_spec_token": sum(bool(x.get("spec_top1")) for x in s0.divergences),
+               "eval_notes": s0.notes,
                "per_traffic": {k: {name: round(r.acceptance_length, 3) for name, r in runs[k].per_traffic.items()}
                                for k in runs},
                "arch": ARCH,
