@@ -141,3 +141,21 @@ def test_held_out_prompts_are_kimi_traffic_for_deepseek_and_unchanged_for_llama(
         old.append(tokenizer(tokenizer.apply_chat_template(c["messages"][:last], tokenize=False,
                                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"])
     assert [ids for _, ids in learnable.eval_prompts(tokenizer, 5)] == old
+
+
+def test_the_deepseek_target_trains_at_every_position_its_traffic_reaches(deepseek_target):
+    """A target trained on shorter windows than its conversations never learns the positions their answers are at
+    (the 103a15f run: tool prompts of ~420-490 tokens on a target of 256-token windows accepted 1.60 against chat's
+    3.57). The deepseek target's windows hold the longest conversation of its traffic whole, and make_target uses them."""
+    from transformers import AutoTokenizer
+
+    from eagle3.data import kimi_traffic
+
+    out, info = deepseek_target
+    tok = AutoTokenizer.from_pretrained(out)
+    longest = max(len(tok(tok.apply_chat_template(c["messages"], tools=c.get("tools"), tokenize=False),
+                          add_special_tokens=False)["input_ids"]) for c in kimi_traffic.generate(300, seed=4))
+    assert longest <= learnable.LEARNABLE_DEEPSEEK.seq_len, longest
+    assert learnable.LEARNABLE.seq_len == 256  # the Llama's dialogues are short: unchanged
+    assert info["seq_len"] == 64  # the fixture's own, given
+    assert learnable.windows("deepseek") == (1024, 16) and learnable.windows("llama") == (256, 64)  # make_target's
