@@ -97,3 +97,13 @@ def prompts(conversations: list[dict]) -> list[tuple[str, list[dict], list | Non
         at = turns[-1] if c.get("traffic") != "tool" or k % 2 else turns[0]
         out.append((c.get("traffic", "chat"), msgs[:at], c.get("tools")))
     return out
+
+
+def prompt_ids(tokenizer, conversations: list[dict]) -> list[tuple[str, list[int]]]:
+    """(traffic, token ids) of each prompt of ``prompts``, rendered with the tokenizer's chat template and its
+    generation prompt."""
+    out = []
+    for traffic, msgs, tools in prompts(conversations):
+        text = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+        out.append((traffic, tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out

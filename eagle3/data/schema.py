@@ -39,6 +39,7 @@ class Conversation:
     messages: list[dict]               # OpenAI messages, as the chat template receives them
     tools: list[dict] | None = None    # the top-level tools list, handed to the template
     weights: list[int] = field(default_factory=list)  # per message: 1 = in the loss (assistant turns), 0 = not
+    extra: dict = field(default_factory=dict)  # the line's other top-level keys (e.g. "traffic"), kept for rewriters
 
     def key(self) -> str:
         """Identity for duplicate counting: the messages and tools as the template gets them."""
@@ -198,4 +199,5 @@ def parse(obj, err) -> Conversation:
         held = any(m["role"] == "assistant" for m in messages)
         err("no assistant turn with text, thinking or tool calls" + (" and weight 1" if held else "") +
             " (nothing to learn from)", "Add an assistant reply or remove the line", "no_assistant")
-    return Conversation(messages, tools, weights)
+    extra = {k: v for k, v in obj.items() if k not in ("messages", "conversations", "tools")}
+    return Conversation(messages, tools, weights, extra)

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.data import masks, schema
-from eagle3.data.conversations import json_problem
+from eagle3.data.conversations import DataReport, read_conversations
+from eagle3.data.schema import DataError
 from eagle3.preflight import UsageError
 from eagle3.targets import kimi_format
 
@@ -239,25 +240,16 @@ class RegenSummary:
 
 
 def _read(cfg: RegenConfig, done: int, summary: RegenSummary):
-    """(input line number, decoded object, Conversation) for each line after ``done``; bad lines skipped, counted."""
-    with open(cfg.data, "rb") as src:
-        for n, raw in enumerate(src, 1):
-            if n <= done or not raw.strip():
-                continue
-            summary.lines += 1
-
-            def err(problem, fix, reason):
-                raise schema.DataError(cfg.data, n, problem, fix, reason)
-
-            try:
-                obj = json.loads(raw)
-                yield n, obj, schema.parse(obj, err)
-            except json.JSONDecodeError as e:
-                log.warning("%s:%d: invalid JSON (%s); skipped", cfg.data, n, json_problem(raw.decode(errors="replace"), e))
-                summary.skipped += 1
-            except schema.DataError as e:
-                log.warning("%s; skipped", e)
-                summary.skipped += 1
+    """(input line number, Conversation) for each line after ``done``; bad lines skipped with a warning, counted."""
+    for n, _, conv in read_conversations(cfg.data, DataReport()):
+        if n <= done:
+            continue
+        summary.lines += 1
+        if isinstance(conv, DataError):
+            log.warning("%s; skipped", conv)
+            summary.skipped += 1
+            continue
+        yield n, conv
 
 
 def run(cfg: RegenConfig, generator: Callable | None = None, fault: Callable[[str], None] | None = None,
@@ -281,10 +273,8 @@ def run(cfg: RegenConfig, generator: Callable | None = None, fault: Callable[[st
     with open(cfg.out, "ab") as out:
         def flush():
             nonlocal last_report
-            for (n, obj, conv), line in zip(batch, regenerate_batch([(n, c) for n, _, c in batch], cfg, tok, gen,
-                                                                    stops, kimi, summary)):
-                keep = {k: v for k, v in obj.items() if k not in ("messages", "conversations", "tools")}
-                record = dict(keep, messages=line["messages"], **({"tools": conv.tools} if conv.tools else {}),
+            for (_, conv), line in zip(batch, regenerate_batch(batch, cfg, tok, gen, stops, kimi, summary)):
+                record = dict(conv.extra, messages=line["messages"], **({"tools": conv.tools} if conv.tools else {}),
                               regenerated=line["regenerated"])
                 _append(out, (json.dumps(record, ensure_ascii=False) + "\n").encode(), fault)
                 summary.written += 1

@@ -215,11 +215,7 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[list[list[int]], dict[str,
         rows = learnable.eval_prompts(tokenizer, cfg.num_prompts, arch=arch)
     else:
         with open(cfg.prompts) as f:
-            convs = [json.loads(line) for line, _ in zip(f, range(cfg.num_prompts))]
-        rows = []
-        for traffic, msgs, tools in kimi_traffic.prompts(convs):
-            text = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
-            rows.append((traffic, tokenizer(text, add_special_tokens=False)["input_ids"]))
+            rows = kimi_traffic.prompt_ids(tokenizer, [json.loads(line) for line, _ in zip(f, range(cfg.num_prompts))])
     groups: dict[str, list[int]] = {}
     for i, (traffic, _) in enumerate(rows):
         groups.setdefault(traffic, []).append(i)

@@ -128,8 +128,4 @@ def eval_prompts(tokenizer, n: int, seed: int = HELD_OUT_SEED, arch: str = "llam
     conversation alternately up to its call), with the generation prompt."""
     from eagle3.data import kimi_traffic
 
-    out = []
-    for traffic, msgs, tools in kimi_traffic.prompts(conversations(arch, n, seed)):
-        text = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
-        out.append((traffic, tokenizer(text, add_special_tokens=False)["input_ids"]))
-    return out
+    return kimi_traffic.prompt_ids(tokenizer, conversations(arch, n, seed))

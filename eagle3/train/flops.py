@@ -21,28 +21,36 @@ from eagle3.train.draft import DraftShape
 H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA H200 SXM, dense bf16 tensor-core peak, FLOP/s
 
 
+def _train_parts(h: int, n_aux: int, draft_vocab: int, ttt_steps: int, layer_params: int) -> dict[str, int]:
+    """By part, for a layer whose matmuls hold ``layer_params`` weights (2 FLOPs each a token)."""
+    head = 2 * h * draft_vocab
+    return {"fc": 2 * (2 * n_aux * h * h), "layer": 3 * ttt_steps * 2 * layer_params, "lm_head": 2 * ttt_steps * head,
+            "targets": head}
+
+
+def _attention(per_key: int, ttt_steps: int, seq_len: int, dense: bool) -> float:
+    """3 x (forward + backward) x ``per_key`` FLOPs for each key a query meets: the useful (causal) mean over a
+    sequence of seq_len, or ``dense``: every key of the cache, masked or not (step s has (s + 1) * seq_len)."""
+    keys = sum((s + 1) * seq_len if dense else (seq_len + 1) / 2 + s for s in range(ttt_steps))
+    return 3 * per_key * keys
+
+
 def linear_flops(shape: DraftShape, n_aux: int, draft_vocab: int, ttt_steps: int) -> dict[str, int]:
     """Matmul FLOPs per token of one training step (forward + backward), by part."""
     h, a, kv, i = shape.hidden_size, shape.num_attention_heads * shape.head_dim, \
         shape.num_key_value_heads * shape.head_dim, shape.intermediate_size
-    layer = 2 * (2 * h * a + 2 * (2 * h * kv) + a * h + 3 * h * i)
-    head = 2 * h * draft_vocab
-    return {"fc": 2 * (2 * n_aux * h * h), "layer": 3 * ttt_steps * layer, "lm_head": 2 * ttt_steps * head,
-            "targets": head}
+    return _train_parts(h, n_aux, draft_vocab, ttt_steps, 2 * h * a + 2 * (2 * h * kv) + a * h + 3 * h * i)
 
 
 def attention_flops(shape: DraftShape, ttt_steps: int, seq_len: int) -> float:
-    """Useful (causal) attention FLOPs per token of one training step, averaged over a sequence of seq_len."""
-    a = shape.num_attention_heads * shape.head_dim
-    keys = sum((seq_len + 1) / 2 + s for s in range(ttt_steps))  # mean keys a query attends to, summed over steps
-    return 3 * 2 * 2 * a * keys
+    """Useful (causal) attention FLOPs per token of one training step, averaged over a sequence of seq_len: scores
+    and values, 2 * heads * head_dim each a key."""
+    return _attention(4 * shape.num_attention_heads * shape.head_dim, ttt_steps, seq_len, dense=False)
 
 
 def dense_attention_flops(shape: DraftShape, ttt_steps: int, seq_len: int) -> float:
-    """Attention FLOPs per token that a dense masked kernel computes (every key of the cache, masked or not): step s
-    has (s + 1) * seq_len keys. The useful share is attention_flops / this."""
-    a = shape.num_attention_heads * shape.head_dim
-    return 3 * 2 * 2 * a * sum((s + 1) * seq_len for s in range(ttt_steps))
+    """Attention FLOPs per token that a dense masked kernel computes. The useful share is attention_flops / this."""
+    return _attention(4 * shape.num_attention_heads * shape.head_dim, ttt_steps, seq_len, dense=True)
 
 
 def train_flops_per_token(shape: DraftShape, n_aux: int, draft_vocab: int, ttt_steps: int, seq_len: int) -> float:
@@ -61,23 +69,12 @@ def kimi_k25_draft() -> DraftShape:
 
 
 def mla_linear_flops(shape, n_aux: int, draft_vocab: int, ttt_steps: int) -> dict[str, int]:
-    """The MLA draft (train/mla_draft.py, an MLAShape): matmul FLOPs a token of a training step, by part. Its layer
-    per step: q_a [2H -> q_lora] + q_b [q_lora -> heads * (nope + rope)] (or q [2H -> heads * (nope + rope)]),
-    kv_a [2H -> kv_lora + rope], kv_b [kv_lora -> heads * (nope + v)], o [heads * v -> H], MLP 3 x [H <-> I]."""
-    h, nh = shape.hidden_size, shape.num_attention_heads
-    qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
-    q = 2 * h * shape.q_lora_rank + shape.q_lora_rank * nh * qk if shape.q_lora_rank else 2 * h * nh * qk
-    kv = 2 * h * (shape.kv_lora_rank + shape.qk_rope_head_dim) + \
-        shape.kv_lora_rank * nh * (shape.qk_nope_head_dim + shape.v_head_dim)
-    layer = 2 * (q + kv + nh * shape.v_head_dim * h + 3 * h * shape.intermediate_size)
-    head = 2 * h * draft_vocab
-    return {"fc": 2 * (2 * n_aux * h * h), "layer": 3 * ttt_steps * layer, "lm_head": 2 * ttt_steps * head,
-            "targets": head}
+    """The MLA draft (train/mla_draft.py, an MLAShape): matmul FLOPs a token of a training step, by part; its layer's
+    matmuls as MLAShape.layer_matmul_params counts them."""
+    return _train_parts(shape.hidden_size, n_aux, draft_vocab, ttt_steps, shape.layer_matmul_params())
 
 
 def mla_attention_flops(shape, ttt_steps: int, seq_len: int, dense: bool = False) -> float:
-    """MLA attention FLOPs a token (scores over nope + rope dims, values over v dims); ``dense``: what a dense masked
-    kernel computes, else the useful causal share."""
+    """MLA attention FLOPs a token: scores over nope + rope dims, values over v dims."""
     per_key = 2 * shape.num_attention_heads * (shape.qk_nope_head_dim + shape.qk_rope_head_dim + shape.v_head_dim)
-    keys = sum((s + 1) * seq_len if dense else (seq_len + 1) / 2 + s for s in range(ttt_steps))
-    return 3 * per_key * keys
+    return _attention(per_key, ttt_steps, seq_len, dense)

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm  # speculators' Llama layer uses them too
 
 from eagle3.train.draft import SERVE_TPS, DraftShapeError, _round_up
 
@@ -63,17 +65,21 @@ class MLAShape:
             raise DraftShapeError(f"MLA draft: {self.num_attention_heads} heads do not split over TP {bad} (vLLM's "
                                   "DeepseekV2MLAAttention asserts num_heads % tp == 0)")
 
-    def params(self, n_aux: int, draft_vocab: int, target_hidden: int | None = None) -> int:
-        """Parameters of the draft vLLM loads (no embedding: it shares the target's)."""
+    def layer_matmul_params(self) -> int:
+        """Weights of the layer's matmuls: q_a + q_b (or q), kv_a_proj_with_mqa, kv_b, o, and the MLP's three."""
         h, nh = self.hidden_size, self.num_attention_heads
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-        q = (2 * h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * nh * qk) if self.q_lora_rank else \
-            2 * h * nh * qk
-        kv = 2 * h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank + \
+        q = self.q_lora_rank * (2 * h + nh * qk) if self.q_lora_rank else 2 * h * nh * qk
+        kv = 2 * h * (self.kv_lora_rank + self.qk_rope_head_dim) + \
             self.kv_lora_rank * nh * (self.qk_nope_head_dim + self.v_head_dim)
-        attn = q + kv + nh * self.v_head_dim * h
-        mlp = 3 * h * self.intermediate_size
-        return (n_aux * (target_hidden or h) * h + attn + mlp + 4 * h + draft_vocab * h)
+        return q + kv + nh * self.v_head_dim * h + 3 * h * self.intermediate_size
+
+    def params(self, n_aux: int, draft_vocab: int, target_hidden: int | None = None) -> int:
+        """Parameters of the draft vLLM loads (no embedding: it shares the target's): fc, the layer's matmuls, its
+        norms (q_a, kv_a, input, hidden, post-attention, final) and lm_head."""
+        h = self.hidden_size
+        norms = (self.q_lora_rank or 0) + self.kv_lora_rank + 4 * h
+        return n_aux * (target_hidden or h) * h + self.layer_matmul_params() + norms + draft_vocab * h
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -111,17 +117,6 @@ def rope_gptj(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, 
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, n: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(n)), eps
-
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype) * self.weight
-
-
 class MLAAttention(nn.Module):
     def __init__(self, shape: MLAShape, attn_impl: str = "sdpa"):
         super().__init__()
@@ -131,12 +126,12 @@ class MLAAttention(nn.Module):
         qk = s.qk_nope_head_dim + s.qk_rope_head_dim
         if s.q_lora_rank:
             self.q_a_proj = nn.Linear(2 * h, s.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(s.q_lora_rank, s.rms_norm_eps)
+            self.q_a_layernorm = LlamaRMSNorm(s.q_lora_rank, eps=s.rms_norm_eps)
             self.q_b_proj = nn.Linear(s.q_lora_rank, nh * qk, bias=False)
         else:
             self.q_proj = nn.Linear(2 * h, nh * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(2 * h, s.kv_lora_rank + s.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, s.rms_norm_eps)
+        self.kv_a_layernorm = LlamaRMSNorm(s.kv_lora_rank, eps=s.rms_norm_eps)
         self.kv_b_proj = nn.Linear(s.kv_lora_rank, nh * (s.qk_nope_head_dim + s.v_head_dim), bias=False)
         self.o_proj = nn.Linear(nh * s.v_head_dim, h, bias=False)
         inv, self.rope_mult, self.scaling = rope_tables(s)
@@ -166,16 +161,6 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(b, t, nh * s.v_head_dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, h: int, inter: int):
-        super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(h, inter, bias=False), nn.Linear(h, inter, bias=False)
-        self.down_proj = nn.Linear(inter, h, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class MLADecoderLayer(nn.Module):
     """speculators' first-layer contract: takes cat(embeds, hidden) [B, T, 2H], returns the layer's output [B, T, H]
     (the residual sum), as vLLM's DeepseekV2Eagle3DecoderLayer + the final norm's residual add."""
@@ -184,10 +169,12 @@ class MLADecoderLayer(nn.Module):
         super().__init__()
         h = shape.hidden_size
         self.norm_before_residual = norm_before_residual
-        self.input_layernorm, self.hidden_norm = RMSNorm(h, shape.rms_norm_eps), RMSNorm(h, shape.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(h, eps=shape.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=shape.rms_norm_eps)
         self.self_attn = MLAAttention(shape, attn_impl)
-        self.post_attention_layernorm = RMSNorm(h, shape.rms_norm_eps)
-        self.mlp = MLP(h, shape.intermediate_size)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=shape.rms_norm_eps)
+        # gate_proj, up_proj, down_proj without bias, silu: vLLM's DeepseekV2MLP under the same names
+        self.mlp = LlamaMLP(LlamaConfig(hidden_size=h, intermediate_size=shape.intermediate_size, hidden_act="silu"))
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
         embeds, hidden = hidden_states.chunk(2, dim=-1)

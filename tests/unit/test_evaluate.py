@@ -99,6 +99,22 @@ def test_the_fp8_bar_is_judged_only_where_the_measurement_decides_it():
     assert not poor["resolved"] and poor["decided"] and not poor["within"], poor
 
 
+class CountingEngine:
+    """A stand-in for vllm.LLM's spec-decode metrics: ``self.c`` holds the cumulative counters a subclass's generate
+    advances; get_metrics reports them as vLLM 0.26 names them."""
+
+    c: dict
+
+    def get_metrics(self):
+        import types
+
+        c, m = self.c, types.SimpleNamespace
+        return [m(name="vllm:spec_decode_num_drafts", value=c["drafts"]),
+                m(name="vllm:spec_decode_num_draft_tokens", value=c["draft_tokens"]),
+                m(name="vllm:spec_decode_num_accepted_tokens", value=c["accepted"]),
+                m(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=c["per_pos"])]
+
+
 def test_a_run_s_acceptance_counts_only_its_own_drafts(monkeypatch):
     """vLLM's spec-decode counters are cumulative over the engine's life (warm-up, an earlier run): a run's
     acceptance comes from what they gained during it."""
@@ -107,23 +123,12 @@ def test_a_run_s_acceptance_counts_only_its_own_drafts(monkeypatch):
 
     from eagle3.serve import evaluate
 
-    class Metric:
-        def __init__(self, name, value=None, values=None):
-            self.name, self.value, self.values = name, value, values
-
-    class LLM:
+    class LLM(CountingEngine):
         def __init__(self):
-            self.counters = {"drafts": 100, "draft_tokens": 300, "accepted": 290, "per_pos": [100, 100, 90]}  # warm-up
-
-        def get_metrics(self):
-            c = self.counters
-            return [Metric("vllm:spec_decode_num_drafts", c["drafts"]),
-                    Metric("vllm:spec_decode_num_draft_tokens", c["draft_tokens"]),
-                    Metric("vllm:spec_decode_num_accepted_tokens", c["accepted"]),
-                    Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=c["per_pos"])]
+            self.c = {"drafts": 100, "draft_tokens": 300, "accepted": 290, "per_pos": [100, 100, 90]}  # warm-up
 
         def generate(self, prompts, params, use_tqdm=False):
-            self.counters = {"drafts": 110, "draft_tokens": 330, "accepted": 310, "per_pos": [108, 106, 96]}
+            self.c = {"drafts": 110, "draft_tokens": 330, "accepted": 310, "per_pos": [108, 106, 96]}
             out = types.SimpleNamespace(token_ids=[7, 8, 9], logprobs=None)
             return [types.SimpleNamespace(outputs=[out]) for _ in prompts]
 
@@ -143,19 +148,9 @@ def test_acceptance_is_reported_per_traffic_type_from_each_type_s_own_drafts(mon
 
     from eagle3.serve import evaluate
 
-    class Metric:
-        def __init__(self, name, value=None, values=None):
-            self.name, self.value, self.values = name, value, values
-
-    class LLM:
-        c = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0, 0, 0]}
-
-        def get_metrics(self):
-            c = self.c
-            return [Metric("vllm:spec_decode_num_drafts", c["drafts"]),
-                    Metric("vllm:spec_decode_num_draft_tokens", c["draft_tokens"]),
-                    Metric("vllm:spec_decode_num_accepted_tokens", c["accepted"]),
-                    Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=c["per_pos"])]
+    class LLM(CountingEngine):
+        def __init__(self):
+            self.c = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0, 0, 0]}
 
         def generate(self, prompts, params, use_tqdm=False):
             for p in prompts:

@@ -4,7 +4,6 @@ checkpoint under the training forward against the published folder under vLLM's 
 (tests/unit/vllm_mla_ref.py), logits and the state fed to the next step, with and without EAGLE-3.1's toggles.
 The RoPE (GPT-J pairs; DeepSeek-YaRN at Kimi-K2.5's rope_scaling) against the same written-again vLLM tables."""
 
-import json
 import math
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from eagle3.train.draft import DraftShapeError
 from eagle3.train.train import TrainConfig, train
 
 from . import vllm_mla_ref as ref
+from .served_step import assert_served_step_is_the_trained_one
 
 
 @pytest.fixture(scope="module")
@@ -34,32 +34,6 @@ def mla_drafts(small_store, tmp_path_factory):
     return out
 
 
-def _training_forward(ckpt, input_ids, aux, positions):
-    """speculators' model with the MLA layer on the checkpoint's weights (rounded to the published bf16, run in
-    float32): step 0's logits and the state it hands step 1."""
-    from safetensors.torch import load_file
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-
-    config = Eagle3SpeculatorConfig.from_pretrained(ckpt)
-    config.transformer_layer_config._attn_implementation = "sdpa"
-    model = Eagle3DraftModel(config)
-    mla_draft.install(model, mla_draft.MLAShape(**json.loads((Path(ckpt) / "config.json").read_text())["eagle3_mla"]))
-    missing, unexpected = model.load_state_dict(load_file(str(Path(ckpt) / "model.safetensors")), strict=False)
-    assert not unexpected and all(k.startswith(("embed_tokens", "verifier_")) for k in missing), (missing, unexpected)
-    model.load_verifier_weights()
-    model = model.float().eval()
-    for p in model.parameters():
-        p.data = p.data.bfloat16().float()
-    seen = {"logits": [], "layer_in": []}
-    model.lm_head.register_forward_hook(lambda m, a, o: seen["logits"].append(o))
-    model.layers[0].register_forward_pre_hook(lambda m, a: seen["layer_in"].append(a[0]))
-    with torch.no_grad():
-        model(input_ids=input_ids, hidden_states=aux, position_ids=positions, ttt_steps=2,
-              document_ids=torch.zeros_like(input_ids))
-    h = model.embed_tokens.weight.shape[1]
-    return model, seen["logits"][0][0], seen["layer_in"][1][0, :, h:]
-
-
 @pytest.mark.parametrize("toggles", [(False, False), (True, True)])
 def test_the_mla_draft_computes_in_vllm_what_it_computed_in_training(mla_drafts, toggles):
     ckpt, published, res = mla_drafts[toggles]
@@ -67,16 +41,8 @@ def test_the_mla_draft_computes_in_vllm_what_it_computed_in_training(mla_drafts,
     assert cfg["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and vllm_reads.problems(published) == []
     assert (cfg["fc_norm"], cfg["norm_output"]) == toggles and cfg["num_attention_heads"] == 16  # 4 rounded up
     assert math.isfinite(res.losses[-1]) and res.losses[-1] < res.losses[0]
-    g = torch.Generator().manual_seed(0)
-    t = 20
-    input_ids = torch.randint(5, 1000, (1, t), generator=g)
-    aux = torch.randn(1, t, cfg["num_aux_hidden_states"] * cfg["target_hidden_size"], generator=g) * 3
-    positions = torch.arange(1, t + 1)[None]
-    model, logits, carried = _training_forward(ckpt, input_ids, aux, positions)
-    embeds = model.embed_tokens.weight[input_ids[0]].float()
-    want_logits, want_state = ref.step(cfg, w, embeds, ref.combine(cfg, w, aux[0]), positions[0])
-    torch.testing.assert_close(logits, want_logits, atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(carried, want_state, atol=2e-4, rtol=2e-4)
+    assert_served_step_is_the_trained_one(ckpt, ref, cfg, w, cfg["num_aux_hidden_states"] * cfg["target_hidden_size"],
+                                          20)
 
 
 def test_rope_at_kimi_s_yarn_is_vllm_s_deepseek_yarn():

@@ -52,39 +52,61 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
-def combine(cfg: dict, w: dict, aux: torch.Tensor) -> torch.Tensor:
-    """aux [T, n_aux * H_target] -> [T, H]."""
-    if cfg["norm_before_fc"]:
-        aux = rms(aux, w["input_norm.weight"], cfg["eps"])
-    if cfg["fc_norm"]:
-        aux = torch.cat([rms(c, w[f"fc_norm.{i}.weight"], cfg["eps"])
-                         for i, c in enumerate(aux.chunk(cfg["n_aux"], dim=-1))], dim=-1)
+def fuse(w: dict, aux: torch.Tensor, n_aux: int, eps: float, fc_norm: bool, norm_before_fc: bool = False):
+    """combine_hidden_states: aux [T, n_aux * H_target] -> [T, H] (deepseek_eagle3.py's is this without input_norm)."""
+    if norm_before_fc:
+        aux = rms(aux, w["input_norm.weight"], eps)
+    if fc_norm:
+        aux = torch.cat([rms(c, w[f"fc_norm.{i}.weight"], eps) for i, c in enumerate(aux.chunk(n_aux, dim=-1))], dim=-1)
     return aux @ w["fc.weight"].T
 
 
-def step(cfg: dict, w: dict, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
-    """One draft step over T positions: embeds, hidden [T, H] -> (logits [T, draft vocab], state for the next step)."""
-    p, eps = "layers.0.", cfg["eps"]
+def combine(cfg: dict, w: dict, aux: torch.Tensor) -> torch.Tensor:
+    return fuse(w, aux, cfg["n_aux"], cfg["eps"], cfg["fc_norm"], cfg["norm_before_fc"])
+
+
+def layer_input(w: dict, eps: float, embeds: torch.Tensor, hidden: torch.Tensor, norm_before_residual: bool):
+    """The first layer's input cat[input_layernorm(embeds), hidden_norm(hidden)] [T, 2H] and its residual [T, H]
+    (the same in llama_eagle3.py and deepseek_eagle3.py)."""
+    p = "layers.0."
     e = rms(embeds, w[p + "input_layernorm.weight"], eps)
-    if cfg["norm_before_residual"]:
+    if norm_before_residual:
         h = rms(hidden, w[p + "hidden_norm.weight"], eps)
         residual = h
     else:
         residual = hidden
         h = rms(hidden, w[p + "hidden_norm.weight"], eps)
-    x = torch.cat([e, h], dim=-1)
-    t, nh, nkv, d = x.shape[0], cfg["heads"], cfg["kv"], cfg["head_dim"]
-    q = rope((x @ w[p + "self_attn.q_proj.weight"].T).view(t, nh, d), positions, cfg["theta"])
-    k = rope((x @ w[p + "self_attn.k_proj.weight"].T).view(t, nkv, d), positions, cfg["theta"])
-    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(t, nkv, d)
-    k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-    scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(d)
+    return torch.cat([e, h], dim=-1), residual
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q, k [T, heads, d], v [T, heads, d_v] -> [T, heads * d_v]."""
+    t = q.shape[0]
+    scores = torch.einsum("thd,shd->hts", q, k) * scale
     scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-    attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(t, -1)
+
+
+def layer_output(w: dict, eps: float, attn: torch.Tensor, residual: torch.Tensor, norm_output: bool):
+    """After o_proj: the residual add, the MLP, the final norm -> (logits [T, draft vocab], the state fed to the next
+    step)."""
+    p = "layers.0."
     residual = attn + residual
     h = rms(residual, w[p + "post_attention_layernorm.weight"], eps)
     gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
-    h = (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    residual = h + residual
+    residual = (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T + residual
     normed = rms(residual, w["norm.weight"], eps)
-    return normed @ w["lm_head.weight"].T, (normed if cfg["norm_output"] else residual)
+    return normed @ w["lm_head.weight"].T, (normed if norm_output else residual)
+
+
+def step(cfg: dict, w: dict, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+    """One draft step over T positions: embeds, hidden [T, H] -> (logits [T, draft vocab], state for the next step)."""
+    a, eps = "layers.0.self_attn.", cfg["eps"]
+    x, residual = layer_input(w, eps, embeds, hidden, cfg["norm_before_residual"])
+    t, nh, nkv, d = x.shape[0], cfg["heads"], cfg["kv"], cfg["head_dim"]
+    q = rope((x @ w[a + "q_proj.weight"].T).view(t, nh, d), positions, cfg["theta"])
+    k = rope((x @ w[a + "k_proj.weight"].T).view(t, nkv, d), positions, cfg["theta"])
+    v = (x @ w[a + "v_proj.weight"].T).view(t, nkv, d)
+    k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+    attn = causal_attention(q, k, v, 1 / math.sqrt(d)) @ w[a + "o_proj.weight"].T
+    return layer_output(w, eps, attn, residual, cfg["norm_output"])

@@ -21,16 +21,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from .vllm_eagle3_ref import causal_attention, fuse, layer_input, layer_output, rms
+
 
 def read(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
     w = {k: (t.float() if t.is_floating_point() else t) for k, t in load_file(str(folder / "model.safetensors")).items()}
     return cfg, w
-
-
-def rms(x, weight, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def _mscale(scale: float, m: float = 1.0) -> float:  # deepseek_scaling_rope.yarn_get_mscale
@@ -75,24 +73,13 @@ def rope(x, positions, inv, mult):
 
 
 def combine(cfg, w, aux):
-    if cfg.get("fc_norm"):
-        aux = torch.cat([rms(c, w[f"fc_norm.{i}.weight"], cfg["rms_norm_eps"])
-                         for i, c in enumerate(aux.chunk(cfg["num_aux_hidden_states"], dim=-1))], dim=-1)
-    return aux @ w["fc.weight"].T
+    return fuse(w, aux, cfg["num_aux_hidden_states"], cfg["rms_norm_eps"], cfg.get("fc_norm", False))
 
 
 def step(cfg, w, embeds, hidden, positions):
-    p, eps, t = "layers.0.", cfg["rms_norm_eps"], embeds.shape[0]
+    a, eps, t = "layers.0.self_attn.", cfg["rms_norm_eps"], embeds.shape[0]
     nh, nope, rdim, vd = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    e = rms(embeds, w[p + "input_layernorm.weight"], eps)
-    if cfg.get("norm_before_residual", False):
-        h = rms(hidden, w[p + "hidden_norm.weight"], eps)
-        residual = h
-    else:
-        residual = hidden
-        h = rms(hidden, w[p + "hidden_norm.weight"], eps)
-    x = torch.cat([e, h], dim=-1)
-    a = p + "self_attn."
+    x, residual = layer_input(w, eps, embeds, hidden, cfg.get("norm_before_residual", False))
     if cfg.get("q_lora_rank"):
         q = rms(x @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], eps) @ w[a + "q_b_proj.weight"].T
     else:
@@ -105,13 +92,5 @@ def step(cfg, w, embeds, hidden, positions):
     q_pe = rope(q[..., nope:], positions, inv, mult)
     k_pe = rope(k_pe.view(t, 1, rdim), positions, inv, mult).expand(t, nh, rdim)
     qf, kf, v = torch.cat([q[..., :nope], q_pe], -1), torch.cat([kv[..., :nope], k_pe], -1), kv[..., nope:]
-    scores = torch.einsum("thd,shd->hts", qf, kf) * scaling
-    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-    attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(t, nh * vd) @ w[a + "o_proj.weight"].T
-    residual = attn + residual
-    h = rms(residual, w[p + "post_attention_layernorm.weight"], eps)
-    h = (torch.nn.functional.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ \
-        w[p + "mlp.down_proj.weight"].T
-    residual = h + residual
-    normed = rms(residual, w["norm.weight"], eps)
-    return normed @ w["lm_head.weight"].T, (normed if cfg.get("norm_output") else residual)
+    attn = causal_attention(qf, kf, v, scaling) @ w[a + "o_proj.weight"].T
+    return layer_output(w, eps, attn, residual, cfg.get("norm_output", False))
