@@ -168,7 +168,7 @@ def test_draft_variants_are_served_on_the_deepseek_target(chain, report):
     """Issue 41: the Llama-layer draft (the chain's seed 0), the MLA draft (Eagle3DeepseekV3ForCausalLM) and each with
     EAGLE-3.1's toggles, trained on the same store with seed 0 and served by vLLM at k=3: acceptance per variant and
     traffic type, beside the chain's two-seed spread. Short prompts only: the learnable target is trained on
-    256-token windows, so prompts of >= 4k tokens need a target trained on longer ones (not done yet)."""
+    1024-token windows, so prompts of >= 4k tokens need a target trained on longer ones (not done yet)."""
     runs = {"llama": chain["seed0"]}
     for name, kw in VARIANTS.items():
         runs[name] = chain["serve"](name.replace(" + ", "-"), chain["fit"](name.replace(" + ", "-"), chain["store"], 0,

@@ -64,7 +64,9 @@ def test_kimi_k25_class_captures_self_checks_and_serves_a_draft(tmp_path_factory
     assert spec.layer_ids == IDS
     t0 = time.perf_counter()
     backend = VLLMBackend(str(folder), spec, gpu_memory_utilization=0.85, max_model_len=4096,
-                          max_num_batched_tokens=MAX_BATCHED_TOKENS, load_format="dummy", log_level="INFO")
+                          max_num_batched_tokens=MAX_BATCHED_TOKENS, load_format="dummy", log_level="INFO",
+                          extra_engine_args={"enforce_eager": True})  # compiled capture at this depth: test_kimi_depth;
+    # eager saves the 67 s of torch.compile and 55 s of CUDA graphs this engine took (2026-12-04 run, init 145.7 s)
     report("kimi_k25_engine_start_s", round(time.perf_counter() - t0, 1))
     report("kimi_k25_capture", backend.strategy)
     report("kimi_k25_unit_norms", backend.unit_norms())
