@@ -213,7 +213,6 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_config(a):
-    from eagle3.train.draft import SERVE_TPS
     from eagle3.train.train import TrainConfig
 
     shape = {k: v for k, v in (("num_attention_heads", a.draft_heads), ("num_key_value_heads", a.draft_kv_heads),
@@ -224,7 +223,7 @@ def _train_config(a):
                        draft_vocab_size=a.draft_vocab, device=a.device, dtype=a.dtype, precision=a.precision,
                        fc_norm=a.fc_norm or a.eagle31, norm_output=a.norm_output or a.eagle31, draft_arch=a.draft_arch,
                        export_dtype=a.export_dtype,
-                       serve_tps=a.serve_tp or SERVE_TPS, shape=shape, checkpoint_every=a.checkpoint_every,
+                       serve_tps=a.serve_tp or None, shape=shape, checkpoint_every=a.checkpoint_every,
                        checkpoint_minutes=a.checkpoint_minutes, keep_checkpoints=a.keep_checkpoints,
                        on_bad_sample=a.on_bad_sample, seed=a.seed, resume=not a.no_resume,
                        allow_incomplete=a.allow_incomplete)

@@ -180,18 +180,20 @@ def load(path: Path, model, optimizer) -> dict:
 def publish(ckpt: Path, out: Path, dtype: str = "bfloat16", serve_tps=()) -> Path:
     """Write the servable draft to OUT/draft atomically: floating tensors in ``dtype`` (vLLM serves in the
     target's dtype; bf16 halves the bytes of a float32 checkpoint), config.json saying so. Refuses a draft with
-    non-finite weights or one vLLM would refuse at any of ``serve_tps``."""
-    from eagle3.train.draft import DraftShape, check_servable
+    non-finite weights or one vLLM would refuse at any of ``serve_tps`` (None: the trainer's defaults, SERVE_TPS or
+    for an MLA draft those its target's heads split over)."""
+    from eagle3.train.draft import SERVE_TPS, DraftShape, check_servable
 
     config = json.loads((ckpt / "config.json").read_text())
     if config.get("eagle3_mla"):  # the MLA draft: vLLM loads it from an HF-style config (train/mla_draft.py)
         from eagle3.train import mla_draft
 
         shape = mla_draft.MLAShape(**config["eagle3_mla"])
-        shape.check_servable(serve_tps)
+        shape.check_servable(mla_draft.serve_tps(shape, serve_tps))
         config = mla_draft.hf_config(shape, config, dtype)
     else:
-        check_servable(DraftShape.from_layer_config(config["transformer_layer_config"]), serve_tps)
+        check_servable(DraftShape.from_layer_config(config["transformer_layer_config"]),
+                       SERVE_TPS if serve_tps is None else serve_tps)
     tensors = {k: (t.to(getattr(torch, dtype)) if t.is_floating_point() else t)
                for k, t in load_file(str(ckpt / "model.safetensors")).items()}
     bad = nonfinite_parameters(tensors)

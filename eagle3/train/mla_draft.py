@@ -25,7 +25,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm  # speculators' Llama layer uses them too
 
-from eagle3.train.draft import SERVE_TPS, DraftShapeError, _round_up
+from eagle3.train.draft import SERVE_TPS, DraftShapeError
 
 
 @dataclass(frozen=True)
@@ -42,28 +42,35 @@ class MLAShape:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
+    target_heads: int = 0  # the target's attention heads (0: not recorded); the draft must have as many
 
     @classmethod
     def for_target(cls, target_config: dict) -> "MLAShape":
         """The target's own MLA sizes (Kimi-K2.5: 64 heads, q_lora 1536, kv_lora 512, nope 128, rope 64, v 128), its
-        dense MLP width and RoPE; heads rounded up to a multiple of 16 so every TP in SERVE_TPS divides them."""
+        dense MLP width and RoPE. The heads are the target's, not more: vLLM 0.26 builds every MLA layer's attention
+        metadata from the target's head count (MLACommonMetadataBuilder: model_config.get_num_attention_heads), and
+        FA3 MLA fails a draft with other heads at its first decode ("scheduler_metadata must have shape
+        (metadata_size)": a 16-head draft on a 4-head target, 2026-12-04, H200, vLLM 0.26.0)."""
         t = target_config.get("text_config") or target_config
         missing = [k for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim") if k not in t]
         if missing:
             raise DraftShapeError(f"--draft-arch mla needs an MLA target (DeepseekV2/V3, Kimi); its config has no "
                                   f"{', '.join(missing)}")
-        return cls(int(t["hidden_size"]), _round_up(int(t["num_attention_heads"]), max(SERVE_TPS)),
+        return cls(int(t["hidden_size"]), int(t["num_attention_heads"]),
                    t.get("q_lora_rank"), int(t["kv_lora_rank"]), int(t["qk_nope_head_dim"]),
                    int(t["qk_rope_head_dim"]), int(t["v_head_dim"]), int(t.get("intermediate_size") or 4 * t["hidden_size"]),
                    float(t.get("rms_norm_eps", 1e-6)), float(t.get("rope_theta") or 10000.0),
                    dict(t["rope_scaling"]) if t.get("rope_scaling") else None,
-                   int(t.get("max_position_embeddings", 4096)))
+                   int(t.get("max_position_embeddings", 4096)), int(t["num_attention_heads"]))
 
     def check_servable(self, serve_tps=SERVE_TPS) -> None:
         bad = [tp for tp in serve_tps if self.num_attention_heads % tp]
         if bad:
-            raise DraftShapeError(f"MLA draft: {self.num_attention_heads} heads do not split over TP {bad} (vLLM's "
-                                  "DeepseekV2MLAAttention asserts num_heads % tp == 0)")
+            either = " either (vLLM serves neither there)" if self.num_attention_heads == self.target_heads else ""
+            whose = "the target's own " if either else ""
+            raise DraftShapeError(f"MLA draft: {whose}{self.num_attention_heads} heads do not split over TP {bad}"
+                                  f"{either}; vLLM's DeepseekV2MLAAttention asserts num_heads % tp == 0: pass "
+                                  "--serve-tp with TPs that divide them")
 
     def layer_matmul_params(self) -> int:
         """Weights of the layer's matmuls: q_a + q_b (or q), kv_a_proj_with_mqa, kv_b, o, and the MLP's three."""
@@ -84,6 +91,12 @@ class MLAShape:
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def serve_tps(shape: MLAShape, asked: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The TPs the export is checked at: those asked for, or by default those of SERVE_TPS the target's (= the
+    draft's) heads split over (a 4-head target is served at TP 1, 2, 4 and nowhere else)."""
+    return tuple(asked) if asked else tuple(tp for tp in SERVE_TPS if shape.num_attention_heads % tp == 0)
 
 
 def rope_tables(shape: MLAShape) -> tuple[torch.Tensor, float, float]:

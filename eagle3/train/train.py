@@ -67,7 +67,8 @@ class TrainConfig:
     checkpoint_minutes: float = 10.0     # minutes of work between checkpoints; 0 = by steps only
     keep_checkpoints: int = 3            # newest complete checkpoints kept (0 = all)
     on_bad_sample: str = "stop"          # stop | skip (skipped samples are counted and reported)
-    serve_tps: tuple[int, ...] = SERVE_TPS  # TP sizes the exported draft must load at in vLLM
+    serve_tps: tuple[int, ...] | None = None  # TP sizes the exported draft must load at in vLLM (None: SERVE_TPS;
+    # for an MLA draft those of them its target's heads split over)
     export_dtype: str = "bfloat16"       # dtype of the published draft
     device: str = "cpu"
     dtype: str = "float32"               # training dtype of the draft and its inputs
@@ -313,7 +314,7 @@ def draft_shape(cfg: TrainConfig, store: Store) -> tuple[DraftShape, dict, str]:
         shape = DraftShape(**dict(asdict(shape), **cfg.shape))
     if shape.hidden_size != store.spec.hidden_size:
         raise StoreMismatch(f"store hidden size {store.spec.hidden_size} != target hidden size {shape.hidden_size}")
-    check_servable(shape, cfg.serve_tps)
+    check_servable(shape, cfg.serve_tps or SERVE_TPS)
     return shape, tcfg, str(target)
 
 
@@ -333,7 +334,7 @@ def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples, shape: Dr
         from eagle3.train import mla_draft
 
         mla = mla_draft.MLAShape.for_target(tcfg)
-        mla.check_servable(cfg.serve_tps)
+        mla.check_servable(mla_draft.serve_tps(mla, cfg.serve_tps))
         mla_draft.install(model, mla, cfg.attn_impl)
     elif cfg.draft_arch != "llama":
         raise ValueError(f"draft_arch {cfg.draft_arch!r}: use llama or mla")
@@ -492,7 +493,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                 path = checkpoint.save(out, state["step"], model, optimizer, state, fault=fault)
                 last_save = _clock()
                 if last:
-                    checkpoint.publish(path, out, cfg.export_dtype, cfg.serve_tps)
+                    checkpoint.publish(path, out, cfg.export_dtype, cfg.serve_tps)  # None: the defaults above
                 checkpoint.prune(out, cfg.keep_checkpoints)
                 samples.checkpointed(state)
             if dist is not None:

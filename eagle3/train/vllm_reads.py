@@ -106,6 +106,11 @@ def mla_problems(folder: str | Path) -> list[str]:
         out.append("eagle_aux_hidden_state_layer_ids and num_aux_hidden_states disagree")
     if c.get("model_type") in ("deepseek_v3", "deepseek_v32"):  # config/speculative.py hf_config_override
         out.append(f"model_type {c['model_type']}: vLLM 0.26 takes the draft for a DeepSeek MTP model; write deepseek_v2")
+    target_heads = (c.get("eagle3_mla") or {}).get("target_heads")
+    if target_heads and nh != target_heads:  # MLACommonMetadataBuilder: the target's heads for every MLA layer
+        out.append(f"num_attention_heads {nh}, the target's {target_heads}: vLLM 0.26 builds the MLA attention "
+                   "metadata from the target's heads (FA3 MLA fails at the first decode: 'scheduler_metadata must "
+                   "have shape')")
     rs = c.get("rope_scaling") or {}
     if "factor" not in rs or "rope_theta" not in rs:  # deepseek_eagle3.py builds deepseek_yarn from rope_scaling
         out.append("rope_scaling without factor or rope_theta: vLLM 0.26 builds the MLA draft's RoPE as deepseek_yarn "

@@ -39,7 +39,7 @@ def test_the_mla_draft_computes_in_vllm_what_it_computed_in_training(mla_drafts,
     ckpt, published, res = mla_drafts[toggles]
     cfg, w = ref.read(published)
     assert cfg["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and vllm_reads.problems(published) == []
-    assert (cfg["fc_norm"], cfg["norm_output"]) == toggles and cfg["num_attention_heads"] == 16  # 4 rounded up
+    assert (cfg["fc_norm"], cfg["norm_output"]) == toggles and cfg["num_attention_heads"] == 4  # tiny-kimi's own
     assert math.isfinite(res.losses[-1]) and res.losses[-1] < res.losses[0]
     assert_served_step_is_the_trained_one(ckpt, ref, cfg, w, cfg["num_aux_hidden_states"] * cfg["target_hidden_size"],
                                           20)
@@ -67,6 +67,29 @@ def test_kimi_s_mla_draft_is_servable_at_tp_1_to_16_and_its_size():
     assert shape.params(3, 32000) == 896_169_984  # 1.79 GB in bf16
     with pytest.raises(DraftShapeError, match=r"24 heads do not split over TP \[16\]"):
         mla_draft.MLAShape(**{**shape.__dict__, "num_attention_heads": 24}).check_servable((1, 2, 4, 8, 16))
+
+
+def test_the_mla_draft_has_its_target_s_heads_as_vllm_s_attention_metadata_needs(mla_drafts, tmp_path):
+    """vLLM 0.26 builds the MLA attention metadata of every layer, the draft's too, from the target's head count
+    (MLACommonMetadataBuilder: model_config.get_num_attention_heads; FA3 MLA's scheduler metadata from it): a 16-head
+    draft on a 4-head target died at its first decode on the H200 ("scheduler_metadata must have shape
+    (metadata_size)"). The draft takes the target's heads; the export refuses other heads; the default TP check keeps
+    the TPs the target itself splits over, and an asked-for TP it does not is refused with the reason."""
+    import json
+    import shutil
+
+    assert mla_draft.MLAShape.for_target(dict(KIMI_K25_TEXT, num_attention_heads=4)).num_attention_heads == 4
+    assert mla_draft.MLAShape.for_target(KIMI_K25_TEXT).num_attention_heads == 64
+    _, published, _ = mla_drafts[(False, False)]
+    bad = tmp_path / "bad"
+    shutil.copytree(published, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, num_attention_heads=16)))
+    assert any("num_attention_heads 16, the target's 4" in p for p in vllm_reads.problems(bad)), vllm_reads.problems(bad)
+    shape = mla_draft.MLAShape.for_target(dict(KIMI_K25_TEXT, num_attention_heads=4))
+    assert mla_draft.serve_tps(shape, None) == (1, 2, 4)
+    with pytest.raises(DraftShapeError, match=r"the target's own 4 heads do not split over TP \[8\] either"):
+        shape.check_servable((1, 8))
 
 
 def test_mla_on_a_target_without_mla_is_refused_with_the_reason(tmp_path, tiny_llama, small_data, capsys):
