@@ -276,6 +276,68 @@ def test_when_epochs_stop_the_run_before_steps_the_run_says_so(small_store, tmp_
 
 
 # -- interrupts -------------------------------------------------------------------------------------------------
+def _command(argv, fault=None, timeout=240):
+    """``eagle3 ARGV`` as the command runs (``main()`` reading sys.argv, so it installs its SIGINT / SIGTERM
+    handlers), in a child forked from this process: it has torch, transformers and speculators imported already,
+    where a fresh interpreter spends ~9 s importing speculators. The child starts as a fresh one would: stdout and
+    stderr its own files, no root logging handler, the libraries' handlers writing to that stderr, one torch thread
+    (OpenMP does not survive fork with more)."""
+    import io
+    import logging
+    import tempfile
+    import types
+
+    import torch
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            code = 3
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+                sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+                logging.root.handlers.clear()  # pytest's; and a library's handler made while a test captured
+                for lg in logging.root.manager.loggerDict.values():  # stderr holds a stream closed since
+                    for h in getattr(lg, "handlers", []):
+                        if type(h) is logging.StreamHandler:
+                            h.stream = sys.stderr  # not setStream: it flushes the closed one
+                os.environ.pop("EAGLE3_FAULT", None)
+                os.environ.pop("EAGLE3_LOG_LEVEL", None)
+                if fault:
+                    os.environ["EAGLE3_FAULT"] = fault
+                torch.set_num_threads(1)
+                sys.argv = ["eagle3", *argv]
+                code = cli.main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:  # noqa: BLE001
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(argv, timeout)
+            time.sleep(0.05)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        out.seek(0)
+        err.seek(0)
+        return types.SimpleNamespace(returncode=code, stdout=out.read().decode(), stderr=err.read().decode()), \
+            time.perf_counter() - t0
+
+
 def _run(argv, fault=None, timeout=240):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("EAGLE3_FAULT", None)
@@ -294,7 +356,7 @@ def test_a_signal_during_extraction_ends_in_one_line_and_the_rerun_says_where_it
     out = tmp_path / "s"
     argv = _extract_argv(tiny_kimi, small_data, out, "--no-selfcheck", "--max-samples", "24")  # 6 batches, 6 shards
     name, k = point.split(":")
-    done, _ = _run(argv, fault=f"{name}:{k}:{sig}")
+    done, _ = _command(argv, fault=f"{name}:{k}:{sig}")
     code = 128 + getattr(signal, sig)
     assert done.returncode == code, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr
@@ -306,7 +368,7 @@ def test_a_signal_during_extraction_ends_in_one_line_and_the_rerun_says_where_it
     assert {f.kind for f in verify.verify(out).findings} <= {"missing_sample", "uncommitted_file"}
     if sig == "SIGTERM":
         return  # the rerun is the same after either signal: once is enough
-    again, _ = _run(argv)
+    again, _ = _command(argv)
     assert again.returncode == 0, again.stderr
     assert f"resuming: {stored} of 24 samples already stored in {out}" in again.stderr.splitlines()[0], again.stderr
     assert verify.verify(out).ok
@@ -318,7 +380,7 @@ def test_a_signal_during_training_ends_in_one_line_and_the_rerun_says_where_it_r
     out = tmp_path / "t"
     argv = ["train", "--store", str(small_store), "--out", str(out), "--steps", "8", "--batch", "4",
             "--draft-vocab", "64", "--checkpoint-every", "2"]
-    done, _ = _run(argv, fault=f"after_step:5:{sig}")
+    done, _ = _command(argv, fault=f"after_step:5:{sig}")
     assert done.returncode == 128 + getattr(signal, sig), done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
@@ -326,7 +388,7 @@ def test_a_signal_during_training_ends_in_one_line_and_the_rerun_says_where_it_r
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002", "step-0000004"]
     if sig == "SIGTERM":
         return  # the rerun is the same after either signal: once is enough
-    again, _ = _run(argv)
+    again, _ = _command(argv)
     assert again.returncode == 0, again.stderr
     assert "resuming from step 4 of 8" in again.stderr.splitlines()[0], again.stderr
     assert re.search(r"steps\s+8 ", again.stdout), again.stdout

@@ -134,14 +134,20 @@ def test_a_spool_too_small_for_two_extraction_batches_is_refused(setup, tiny_kim
 
 POINTS = [("after_batch", 3), ("mid_write", 5), ("before_rename", 2), ("after_step", 5), ("mid_checkpoint", 2),
           ("after_step", 9), ("after_batch", 11)]
+KILL_SAMPLES, KILL_BATCH = 24, 4  # 2 epochs: 48 samples, 12 steps, 24 extraction batches of 2 (every point reached;
+# half the samples of the other tests' runs, since each point runs the chain about twice and its reference once a worker)
+
+
+def _kill_cfg(root):
+    return _cfg(root / "spool", root / "run", checkpoint_every=2, batch_samples=KILL_BATCH)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(setup, tiny_kimi, tmp_path_factory):
     samples, backend, ex = setup
     root = tmp_path_factory.mktemp("online-ref")
-    res = online.run(_cfg(root / "spool", root / "run", checkpoint_every=2), ex, samples, _capacity(tiny_kimi, 2),
-                     backend=backend, extract_batch=2, progress=False)
+    res = online.run(_kill_cfg(root), ex, samples[:KILL_SAMPLES], _capacity(tiny_kimi, 2), backend=backend,
+                     extract_batch=2, progress=False)
     return res, load_file(str(root / "run" / "draft" / "model.safetensors"))
 
 
@@ -149,12 +155,12 @@ def uninterrupted(setup, tiny_kimi, tmp_path_factory):
 def test_kill_9_anywhere_then_the_same_command_gives_the_uninterrupted_run(setup, uninterrupted, tiny_kimi, tmp_path,
                                                                           point, k):
     samples, backend, ex = setup
+    samples = samples[:KILL_SAMPLES]
     ref, ref_draft = uninterrupted
     cap = _capacity(tiny_kimi, 2)
 
     def go():
-        return online.run(_cfg(tmp_path / "spool", tmp_path / "run", checkpoint_every=2), ex, samples, cap,
-                          backend=backend, extract_batch=2, progress=False)
+        return online.run(_kill_cfg(tmp_path), ex, samples, cap, backend=backend, extract_batch=2, progress=False)
 
     def killed_run():
         os.environ["EAGLE3_FAULT"] = f"{point}:{k}"
@@ -173,11 +179,11 @@ def test_kill_9_anywhere_then_the_same_command_gives_the_uninterrupted_run(setup
     first = start
     while first in held:
         first += 1
-    plan = online.training_order(len(samples), 8, 2, 3)
+    plan = online.training_order(len(samples), KILL_BATCH, 2, 3)
     res = go()
     assert res.extracted_tokens == sum(len(samples[plan[p]]) for p in range(first, len(plan))), (start, first)
-    assert res.train.losses == ref.train.losses
-    assert res.train.samples_seen == 96 and res.peak_bytes <= cap
+    assert res.train.losses == ref.train.losses and len(ref.train.losses) == 12
+    assert res.train.samples_seen == 2 * KILL_SAMPLES and res.peak_bytes <= cap
     draft = load_file(str(tmp_path / "run" / "draft" / "model.safetensors"))
     assert all(torch.equal(draft[n], ref_draft[n]) for n in ref_draft)
     again = go()  # a third run: everything is done
