@@ -39,7 +39,12 @@ class EvalConfig:
     gpu_memory_utilization: float = 0.3
     tp: int = 1
     load_format: str = "auto"       # "dummy": a config-only target (no weights; acceptance means nothing there)
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # None: 2048, or room for the long-context prompts and their answers
+    context_tokens: int = 0  # the learnable target's prompts after this many tokens of earlier conversations (0: none)
+
+    def __post_init__(self):
+        if self.max_model_len is None:
+            self.max_model_len = max(2048, self.context_tokens + self.max_tokens)
 
 
 @dataclass
@@ -212,7 +217,10 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[list[list[int]], dict[str,
     if cfg.prompts is None:
         made = Path(cfg.target) / "eagle3_target.json"
         arch = json.loads(made.read_text()).get("arch", "llama") if made.exists() else "llama"
-        rows = learnable.eval_prompts(tokenizer, cfg.num_prompts, arch=arch)
+        rows = learnable.eval_prompts(tokenizer, cfg.num_prompts, arch=arch, context_tokens=cfg.context_tokens)
+    elif cfg.context_tokens:
+        raise ValueError("context_tokens makes long-context prompts from the learnable target's held-out "
+                         f"conversations; with prompts from {cfg.prompts}, put the context in the file")
     else:
         with open(cfg.prompts) as f:
             rows = kimi_traffic.prompt_ids(tokenizer, [json.loads(line) for line, _ in zip(f, range(cfg.num_prompts))])

@@ -41,12 +41,14 @@ LEARNABLE_DEEPSEEK = TargetProfile(
         n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.0, scoring_func="sigmoid",
         topk_method="noaux_tc", norm_topk_prob=True, n_group=1, topk_group=1, num_attention_heads=4,
         num_key_value_heads=4, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu",
+        v_head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu",
         attention_bias=False, num_nextn_predict_layers=0, tie_word_embeddings=False),
-    chat_format="kimi", seq_len=1024,  # trained on 1024-token windows: a tool conversation runs to ~500 tokens, and a
-    # target trained on 256 (as the Llama) never saw the positions its tool answers are at (the 103a15f run: tool
-    # prompts accepted 1.60, first draft token 0.31, against chat's 3.57 and 0.93; every greedy divergence there)
+    chat_format="kimi", seq_len=4608,  # trained on windows of 4608 tokens (several conversations run together):
+    # the long-context prompts (LONG_CONTEXT, 4096 tokens) and their answers sit at positions it learned. A target
+    # trained on shorter windows than its prompts never learns the positions they reach: on 256-token windows (the
+    # 103a15f run) tool prompts of ~420-490 tokens accepted 1.60 against chat's 3.57; on 1024 (the 51f9ba4 run) 3.09
 )
+LONG_CONTEXT = 4096  # tokens of a long-context prompt (issue 41: drafts compared at >= 4k tokens of context)
 ARCHES = {"llama": LEARNABLE, "deepseek": LEARNABLE_DEEPSEEK}
 TRAIN_SEED, HELD_OUT_SEED = 100, 999  # conversation seeds: training text vs evaluation prompts
 # Held-out prompts to serve a draft on when two drafts' acceptance is compared against a bar of 0.05. The 8ec8ff9 run
@@ -63,12 +65,17 @@ def conversations(arch: str, n: int, seed: int) -> list[dict]:
     return kimi_traffic.generate(n, seed=seed) if ARCHES[arch].chat_format == "kimi" else corpus.generate(n, seed=seed)
 
 
+def rendered(tokenizer, conversation: dict) -> list[int]:
+    """A whole conversation rendered with the chat template: its token ids."""
+    text = tokenizer.apply_chat_template(conversation["messages"], tools=conversation.get("tools"), tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def token_stream(tokenizer, n_conversations: int, seed: int, arch: str = "llama") -> torch.Tensor:
     """All conversations rendered with the chat template, concatenated: [N] token ids."""
     ids: list[int] = []
     for c in conversations(arch, n_conversations, seed):
-        text = tokenizer.apply_chat_template(c["messages"], tools=c.get("tools"), tokenize=False)
-        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += rendered(tokenizer, c)
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -123,9 +130,25 @@ def make_target(out: str | Path, steps: int = 1500, batch: int | None = None, se
     return info
 
 
-def eval_prompts(tokenizer, n: int, seed: int = HELD_OUT_SEED, arch: str = "llama") -> list[tuple[str, list[int]]]:
+def eval_prompts(tokenizer, n: int, seed: int = HELD_OUT_SEED, arch: str = "llama",
+                 context_tokens: int = 0) -> list[tuple[str, list[int]]]:
     """Held-out prompts, (traffic type, token ids): each conversation up to its last assistant turn (a tool
-    conversation alternately up to its call), with the generation prompt."""
+    conversation alternately up to its call), with the generation prompt. With ``context_tokens``: each prompt
+    after other held-out conversations (seed + 1) as the training stream runs them together, ``context_tokens``
+    tokens in all (the earliest conversation cut from the left, as a training window starts mid-stream); prompt i's
+    context starts at conversation 7i of that pool, so contexts differ."""
     from eagle3.data import kimi_traffic
 
-    return kimi_traffic.prompt_ids(tokenizer, conversations(arch, n, seed))
+    rows = kimi_traffic.prompt_ids(tokenizer, conversations(arch, n, seed))
+    if not context_tokens:
+        return rows
+    pool = [rendered(tokenizer, c) for c in conversations(arch, 256, seed + 1)]
+    out = []
+    for i, (traffic, ids) in enumerate(rows):
+        context: list[int] = []
+        j = 7 * i
+        while len(context) + len(ids) < context_tokens:
+            context = pool[j % len(pool)] + context
+            j += 1
+        out.append((traffic, context[len(context) + len(ids) - context_tokens:] + ids))
+    return out

@@ -109,16 +109,18 @@ def chain(request, tmp_path_factory, gpu_out, report):
                                       "tokens_per_s": round(tr.tokens_per_s), "accuracy": tr.accept})
         return tr.draft
 
-    def serve(name, draft, first=False):
-        r = evaluate.run(evaluate.EvalConfig(
-            target=str(target), draft=draft, out=str(tmp / f"eval-{name}"), k=3, max_tokens=64,
-            num_prompts=learnable.EVAL_PROMPTS, gpu_memory_utilization=0.2, shifted=first, baseline=first))
+    def serve(name, draft, first=False, **eval_kw):
+        r = evaluate.run(evaluate.EvalConfig(**{
+            **dict(target=str(target), draft=draft, out=str(tmp / f"eval-{name}"), k=3, max_tokens=64,
+                   num_prompts=learnable.EVAL_PROMPTS, gpu_memory_utilization=0.2, shifted=first, baseline=first),
+            **eval_kw}))
         shutil.copy(tmp / f"eval-{name}" / "eval.json", gpu_out / f"e2e_eval_{name}.json")
         return r
 
-    seed0 = serve("seed0", fit("seed0", store, 0), first=controls)
+    seed0_draft = fit("seed0", store, 0)
+    seed0 = serve("seed0", seed0_draft, first=controls)
     return {"tmp": tmp, "target": target, "data": data, "store": store, "fit": fit, "serve": serve, "seed0": seed0,
-            "t0": t0}
+            "seed0_draft": seed0_draft, "t0": t0}
 
 
 def test_trained_draft_is_served_by_vllm_and_predicts_the_target(chain, report):
@@ -158,6 +160,7 @@ def test_trained_draft_is_served_by_vllm_and_predicts_the_target(chain, report):
     assert base - acc["misaligned"] >= SPREAD_FACTOR * max(spread, MIN_SPREAD), summary
 
 
+LONG_PROMPTS = 256  # long-context prompts per variant (4,096 + 64 tokens each)
 VARIANTS = {"llama + 3.1": dict(fc_norm=True, norm_output=True), "mla": dict(draft_arch="mla"),
             "mla + 3.1": dict(draft_arch="mla", fc_norm=True, norm_output=True)}
 
@@ -167,17 +170,23 @@ VARIANTS = {"llama + 3.1": dict(fc_norm=True, norm_output=True), "mla": dict(dra
 def test_draft_variants_are_served_on_the_deepseek_target(chain, report):
     """Issue 41: the Llama-layer draft (the chain's seed 0), the MLA draft (Eagle3DeepseekV3ForCausalLM) and each with
     EAGLE-3.1's toggles, trained on the same store with seed 0 and served by vLLM at k=3: acceptance per variant and
-    traffic type, beside the chain's two-seed spread. Short prompts only: the learnable target is trained on
-    1024-token windows, so prompts of >= 4k tokens need a target trained on longer ones (not done yet)."""
+    traffic type, beside the chain's two-seed spread (where the draft test ran too), on the short held-out prompts and
+    on LONG_PROMPTS of them after 4,096 tokens of earlier conversations (the target trains on 4608-token windows;
+    the drafts on single conversations of <= 512 tokens, so the long prompts ask how they hold up past that)."""
+    drafts = {"llama": chain["seed0_draft"]}
     runs = {"llama": chain["seed0"]}
     for name, kw in VARIANTS.items():
-        runs[name] = chain["serve"](name.replace(" + ", "-"), chain["fit"](name.replace(" + ", "-"), chain["store"], 0,
-                                                                           **kw))
+        tag = name.replace(" + ", "-")
+        drafts[name] = chain["fit"](tag, chain["store"], 0, **kw)
+        runs[name] = chain["serve"](tag, drafts[name])
+    long = {name: chain["serve"](name.replace(" + ", "-") + "-long", d, context_tokens=learnable.LONG_CONTEXT,
+                                 num_prompts=LONG_PROMPTS) for name, d in drafts.items()}
     table = {k: {"all": round(r.draft.acceptance_length, 3), "se": round(r.draft.acceptance_se, 4),
                  **{t: round(x.acceptance_length, 3) for t, x in r.per_traffic.items()},
+                 "long_4k": round(long[k].draft.acceptance_length, 3), "long_4k_se": round(long[k].draft.acceptance_se, 4),
                  "drafter": r.drafter.get("draft_class")} for k, r in runs.items()}
     report("e2e_variants", table)
-    assert all(r.draft.drafts > 0 for r in runs.values()), table
+    assert all(r.draft.drafts > 0 for r in [*runs.values(), *long.values()]), table
     assert runs["mla"].drafter.get("draft_class") in ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM"), table
 
 

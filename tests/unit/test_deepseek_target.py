@@ -158,4 +158,38 @@ def test_the_deepseek_target_trains_at_every_position_its_traffic_reaches(deepse
     assert longest <= learnable.LEARNABLE_DEEPSEEK.seq_len, longest
     assert learnable.LEARNABLE.seq_len == 256  # the Llama's dialogues are short: unchanged
     assert info["seq_len"] == 64  # the fixture's own, given
-    assert learnable.windows("deepseek") == (1024, 16) and learnable.windows("llama") == (256, 64)  # make_target's
+    assert learnable.windows("deepseek") == (4608, 3) and learnable.windows("llama") == (256, 64)  # make_target's
+
+
+def test_long_context_prompts_put_earlier_conversations_before_the_held_out_prompt(deepseek_target):
+    """Issue 41's prompts with 4k tokens of context: each held-out prompt after other held-out conversations as the
+    target's training stream runs them together (rendered whole, the first cut from the left as a training window may
+    start mid-conversation), ``context_tokens`` in all; the prompt itself unchanged at the end, the contexts differing
+    between prompts, the prompt and a 64-token answer inside the target's training windows (it learned those
+    positions) and its max_position_embeddings."""
+    from transformers import AutoTokenizer
+
+    out, _ = deepseek_target
+    tok = AutoTokenizer.from_pretrained(out)
+    short = learnable.eval_prompts(tok, 6, arch="deepseek")
+    long = learnable.eval_prompts(tok, 6, arch="deepseek", context_tokens=learnable.LONG_CONTEXT)
+    assert [t for t, _ in long] == [t for t, _ in short]
+    contexts = []
+    for (_, s_ids), (_, l_ids) in zip(short, long):
+        assert l_ids[-len(s_ids):] == s_ids
+        context = l_ids[: -len(s_ids)]
+        assert len(l_ids) == learnable.LONG_CONTEXT == 4096 and len(context) > 3000
+        assert len(l_ids) + 64 <= learnable.LEARNABLE_DEEPSEEK.seq_len <= \
+            learnable.LEARNABLE_DEEPSEEK.hf_config["max_position_embeddings"]
+        contexts.append(context)
+    assert len({tuple(c[:64]) for c in contexts}) == len(contexts)
+    whole = tok.decode(long[0][1])
+    assert whole.count("<|im_end|>") > 10  # conversations, not one cut
+    assert learnable.eval_prompts(tok, 6, arch="deepseek", context_tokens=0) == short
+    from eagle3.serve import evaluate
+
+    cfg = evaluate.EvalConfig(target=str(out), draft=str(out), num_prompts=6, context_tokens=learnable.LONG_CONTEXT)
+    prompts, groups = evaluate.load_prompts(cfg, tok)
+    assert prompts == [ids for _, ids in long] and groups == {"chat": [0, 3], "thinking": [1, 4], "tool": [2, 5]}
+    assert cfg.max_model_len >= learnable.LONG_CONTEXT + cfg.max_tokens  # the engine takes them
+
