@@ -251,6 +251,7 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
         lines.append(f"| {r.run} | {r.profile} | {r.key} | {r.tokens_per_s:,.0f} | {per_gpu(r):,.0f} | {vs_plain} | "
                      f"{vs_base} | {'YES: ' + reg if reg else 'no'} | {spread} |")
     lines += cluster_lines(records, baselines)
+    lines += train_lines(records)
     lines += limit_lines(records, limits(records, disks))
     where = baselines_dir or BASELINES
     if not baselines:
@@ -302,6 +303,30 @@ def trends(records: list[Record], baselines: dict[str, dict], path: Path) -> lis
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return drawn
+
+
+TRAIN_PREFIX = "train_"  # a training figure's key: train_DRAFT_PRECISION/SEQ (tests/gpu/test_bench_train.py)
+
+
+def train_history(rows: list[dict], run: str, profile: str, gpus: int = 1) -> dict:
+    """The trainer benchmark's rows ({draft, seq, precision, tok_per_s, mfu, peak_gib, ...}; a row that ran out of
+    memory has no tok_per_s) as pytest-benchmark JSON, so `bench report` shows them beside the extraction's:
+    tokens/s of all ``gpus`` and per GPU, MFU and peak memory in their own lines."""
+    return {"datetime": run, "benchmarks": [
+        {"name": f"{TRAIN_PREFIX}{r['draft']}_{r['precision']}/{r['seq']}",
+         "extra_info": dict(r, key=f"{TRAIN_PREFIX}{r['draft']}_{r['precision']}/{r['seq']}",
+                            tokens_per_s=r["tok_per_s"], profile=profile, gpus=gpus)}
+        for r in rows if r.get("tok_per_s")]}
+
+
+def train_lines(records: list[Record]) -> list[str]:
+    """The training figures: tok/s per GPU, MFU (model FLOPs / 989 TFLOPS, eagle3/train/flops.py), peak memory."""
+    rows = [r for r in records if r.key.startswith(TRAIN_PREFIX)]
+    if not rows:
+        return []
+    return ["", "Training (per GPU; MFU against the H200's dense bf16 peak):"] + [
+        f"- {r.run} {r.profile} {r.key}: {per_gpu(r):,.0f} tok/s per GPU, MFU {r.extra.get('mfu', 0):.1%}, "
+        f"peak {r.extra.get('peak_gib', '?')} GiB" for r in rows]
 
 
 def per_gpu(r: Record) -> float:

@@ -10,7 +10,8 @@ T tokens a step, AdamW, the trainer's own precision (bf16-mixed: float32 weights
   and tok/s against what the trainer consumes at 8k.
 Goals (issue 42): >= 35 % MFU at 8k; >= 32k tokens trainable; the reader >= 2x the trainer. Reported, asserted
 only where a measurement fails outright (a step that does not run).
-NOT YET RUN ON A GPU.
+Rows are reported as they are measured; a size that runs out of memory is a row saying so. The rows also go to
+GPU_OUT/benchmark.json for `eagle3 bench report` (tok/s per GPU, MFU, peak memory). NOT YET RUN ON A GPU.
 """
 
 from __future__ import annotations
@@ -97,25 +98,51 @@ def _measure(model, opt, shape, seq: int, amp: bool, steps: int = 5, mla=None) -
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
 
 
+def _tried(model, opt, shape, seq: int, amp: bool, steps: int = 5, mla=None) -> dict:
+    """_measure's row, or {seq, out_of_memory} where a step does not fit: one size that does not fit loses no other."""
+    try:
+        return _measure(model, opt, shape, seq, amp, steps, mla)
+    except torch.OutOfMemoryError:
+        opt.zero_grad(set_to_none=True)
+        return {"draft": "mla" if mla is not None else "llama", "seq": seq,
+                "precision": "bf16-mixed" if amp else "fp32", "out_of_memory": True}
+    finally:
+        torch.cuda.empty_cache()
+
+
+def _longest(fits, lo: int, hi: int, step: int = 4096) -> int:
+    """The longest length in [lo, hi) (multiples of step) that fits(length), given fits(lo) and not fits(hi)."""
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def test_bench_train_kimi_draft(report, gpu_out):
     shape = flops.kimi_k25_draft()
     model = _model(shape)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    rows = [_measure(model, opt, shape, seq, amp=True) for seq in (2048, 8192, 32768)]
-    rows.append(_measure(model, opt, shape, 8192, amp=False))
-    report("bench_train_kimi_draft", rows)
-    longest, seq = None, 32768
-    while seq <= 262144:
-        try:
-            _measure(model, opt, shape, seq, amp=True, steps=1)
-            longest, seq = seq, seq * 2
-        except torch.OutOfMemoryError:
-            break
-        finally:
-            torch.cuda.empty_cache()
+    rows = []
+    for seq, amp in ((2048, True), (8192, True), (32768, True), (8192, False)):
+        rows.append(_tried(model, opt, shape, seq, amp))
+        report("bench_train_kimi_draft", rows)  # as it goes: a lease that ends mid-way keeps what was measured
+
+    def fits(seq):
+        return "out_of_memory" not in _tried(model, opt, shape, seq, True, steps=1)
+
+    # where 32k fits: doubled while it fits (to 256k at most), then bisected to 4k; else bisected between 8k and 32k
+    if "out_of_memory" in rows[1]:
+        longest = None
+    elif "out_of_memory" in rows[2]:
+        longest = _longest(fits, 8192, 32768)
+    else:
+        lo, hi = 32768, 65536
+        while hi <= 262144 and fits(hi):
+            lo, hi = hi, hi * 2
+        longest = lo if hi > 262144 else _longest(fits, lo, hi)
     report("bench_train_longest_seq", longest)
-    assert all(r["tok_per_s"] > 0 for r in rows)
-    eight = next(r for r in rows if r["seq"] == 8192 and r["precision"] == "bf16-mixed")
+    assert all(r.get("tok_per_s", 1) > 0 for r in rows) and "out_of_memory" not in rows[1], rows  # 8k must train
+    eight = rows[1]
     report("bench_train_goals", {"mfu_8k": eight["mfu"], "mfu_goal_0.35_met": eight["mfu"] >= 0.35,
                                  "longest": longest, "32k_goal_met": (longest or 0) >= 32768})
     del model, opt
@@ -126,7 +153,14 @@ def test_bench_train_kimi_draft(report, gpu_out):
     mla = mla_draft.MLAShape.for_target(KIMI_K25_TEXT)
     model = _model(shape, mla=mla)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    report("bench_train_kimi_mla_draft", [_measure(model, opt, shape, seq, amp=True, mla=mla) for seq in (2048, 8192)])
+    mla_rows = [_tried(model, opt, shape, seq, amp=True, mla=mla) for seq in (2048, 8192)]
+    report("bench_train_kimi_mla_draft", mla_rows)
+    import json
+
+    from eagle3.bench import train_history
+
+    (gpu_out / "benchmark.json").write_text(json.dumps(train_history(  # `eagle3 bench report --history` reads it
+        rows + mla_rows, time.strftime("%Y-%m-%dT%H:%M"), "h200-kimi-k2.5-draft")))
 
 
 def reader_rate(root, n: int, seq: int, hidden: int = 7168) -> dict:
