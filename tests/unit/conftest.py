@@ -138,6 +138,72 @@ def run_forked(fn) -> tuple[bool, int]:
     return False, os.WEXITSTATUS(status)
 
 
+def run_command(argv, env: dict | None = None, timeout: float = 240):
+    """``eagle3 ARGV`` as the command runs (``main()`` reading sys.argv, so it installs its SIGINT / SIGTERM
+    handlers), in a child forked from this process: it has torch, transformers and speculators imported already,
+    where a fresh interpreter spends ~9 s importing speculators. The child starts as a fresh one would: stdout and
+    stderr its own files, no root logging handler, the libraries' handlers writing to that stderr, one torch thread
+    (OpenMP does not survive fork with more). ``env``: variables set in the child (EAGLE3_FAULT: a kill point).
+    Returns (an object with returncode, stdout and stderr as subprocess.run's, seconds); killed by a signal, the
+    returncode is minus its number."""
+    import io
+    import logging
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    import types
+
+    from eagle3 import cli
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            code = 3
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+                sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+                logging.root.handlers.clear()  # pytest's; and a library's handler made while a test captured
+                for lg in logging.root.manager.loggerDict.values():  # stderr holds a stream closed since
+                    for h in getattr(lg, "handlers", []):
+                        if type(h) is logging.StreamHandler:
+                            h.stream = sys.stderr  # not setStream: it flushes the closed one
+                os.environ.pop("EAGLE3_FAULT", None)
+                os.environ.pop("EAGLE3_LOG_LEVEL", None)
+                os.environ.update(env or {})
+                torch.set_num_threads(1)
+                sys.argv = ["eagle3", *argv]
+                code = cli.main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:  # noqa: BLE001
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(argv, timeout)
+            time.sleep(0.05)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        out.seek(0)
+        err.seek(0)
+        return types.SimpleNamespace(returncode=code, stdout=out.read().decode(), stderr=err.read().decode()), \
+            time.perf_counter() - t0
+
+
 def hold_back_capture_consumer(monkeypatch):
     """Capturers made after this call keep every step handed to their consumer thread until the returned event
     is set: the copies stay "in flight" for as long as a test needs."""

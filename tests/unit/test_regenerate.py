@@ -2,9 +2,6 @@
 kill -9 anywhere and the same command completes the file with no line lost or written twice; never overwrites."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,8 @@ from eagle3.extract import regenerate
 from eagle3.extract.regenerate import RegenConfig, RegenError, parse_turn
 from eagle3.targets import tiny
 
-ROOT = Path(__file__).parents[2]
+from .conftest import run_command
+
 KIMI_CALL = ('<think>Look it up.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
              '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>')
 
@@ -123,9 +121,8 @@ def test_never_overwrites_and_refuses_other_settings(tmp_path, kimi_target):
 
 
 def _cli(args, env=None):
-    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "eagle3.cli", *args], cwd=ROOT, env=e, capture_output=True,
-                          text=True, timeout=300)
+    """The command as it runs (conftest.run_command: a child forked from this process, killed for real by a fault)."""
+    return run_command(args, env, timeout=300)[0]
 
 
 LINES = [{"messages": [{"role": "user", "content": f"Count from {i} to {i + 3}."}, {"role": "assistant", "content": "x"}]}
