@@ -55,11 +55,13 @@ class RegenConfig:
     seed: int = 0
     max_samples: int | None = None
     batch_size: int = 64          # conversations an engine call serves (one call per turn round)
+    gpu_memory_utilization: float = 0.85  # vllm backend: its engine's share of each GPU
+    max_model_len: int | None = None      # vllm backend: None = the target's
 
     def settings(self) -> dict:
         """What decides the output (recorded; a resume must match it): not where or how fast it runs."""
         d = asdict(self)
-        for k in ("device", "tp", "out", "batch_size"):
+        for k in ("device", "tp", "out", "batch_size", "gpu_memory_utilization", "max_model_len"):
             d.pop(k)
         d["target"], d["data"] = str(Path(self.target).resolve()), str(Path(self.data).resolve())
         return d
@@ -202,14 +204,25 @@ class HFGenerator:
 class VLLMGenerator:
     """vLLM's LLM.generate over a batch, a seed per request (TP as for extract)."""
 
-    def __init__(self, target: str, tp: int):
+    def __init__(self, target: str, tp: int, gpu_memory_utilization: float = 0.85, max_model_len: int | None = None):
         import vllm
 
         from eagle3.extract.vllm_compat import prepare_environment
 
         prepare_environment()
         self.vllm = vllm
-        self.llm = vllm.LLM(model=target, tensor_parallel_size=tp, dtype="bfloat16", enable_prefix_caching=True)
+        self.llm = vllm.LLM(model=target, tensor_parallel_size=tp, dtype="bfloat16", enable_prefix_caching=True,
+                            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
+
+    def close(self) -> None:
+        """The engine's GPU memory back (a process that starts another engine next needs it)."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+            del llm
 
     def __call__(self, prompts: list[list[int]], seeds: list[int], cfg: RegenConfig, stops: set[int]):
         params = [self.vllm.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
@@ -263,7 +276,17 @@ def run(cfg: RegenConfig, generator: Callable | None = None, fault: Callable[[st
     tok = AutoTokenizer.from_pretrained(cfg.target)
     kimi = all(t in tok.get_vocab() for t in kimi_format.TOOL_TOKENS + kimi_format.THINK)
     stops = masks.stop_ids(tok)
-    gen = generator or (HFGenerator(cfg.target, cfg.device) if cfg.backend == "hf" else VLLMGenerator(cfg.target, cfg.tp))
+    gen = generator or (HFGenerator(cfg.target, cfg.device) if cfg.backend == "hf" else VLLMGenerator(
+        cfg.target, cfg.tp, cfg.gpu_memory_utilization, cfg.max_model_len))
+    try:
+        return _regenerate(cfg, gen, tok, kimi, stops, done, fault, progress_every_s)
+    finally:
+        if generator is None and hasattr(gen, "close"):
+            gen.close()
+
+
+def _regenerate(cfg: RegenConfig, gen, tok, kimi: bool, stops: set[int], done: int, fault,
+                progress_every_s: float) -> RegenSummary:
     summary = RegenSummary(resumed_after=done)
     if done:
         log.info("resuming: input lines 1-%d already regenerated in %s", done, cfg.out)

@@ -190,6 +190,55 @@ def test_draft_variants_are_served_on_the_deepseek_target(chain, report):
     assert runs["mla"].drafter.get("draft_class") in ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM"), table
 
 
+REGEN_CONVERSATIONS = 96
+REGEN_MIN_SAME = 0.5  # the learnable target's answers follow from the prompt by rules; greedy, it should give most
+
+
+def _turn_key(m: dict) -> tuple:
+    """An assistant turn as what it says: text, thinking, calls (name and parsed arguments; not the call ids)."""
+    def args(text):
+        try:
+            return json.dumps(json.loads(text or "null"), sort_keys=True)
+        except ValueError:
+            return text  # the target's own malformed arguments: compared as written
+
+    calls = [(c["function"]["name"], args(c["function"]["arguments"])) for c in m.get("tool_calls") or []]
+    return (m.get("content") or "").strip(), (m.get("reasoning_content") or "").strip(), calls
+
+
+def test_the_target_regenerates_held_out_conversations_with_vllm(chain, report):
+    """Issue 40 on the GPU: `regenerate --backend vllm`, mode last, greedy, on held-out conversations of the learnable
+    target: every line written, in order; its last turns come back as the data's structured fields (deepseek: Kimi's
+    <think> and tool-call section parsed into reasoning_content and tool_calls); and, since its answers follow from
+    the prompt by rules, most regenerated turns say what the data's say (reported per traffic type)."""
+    from eagle3.extract import regenerate
+
+    tmp = chain["tmp"]
+    convs = learnable.conversations(ARCH, REGEN_CONVERSATIONS, seed=learnable.HELD_OUT_SEED + 2)
+    data = tmp / "regen-in.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    out = tmp / "regen-out.jsonl"
+    s = regenerate.run(regenerate.RegenConfig(target=str(chain["target"]), data=str(data), out=str(out),
+                                              backend="vllm", mode="last", temperature=0.0, max_tokens=384,
+                                              gpu_memory_utilization=0.2, max_model_len=2048))
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert s.written == len(rows) == REGEN_CONVERSATIONS and [r["regenerated"]["line"] for r in rows] == \
+        list(range(1, REGEN_CONVERSATIONS + 1))
+    same: dict[str, list[bool]] = {}
+    for c, r in zip(convs, rows):
+        (i,) = r["regenerated"]["turns"]
+        same.setdefault(c.get("traffic", "chat"), []).append(_turn_key(r["messages"][i]) == _turn_key(c["messages"][i]))
+    share = {t: round(sum(v) / len(v), 3) for t, v in same.items()}
+    overall = sum(map(sum, same.values())) / REGEN_CONVERSATIONS
+    summary = {"line": s.line(), "tokens_per_s": round(s.tokens / s.seconds) if s.seconds else None,
+               "same_as_data": round(overall, 3), "same_per_traffic": share, "cut": s.cut,
+               "finish": sorted({f for r in rows for f in r["regenerated"]["finish"]})}
+    report("e2e_regenerate_vllm", summary)
+    if ARCH == "deepseek":
+        assert any(r["messages"][r["regenerated"]["turns"][0]].get("reasoning_content") for r in rows), summary
+    assert overall >= REGEN_MIN_SAME, summary
+
+
 def test_fp8_states_train_a_draft_served_as_well_as_bf16(chain, report):
     """Issue 14: the same samples stored as e4m3 + a scale per token and layer, a seed-0 draft trained on them."""
     store8 = chain["tmp"] / "store-fp8"

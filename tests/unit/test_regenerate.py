@@ -173,9 +173,13 @@ def test_the_vllm_backend_batches_conversations_with_a_seed_and_the_end_tokens_p
     tok = AutoTokenizer.from_pretrained(kimi_target)
     calls = []
 
+    engines, shut = [], []
+
     class LLM:
         def __init__(self, **kw):
             self.kw = kw
+            engines.append(kw)
+            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=lambda: shut.append(1)))
 
         def generate(self, prompts, params, use_tqdm=False):
             calls.append((len(prompts), [p.kw for p in params]))
@@ -189,8 +193,9 @@ def test_the_vllm_backend_batches_conversations_with_a_seed_and_the_end_tokens_p
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
     chats = [c for c in kimi_traffic.generate(9, seed=2) if c["traffic"] == "chat"]  # 3 chats of 1-6 turns
     cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, chats)), out=str(tmp_path / "o.jsonl"),
-                      backend="vllm", temperature=0.6, top_p=0.9, max_tokens=40, seed=3)
+                      backend="vllm", temperature=0.6, top_p=0.9, max_tokens=40, seed=3, gpu_memory_utilization=0.3)
     s = regenerate.run(cfg)
+    assert engines[0]["gpu_memory_utilization"] == 0.3 and shut == [1]  # its share, and given back at the end
     turns = [sum(m["role"] == "assistant" for m in c["messages"]) for c in chats]
     assert [n for n, _ in calls] == [sum(t > r for t in turns) for r in range(max(turns))]  # a call per round
     first = calls[0][1]
