@@ -308,10 +308,7 @@ def cmd_verify(a) -> int:
 def cmd_eval(a) -> int:
     from eagle3.serve import evaluate
 
-    report = evaluate.run(evaluate.EvalConfig(target=a.target, draft=a.draft, prompts=a.prompts, out=a.out,
-                                              k=a.k, max_tokens=a.max_tokens, num_prompts=a.num_prompts,
-                                              gpu_memory_utilization=a.gpu_mem, shifted=not a.no_shifted,
-                                              baseline=not a.no_baseline))
+    report = evaluate.run(_eval_config(a))
     for line in report.lines():
         print(line)
     return 0
@@ -334,6 +331,14 @@ def _regen_config(a):
     return RegenConfig(target=a.target, data=a.data, out=a.out, backend=a.backend, device=a.device, tp=a.tp,
                        mode=a.mode, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed,
                        max_samples=a.max_samples, batch_size=a.batch_size)
+
+
+def _eval_config(a):
+    from eagle3.serve import evaluate
+
+    return evaluate.EvalConfig(target=a.target, draft=a.draft, prompts=a.prompts, out=a.out, k=a.k,
+                               max_tokens=a.max_tokens, num_prompts=a.num_prompts, gpu_memory_utilization=a.gpu_mem,
+                               shifted=not a.no_shifted, baseline=not a.no_baseline, cuda_graphs=a.cuda_graphs)
 
 
 def cmd_regenerate(a) -> int:
@@ -431,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpu-mem", type=FRACTION, default=0.3, help="vLLM gpu_memory_utilization")
     e.add_argument("--no-shifted", action="store_true", help="skip the layer-ids-shifted-by-one run")
     e.add_argument("--no-baseline", action="store_true", help="skip the target-only run")
+    e.add_argument("--cuda-graphs", action="store_true",
+                   help="serve as production does (torch.compile and CUDA graphs); default eager")
     m = sub.add_parser("make-target", formatter_class=_Help,
                        help="train a learnable tiny target, Llama or DeepseekV3 (a minute or a few on a GPU)")
     m.add_argument("--arch", choices=["llama", "deepseek"], default="llama",

@@ -41,6 +41,7 @@ class EvalConfig:
     load_format: str = "auto"       # "dummy": a config-only target (no weights; acceptance means nothing there)
     max_model_len: int | None = None  # None: 2048, or room for the long-context prompts and their answers
     context_tokens: int = 0  # the learnable target's prompts after this many tokens of earlier conversations (0: none)
+    cuda_graphs: bool = False  # serve as production does (torch.compile + CUDA graphs); eager by default
 
     def __post_init__(self):
         if self.max_model_len is None:
@@ -242,7 +243,7 @@ def run(cfg: EvalConfig) -> EvalReport:
     prepare_environment()  # the V1 runner (V2 has no drafter) and spawned workers, as the capture's engines
     draft_cfg = json.loads((Path(cfg.draft) / "config.json").read_text())
     ids = list(draft_cfg["eagle_aux_hidden_state_layer_ids"])
-    common = dict(model=cfg.target, dtype="bfloat16", enforce_eager=True, max_model_len=cfg.max_model_len,
+    common = dict(model=cfg.target, dtype="bfloat16", enforce_eager=not cfg.cuda_graphs, max_model_len=cfg.max_model_len,
                   tensor_parallel_size=cfg.tp, load_format=cfg.load_format,
                   gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
                   kernel_config={"enable_flashinfer_autotune": False})
