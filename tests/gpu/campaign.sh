@@ -2,7 +2,7 @@
 # The GPU campaign (run on the GPU host, in the background). Results under /tmp/campaign.
 #   tests/gpu/campaign.sh                 contract, GPU suite, benchmarks + e2e (everything)
 #   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite direct directbench copies new draft depth online
-#                                         e2e e2eds wrapper benchtrain fp8 aux
+#                                         e2e e2eds wrapper benchtrain onlinekd fp8 aux
 #                                         probe bench benchkd report
 #   tests/gpu/campaign.sh online:660 bench  STEP:SECONDS stops that step (SIGINT, then SIGKILL 30 s later) after SECONDS
 #   BENCH_SHAPES=64x512 BENCH_MODES="plain host" (mini-Kimi), BENCHKD_SHAPES / _MODES / _BATCHES (kimi-depth; by
@@ -15,7 +15,7 @@
 set -u
 OUT=/tmp/campaign
 SRC=/tmp/eagle3-src          # a private copy: the working tree may be re-synced while this runs
-rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" "$OUT/suite2" "$OUT/suite3" "$OUT/e2eds" "$OUT/wrapper" "$OUT/benchtrain" && cp -r . "$SRC" && cd "$SRC"
+rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" "$OUT/suite2" "$OUT/suite3" "$OUT/e2eds" "$OUT/wrapper" "$OUT/benchtrain" "$OUT/onlinekd" && cp -r . "$SRC" && cd "$SRC"
 rm -f "$OUT/DONE"; echo $$ > "$OUT/pid"  # for wait.sh: a campaign that died without DONE ends its wait
 export PYTHONPATH="$SRC:/tmp/site:/tmp/gpu:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 # Every engine warms up FlashInfer's top-p/top-k sampler, JIT-compiled on a fresh host (flashinfer_python, no
@@ -61,7 +61,7 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   copies)   step copies $PT -m gpu tests/gpu -k "$COPIES" --gpu-out "$OUT/copies" ;;
   draft)    step draft $PT -m gpu tests/gpu -k deepseek_draft --gpu-out "$OUT/draft" ;;
   aux)      step aux $PT -m gpu tests/gpu -k "not ($NEW)" --gpu-out "$OUT/aux" ;;
-  depth)    step depth $PT -m kimi_depth tests/gpu --gpu-out "$OUT/depth" ;;
+  depth)    step depth $PT -m kimi_depth tests/gpu/test_kimi_depth.py --gpu-out "$OUT/depth" ;;  # the others: wrapper, onlinekd
   online)   step online $PT -m e2e tests/gpu -k online --gpu-out "$OUT/online" ;;
   e2e)      step e2e $PT -m e2e tests/gpu -k "${E2E_K:-not online}" --gpu-out "$OUT/e2e" ;;
   e2eds)    EAGLE3_E2E_ARCH=deepseek step e2eds $PT -m e2e tests/gpu -k "${E2EDS_K:-trained_draft or variants or regenerates}" \
@@ -70,6 +70,8 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
             # regenerate with vLLM on 96 held-out conversations (~2 min)
   wrapper)  step wrapper $PT -m kimi_depth tests/gpu/test_kimi_k25_wrapper.py --gpu-out "$OUT/wrapper" ;;  # Kimi-K2.5's
             # class, kimi-depth text model: capture, self-check, a served draft (two engine starts of 2-4 min)
+  onlinekd) step onlinekd $PT -m kimi_depth tests/gpu/test_online_kimi_depth.py --gpu-out "$OUT/onlinekd" ;;  # online
+            # at Kimi's depth: kimi-depth's engine and the Kimi-size trainer on one H200 (~6 min, not yet run)
   benchtrain) step benchtrain $PT -s -m benchmark tests/gpu/test_bench_train.py --gpu-out "$OUT/benchtrain" ;;  # the
             # trainer at Kimi-K2.5's draft size: tok/s, MFU, peak memory at 2k/8k/32k, the longest sequence, the reader
   fp8)      step fp8 $PT -m e2e tests/gpu -k fp8 --gpu-out "$OUT/fp8" ;;

@@ -36,20 +36,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.kimi_depth]
 IDS = (2, 30, 58, 61)
 
 
-def write_verifier_weights(folder, head_files) -> None:
+def write_verifier_weights(folder, head_files, prefix: str = "language_model.") -> None:
     """The trainer reads the verifier's embedding, lm_head and final norm from its checkpoint; a config-only target
-    has none. Written under Kimi-K2.5's own key names (language_model.*, found by suffix): the engine's own final
-    norm and lm_head (its dummy weights, from dump_head), and a seeded random embedding (vLLM serves the draft with
-    the engine's). vLLM with load_format="dummy" reads none of it."""
+    has none. Written under the target's key names (Kimi-K2.5's language_model.*, DeepseekV3ForCausalLM's with no
+    prefix; found by suffix): the engine's own final norm and lm_head (its dummy weights, from dump_head), and a
+    seeded random embedding (vLLM serves the draft with the engine's). vLLM with load_format="dummy" reads none of it."""
     from safetensors.torch import load_file, save_file
 
     (path,) = head_files  # TP 1: one rank's file holds the whole head
     head = load_file(path)
     g = torch.Generator().manual_seed(0)
     embed = (torch.randn(head["lm_head"].shape, generator=g) * 0.02).bfloat16()
-    save_file({"language_model.model.embed_tokens.weight": embed,
-               "language_model.lm_head.weight": head["lm_head"].bfloat16().contiguous(),
-               "language_model.model.norm.weight": head["norm"].bfloat16().contiguous()},
+    save_file({f"{prefix}model.embed_tokens.weight": embed,
+               f"{prefix}lm_head.weight": head["lm_head"].bfloat16().contiguous(),
+               f"{prefix}model.norm.weight": head["norm"].bfloat16().contiguous()},
               str(folder / "model.safetensors"))
 
 

@@ -1,0 +1,90 @@
+"""Online training at Kimi-K2.5's depth on one H200 (issue 42; opt-in with `-m kimi_depth`: 61 GB of dummy weights).
+
+kimi-depth (DeepseekV3, 61 layers, hidden 7168, Kimi's MLA and MoE widths; config only, load_format="dummy",
+decoder norms set to 1 as in test_kimi_depth) in an eager engine with 0.55 of the GPU, and in the same process the
+trainer at Kimi-K2.5's draft size (hidden 7168, 64 x 128 heads, MLP 18432, draft vocabulary 32000, 3 TTT steps,
+bf16-mixed) with the rest. The same N_SAMPLES samples of 512 tokens, three ways, in one run:
+- extraction alone into a store (tok/s), training alone on that store (tok/s, one epoch),
+- online: the same training fed through a spool a quarter of the store's size as the engine extracts.
+Reported: the three rates, online against min(extract alone, train alone) (issue 42's goal: >= 0.8), the side that
+waits (the spool's waits), peak GPU memory of the trainer. Asserted: the online run trains every sample once in the
+same steps as the offline one, with finite losses (dummy weights: the losses mean nothing else).
+NOT YET RUN ON A GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from eagle3.data.conversations import random_samples
+from eagle3.extract import extract
+from eagle3.targets import presets, tiny
+from eagle3.train import online
+from eagle3.train.train import TrainConfig, train
+
+from .conftest import MAX_BATCHED_TOKENS
+from .test_kimi_k25_wrapper import write_verifier_weights
+
+pytestmark = [pytest.mark.gpu, pytest.mark.kimi_depth]
+N_SAMPLES, SEQ = 512, 512  # 262,144 tokens; the store ~15 GB (4 x 7168 bf16 a token)
+ONLINE_GOAL = 0.8
+
+
+def test_online_at_kimi_depth_against_extract_alone_and_train_alone(tmp_path_factory, tmp_path, report):
+    from eagle3.extract.vllm_backend import VLLMBackend
+
+    prof = presets.from_name("kimi-depth")
+    folder = tiny.build_model(prof, tmp_path_factory.mktemp("kimi-depth"), dtype="bfloat16")
+    spec = extract.store_spec(folder, None, "bfloat16")
+    t0 = time.perf_counter()
+    backend = VLLMBackend(str(folder), spec, gpu_memory_utilization=0.55, max_model_len=4096,
+                          max_num_batched_tokens=MAX_BATCHED_TOKENS, load_format="dummy", log_level="INFO",
+                          extra_engine_args={"enforce_eager": True})
+    seconds = {"engine_start": round(time.perf_counter() - t0, 1)}
+    samples = random_samples(N_SAMPLES, SEQ, prof.vocab_size, seed=91)
+    tokens = N_SAMPLES * SEQ
+
+    def cfg(store, out):
+        return TrainConfig(store=str(store), out=str(out), device="cuda", batch_samples=16, pack_tokens=8192,
+                           epochs=1, lr=1e-4, warmup_steps=1, draft_vocab_size=32000, ttt_steps=3, seed=0,
+                           checkpoint_minutes=0)
+
+    try:
+        backend.unit_norms()
+        write_verifier_weights(folder, backend.dump_head(tmp_path), prefix="")
+        ex = extract.ExtractConfig(model=str(folder), out=str(tmp_path / "store"), backend="vllm", batch_size=32,
+                                   selfcheck=0)
+        t0 = time.perf_counter()
+        extract.run(ex, samples=samples, backend=backend, progress=False)
+        seconds["extract_alone"] = round(time.perf_counter() - t0, 1)
+        report("online_kd_seconds", seconds)
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        off = train(cfg(tmp_path / "store", tmp_path / "offline"), progress=False)
+        seconds["train_alone"] = round(time.perf_counter() - t0, 1)
+        peak_train = torch.cuda.max_memory_allocated()
+        report("online_kd_seconds", seconds)
+        store_bytes = sum(p.stat().st_size for p in (tmp_path / "store" / "shards").iterdir())
+        capacity = store_bytes // 4
+        t0 = time.perf_counter()
+        on = online.run(cfg(tmp_path / "spool", tmp_path / "online"), ex, samples, capacity, backend=backend,
+                        extract_batch=32, progress=False)
+        seconds["online"] = round(time.perf_counter() - t0, 1)
+    finally:
+        backend.close()
+    rate = {k: round(tokens / seconds[k]) for k in ("extract_alone", "train_alone", "online")}
+    ratio = rate["online"] / min(rate["extract_alone"], rate["train_alone"])
+    summary = {"seconds": seconds, "tok_per_s": rate, "online_vs_min_alone": round(ratio, 3),
+               "goal_0.8_met": ratio >= ONLINE_GOAL, "lines": on.lines(),
+               "waits_s": {"extraction_for_room": round(on.producer_wait_s, 1),
+                           "training_for_states": round(on.trainer_wait_s, 1)},
+               "trainer_peak_gib": round(peak_train / 2**30, 1), "spool": {"capacity": capacity,
+                                                                            "peak": on.peak_bytes}}
+    report("online_kd_summary", summary)
+    assert on.train.steps == off.steps and on.train.samples_seen == off.samples_seen == N_SAMPLES, summary
+    assert all(math.isfinite(x) for x in off.losses + on.train.losses), summary
+    assert on.peak_bytes <= capacity, summary
