@@ -75,7 +75,8 @@ class TrainConfig:
     precision: str = "auto"              # auto: bf16-mixed on CUDA (fp32 weights and optimizer, bf16 matmuls under
                                          # autocast) when dtype is float32, fp32 on the CPU; or fp32 | bf16-mixed
     loss: str = "kl_div"
-    loss_impl: str = "eager"             # eager | fused (Triton, GPU)
+    loss_impl: str = "auto"              # chunked (train/chunked_loss.py) | eager | fused (Triton, GPU);
+    # auto: chunked on CUDA (no float32 [T, V] kept per TTT step), eager on CPU
     attn_impl: str = "sdpa"
     compile: bool = False
     resume: bool = True
@@ -371,8 +372,9 @@ _clock = time.monotonic  # tests replace it to simulate long runs
 
 def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     """Train on the store cfg.store; ``source`` (online.py's spool) replaces the store's samples and order."""
-    from speculators.losses import resolve_loss_config
     from tqdm import tqdm
+
+    from eagle3.train import chunked_loss
 
     if cfg.on_bad_sample not in ("stop", "skip"):
         raise ValueError(f"on_bad_sample must be stop or skip, got {cfg.on_bad_sample!r}")
@@ -407,7 +409,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
         if rank == 0:
             log.warning("%s", n)
     lr_at = _lr_lambda(cfg, total)
-    loss_config = resolve_loss_config(cfg.loss, cfg.loss_impl)
+    loss_config = chunked_loss.loss_config(cfg.loss, cfg.loss_impl, cfg.device)
     state = {"step": 0, "losses": [], "samples_seen": 0, "tokens_seen": 0, "config": asdict(cfg), "skipped": {}}
     out = Path(cfg.out)
     ckpt = checkpoint.latest(out) if cfg.resume else None

@@ -138,70 +138,80 @@ def run_forked(fn) -> tuple[bool, int]:
     return False, os.WEXITSTATUS(status)
 
 
-def run_command(argv, env: dict | None = None, timeout: float = 240):
-    """``eagle3 ARGV`` as the command runs (``main()`` reading sys.argv, so it installs its SIGINT / SIGTERM
-    handlers), in a child forked from this process: it has torch, transformers and speculators imported already,
-    where a fresh interpreter spends ~9 s importing speculators. The child starts as a fresh one would: stdout and
-    stderr its own files, no root logging handler, the libraries' handlers writing to that stderr, one torch thread
-    (OpenMP does not survive fork with more). ``env``: variables set in the child (EAGLE3_FAULT: a kill point).
-    Returns (an object with returncode, stdout and stderr as subprocess.run's, seconds); killed by a signal, the
-    returncode is minus its number."""
+COMMAND_PRELOAD = ["eagle3.cli", "eagle3.train.train", "eagle3.extract.extract", "eagle3.extract.regenerate",
+                   "speculators.models.eagle3"]  # what run_command's children have imported before they start
+_commands = None
+
+
+def _command_child(argv: list[str], env: dict, out_path: str, err_path: str) -> None:  # pragma: no cover - child
+    """In a child of the fork server: stdout and stderr to the given files, the environment given, then the command
+    as `eagle3 ARGV` runs it; the process exits with its code (or dies of its signal)."""
     import io
     import logging
-    import subprocess
     import sys
+
+    code = 3
+    try:
+        os.dup2(os.open(out_path, os.O_WRONLY), 1)
+        os.dup2(os.open(err_path, os.O_WRONLY), 2)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+        for lg in [logging.root, *logging.root.manager.loggerDict.values()]:  # a handler made at import writes
+            for h in getattr(lg, "handlers", []):  # to the stderr of the fork server's start: to ours instead
+                if type(h) is logging.StreamHandler:
+                    h.stream = sys.stderr
+        for k in ("EAGLE3_FAULT", "EAGLE3_LOG_LEVEL"):
+            os.environ.pop(k, None)
+        os.environ.update(env)
+        torch.set_num_threads(1)  # beside the suite's other workers
+        sys.argv = ["eagle3", *argv]
+        from eagle3 import cli
+
+        code = cli.main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_command(argv, env: dict | None = None, timeout: float = 240):
+    """``eagle3 ARGV`` as the command runs (``main()`` reading sys.argv, so it installs its SIGINT / SIGTERM
+    handlers), in a child of a fork server: a process of this worker's that imported COMMAND_PRELOAD once and runs no
+    thread, so its children start with nothing half-held (a child forked from the test process itself hung on the
+    tqdm lock another thread held at the fork). A fresh interpreter would spend ~9 s importing speculators each time.
+    ``env``: variables set in the child (EAGLE3_FAULT: a kill point). Returns (an object with returncode, stdout
+    and stderr as subprocess.run's, seconds); killed by a signal, the returncode is minus its number."""
+    import multiprocessing
+    import subprocess
     import tempfile
     import time
     import types
 
-    from eagle3 import cli
-
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    global _commands
+    if _commands is None:
+        _commands = multiprocessing.get_context("forkserver")
+        _commands.set_forkserver_preload(COMMAND_PRELOAD)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        for f in (out, err):
+            open(f, "w").close()
         t0 = time.perf_counter()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            code = 3
-            try:
-                os.dup2(out.fileno(), 1)
-                os.dup2(err.fileno(), 2)
-                sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
-                sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
-                logging.root.handlers.clear()  # pytest's; and a library's handler made while a test captured
-                for lg in logging.root.manager.loggerDict.values():  # stderr holds a stream closed since
-                    for h in getattr(lg, "handlers", []):
-                        if type(h) is logging.StreamHandler:
-                            h.stream = sys.stderr  # not setStream: it flushes the closed one
-                os.environ.pop("EAGLE3_FAULT", None)
-                os.environ.pop("EAGLE3_LOG_LEVEL", None)
-                os.environ.update(env or {})
-                torch.set_num_threads(1)
-                sys.argv = ["eagle3", *argv]
-                code = cli.main()
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
-            except BaseException:  # noqa: BLE001
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        deadline = time.monotonic() + timeout
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise subprocess.TimeoutExpired(argv, timeout)
-            time.sleep(0.05)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        out.seek(0)
-        err.seek(0)
-        return types.SimpleNamespace(returncode=code, stdout=out.read().decode(), stderr=err.read().decode()), \
-            time.perf_counter() - t0
+        child = _commands.Process(target=_command_child, args=(list(argv), dict(env or {}), out, err))
+        child.start()
+        child.join(timeout)
+        if child.is_alive():
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(argv, timeout)
+        with open(out) as f_out, open(err) as f_err:
+            return types.SimpleNamespace(returncode=child.exitcode, stdout=f_out.read(), stderr=f_err.read()), \
+                time.perf_counter() - t0
 
 
 def hold_back_capture_consumer(monkeypatch):

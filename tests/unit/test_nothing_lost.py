@@ -278,6 +278,32 @@ def test_when_epochs_stop_the_run_before_steps_the_run_says_so(small_store, tmp_
 
 
 # -- interrupts -------------------------------------------------------------------------------------------------
+def test_a_lock_held_in_the_test_process_does_not_reach_the_command(small_store, tmp_path):
+    """run_command's children come from a fork server with no threads: the tqdm lock held by another thread of the
+    test process (as tqdm's monitor thread holds it now and then) does not hang the command's own progress bar, as it
+    hung a child forked from the test process itself (CI, 2026-12-04)."""
+    import threading
+
+    from tqdm import tqdm
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with tqdm.get_lock():
+            held.set()
+            release.wait(60)
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    held.wait(10)
+    try:
+        done, _ = _command(["train", "--store", str(small_store), "--out", str(tmp_path / "t"), "--steps", "1",
+                            "--batch", "4", "--draft-vocab", "64"], timeout=60)
+    finally:
+        release.set()
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def _command(argv, fault=None, timeout=240):
     return run_command(argv, {"EAGLE3_FAULT": fault} if fault else None, timeout)
 
