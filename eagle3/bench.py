@@ -312,10 +312,12 @@ def train_history(rows: list[dict], run: str, profile: str, gpus: int = 1) -> di
     """The trainer benchmark's rows ({draft, seq, precision, tok_per_s, mfu, peak_gib, ...}; a row that ran out of
     memory has no tok_per_s) as pytest-benchmark JSON, so `bench report` shows them beside the extraction's:
     tokens/s of all ``gpus`` and per GPU, MFU and peak memory in their own lines."""
+    def key(r):  # a loss other than the trainer's default in the key: train_llama_bf16-mixed_eager/32768
+        loss = f"_{r['loss']}" if r.get("loss", "auto") != "auto" else ""
+        return f"{TRAIN_PREFIX}{r['draft']}_{r['precision']}{loss}/{r['seq']}"
+
     return {"datetime": run, "benchmarks": [
-        {"name": f"{TRAIN_PREFIX}{r['draft']}_{r['precision']}/{r['seq']}",
-         "extra_info": dict(r, key=f"{TRAIN_PREFIX}{r['draft']}_{r['precision']}/{r['seq']}",
-                            tokens_per_s=r["tok_per_s"], profile=profile, gpus=gpus)}
+        {"name": key(r), "extra_info": dict(r, key=key(r), tokens_per_s=r["tok_per_s"], profile=profile, gpus=gpus)}
         for r in rows if r.get("tok_per_s")]}
 
 

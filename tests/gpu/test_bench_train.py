@@ -4,7 +4,8 @@ From synthetic states (no target): speculators' Eagle3DraftModel at the shape ea
 64 x 128 heads, 8 KV heads, MLP 18432, 3 aux layers, draft vocabulary 32000, 3 TTT steps), one packed sequence of
 T tokens a step, AdamW, the trainer's own precision (bf16-mixed: float32 weights and optimizer, bf16 matmuls).
 - tok/s sustained (steps after two of warm-up) at T = 2k, 8k, 32k; MFU = tok/s x FLOPs a token (eagle3/train/flops.py)
-  / 989 TFLOPS; peak memory. fp32 at 8k beside it (the ratio in the same run).
+  / 989 TFLOPS; peak memory; the trainer's loss (chunked on CUDA). fp32 at 8k beside it (the ratio in the same run),
+  and speculators' eager loss at 32k (what the chunked loss saves in peak memory).
 - The longest T one H200 trains: doubled from 32k until a step runs out of memory, then the last that fit.
 - The store reader: StoreSamples over a store of Kimi-shaped states (4 x 7168 bf16 a token) written here, GB/s
   and tok/s against what the trainer consumes at 8k.
@@ -67,11 +68,11 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _steps(model, opt, inputs, n: int, amp: bool) -> float:
-    from speculators.losses import resolve_loss_config
+def _steps(model, opt, inputs, n: int, amp: bool, loss_impl: str = "auto") -> float:
+    from eagle3.train.chunked_loss import loss_config as make_loss_config
 
     device = inputs["input_ids"].device.type
-    loss_config = resolve_loss_config("kl_div", "eager")
+    loss_config = make_loss_config("kl_div", loss_impl, device)  # the trainer's: chunked on CUDA
     _sync()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -85,27 +86,27 @@ def _steps(model, opt, inputs, n: int, amp: bool) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def _measure(model, opt, shape, seq: int, amp: bool, steps: int = 5, mla=None) -> dict:
+def _measure(model, opt, shape, seq: int, amp: bool, steps: int = 5, mla=None, loss_impl: str = "auto") -> dict:
     inputs = _inputs(shape, seq)
     torch.cuda.reset_peak_memory_stats()
-    _steps(model, opt, inputs, 2, amp)  # warm-up: allocator, kernels
-    sec = _steps(model, opt, inputs, steps, amp)
+    _steps(model, opt, inputs, 2, amp, loss_impl)  # warm-up: allocator, kernels
+    sec = _steps(model, opt, inputs, steps, amp, loss_impl)
     per_token = flops.train_flops_per_token(shape, N_AUX, DRAFT_VOCAB, TTT, seq) if mla is None else (
         sum(flops.mla_linear_flops(mla, N_AUX, DRAFT_VOCAB, TTT).values()) + flops.mla_attention_flops(mla, TTT, seq))
     return {"draft": "mla" if mla is not None else "llama", "seq": seq, "precision": "bf16-mixed" if amp else "fp32", "s_per_step": round(sec, 4),
             "tok_per_s": round(seq / sec), "gflop_per_token": round(per_token / 1e9, 2),
             "mfu": round(flops.mfu(seq / sec, per_token), 4),
-            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "loss": loss_impl}
 
 
-def _tried(model, opt, shape, seq: int, amp: bool, steps: int = 5, mla=None) -> dict:
+def _tried(model, opt, shape, seq: int, amp: bool, steps: int = 5, mla=None, loss_impl: str = "auto") -> dict:
     """_measure's row, or {seq, out_of_memory} where a step does not fit: one size that does not fit loses no other."""
     try:
-        return _measure(model, opt, shape, seq, amp, steps, mla)
+        return _measure(model, opt, shape, seq, amp, steps, mla, loss_impl)
     except torch.OutOfMemoryError:
         opt.zero_grad(set_to_none=True)
         return {"draft": "mla" if mla is not None else "llama", "seq": seq,
-                "precision": "bf16-mixed" if amp else "fp32", "out_of_memory": True}
+                "precision": "bf16-mixed" if amp else "fp32", "loss": loss_impl, "out_of_memory": True}
     finally:
         torch.cuda.empty_cache()
 
@@ -123,8 +124,9 @@ def test_bench_train_kimi_draft(report, gpu_out):
     model = _model(shape)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = []
-    for seq, amp in ((2048, True), (8192, True), (32768, True), (8192, False)):
-        rows.append(_tried(model, opt, shape, seq, amp))
+    for seq, amp, loss in ((2048, True, "auto"), (8192, True, "auto"), (32768, True, "auto"), (8192, False, "auto"),
+                           (32768, True, "eager")):  # the last: speculators' eager loss, for its peak memory
+        rows.append(_tried(model, opt, shape, seq, amp, loss_impl=loss))
         report("bench_train_kimi_draft", rows)  # as it goes: a lease that ends mid-way keeps what was measured
 
     def fits(seq):

@@ -126,12 +126,15 @@ def test_the_trainer_s_figures_reach_the_report_per_gpu_with_their_mfu(tmp_path)
     out of memory has no rate and is left out); in the report: tokens/s, per GPU, MFU and peak memory."""
     rows = [{"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 40000, "mfu": 0.41, "peak_gib": 61.5},
             {"draft": "llama", "seq": 32768, "precision": "bf16-mixed", "out_of_memory": True},
-            {"draft": "mla", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 30000, "mfu": 0.33, "peak_gib": 55.0}]
+            {"draft": "mla", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 30000, "mfu": 0.33, "peak_gib": 55.0},
+            {"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "loss": "eager", "tok_per_s": 38000, "mfu": 0.39,
+             "peak_gib": 70.0}]
     (tmp_path / "benchmark.json").write_text(json.dumps(bench.train_history(rows, "2026-12-05T10:00", "h200-kimi-draft",
                                                                             gpus=2)))
     md = bench.report([tmp_path / "benchmark.json"], tmp_path / "r")[0].read_text()
     assert "| h200-kimi-draft | train_llama_bf16-mixed/8192 | 40,000 | 20,000 | - | - | no | - |" in md
     assert "train_mla_bf16-mixed/8192: 15,000 tok/s per GPU, MFU 33.0%, peak 55.0 GiB" in md
+    assert "train_llama_bf16-mixed_eager/8192: 19,000 tok/s per GPU, MFU 39.0%, peak 70.0 GiB" in md  # its own key
     assert "32768" not in md
 
 
