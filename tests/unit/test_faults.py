@@ -51,15 +51,25 @@ def test_kill_points_cover_every_stage(setup):
     assert set(POINTS) <= set(counts), counts
 
 
-def test_killed_extractions_resume_to_the_uninterrupted_result(setup):
-    cfg, backend, root, counts = setup
-    reference = _contents(root / "reference")
+def _plan(counts) -> list[list[tuple[str, int]]]:
+    """N_KILLS runs, each its kill points, every fourth run killed twice (a seeded draw: the same in every part)."""
     rng = random.Random(1234)
     plan = [(p, rng.randint(1, counts[p])) for p in (POINTS * 5)[:N_KILLS]]
+    return [[(point, k)] + ([(rng.choice(POINTS), 1)] if n % 4 == 0 else []) for n, (point, k) in enumerate(plan)]
+
+
+PARTS = 4  # the runs in four tests, which the suite's workers share
+
+
+@pytest.mark.parametrize("part", range(PARTS))
+def test_killed_extractions_resume_to_the_uninterrupted_result(setup, part):
+    cfg, backend, root, counts = setup
+    reference = _contents(root / "reference")
+    runs = list(enumerate(_plan(counts)))[part::PARTS]
     survived = 0
-    for n, (point, k) in enumerate(plan):
+    for n, kills in runs:
         out = root / f"killed-{n}"
-        kills = [(point, k)] + ([(rng.choice(POINTS), 1)] if n % 4 == 0 else [])  # some runs die twice
+        point, k = kills[0]
         for p, kk in kills:
             killed, code = run_forked(lambda: extract.run(cfg(out, faults.killer(p, kk)), backend=backend,
                                                           progress=False))
@@ -73,4 +83,4 @@ def test_killed_extractions_resume_to_the_uninterrupted_result(setup):
                 assert torch.equal(g[3][layer], r[3][layer]), (point, k, g[0], layer)
         assert verify.verify(out).ok
         survived += 1
-    assert survived == N_KILLS
+    assert survived == len(runs) == N_KILLS // PARTS
