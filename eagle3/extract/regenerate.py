@@ -216,13 +216,11 @@ class VLLMGenerator:
 
     def close(self) -> None:
         """The engine's GPU memory back (a process that starts another engine next needs it)."""
+        from eagle3.extract.vllm_compat import shutdown_engine
+
         llm, self.llm = self.llm, None
         if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
-            del llm
+            shutdown_engine(llm)
 
     def __call__(self, prompts: list[list[int]], seeds: list[int], cfg: RegenConfig, stops: set[int]):
         params = [self.vllm.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,

@@ -108,11 +108,7 @@ class VLLMBackend:
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
-            del llm
+            compat.shutdown_engine(llm)
 
 
 def _some(ids: list[str]) -> str:

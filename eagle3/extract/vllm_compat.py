@@ -166,6 +166,16 @@ def engine_kwargs(model: str, *, strategy: str, layer_ids: tuple[int, ...], tp: 
     return kw
 
 
+def shutdown_engine(llm, best_effort: bool = True) -> None:
+    """End an LLM's engine core and its workers: their GPU memory back to this process's next engine. best_effort:
+    an error on the way out is ignored (closing after a failure); otherwise it is raised."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        if not best_effort:
+            raise
+
+
 def collective_rpc(llm, method: str, args: tuple = ()) -> Any:
     """LLM.collective_rpc: one reply per worker (0.26 has no unique_reply_rank at this level)."""
     return llm.collective_rpc(method, args=args)

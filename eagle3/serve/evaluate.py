@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle3.extract.rpc import Expect, Record, normalize_reply
-from eagle3.extract.vllm_compat import WORKER_EXTENSION, prepare_environment
+from eagle3.extract.vllm_compat import WORKER_EXTENSION, prepare_environment, shutdown_engine
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def run(cfg: EvalConfig) -> EvalReport:
         _, _, (report.shifted, _) = _run(llm, prompts, cfg.max_tokens, counters)
         report.shifted_layer_ids = shifted
         llm.collective_rpc("eagle3_set_aux_layers", args=(ids,))
-    llm.llm_engine.engine_core.shutdown()
+    shutdown_engine(llm, best_effort=False)
     del llm
     if cfg.baseline:
         t0 = time.perf_counter()
@@ -289,7 +289,7 @@ def run(cfg: EvalConfig) -> EvalReport:
             top2: list = []
             _run(base, prompts, cfg.max_tokens, top2=top2)  # the plain run again, timed apart, with margins
             report.divergences = divergences(spec_tokens, base_tokens, top2, spec_top2)
-        base.llm_engine.engine_core.shutdown()
+        shutdown_engine(base, best_effort=False)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(asdict(report), indent=1))

@@ -549,6 +549,20 @@ def test_a_capture_error_is_reported_not_raised_inside_the_forward(fake, tiny_ki
                     progress=False)
 
 
+def test_close_ends_the_engine_once(fake, tiny_kimi, monkeypatch):
+    """close() hands the engine's GPU memory back (vllm_compat.shutdown_engine): the next engine of the process needs
+    it. A second close does nothing."""
+    from eagle3.extract.extract import store_spec
+    from eagle3.extract.vllm_backend import VLLMBackend
+
+    backend = VLLMBackend(str(tiny_kimi), store_spec(tiny_kimi, IDS, "float32"), tp=1, capture="hooks")
+    engine, ended = fake_vllm.FakeLLM.last, []
+    monkeypatch.setattr(engine, "shutdown", lambda: (ended.append(1), type(engine).shutdown(engine)))
+    backend.close()
+    backend.close()
+    assert ended == [1] and backend.llm is None
+
+
 def test_unit_norms_sets_every_rank_s_layer_rmsnorms_to_one_and_nothing_else(fake, tiny_kimi):
     """The kimi-depth GPU test's dummy weights: vLLM draws every parameter in +-1e-3 from one seed per shape, so
     layer updates vanish below bf16 resolution; unit_norms sets each rank's decoder-layer RMSNorm weights (and only
