@@ -113,6 +113,16 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-selfcheck", action="store_true",
                    help="skip the final-state self-check (final norm + lm_head on the captured last state must "
                         "reproduce the engine's own next token)")
+    r = p.add_argument_group("--regenerate: the target writes each conversation's last assistant turn (or the turn "
+                             "after a prompt-only conversation), its states captured in the same pass")
+    r.add_argument("--regenerate", action="store_true",
+                   help="store prompt + the target's own turn, the loss on the turn only (vllm: one engine pass, "
+                        "no second prefill; see eagle3/extract/one_pass.py)")
+    r.add_argument("--temperature", type=NON_NEGATIVE_FLOAT, default=0.0, help="0 = greedy")
+    r.add_argument("--top-p", type=FRACTION, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
+    r.add_argument("--max-tokens", type=POSITIVE, default=512,
+                   help="tokens a turn may run to (less where the sample would pass --max-len)")
+    r.add_argument("--seed", type=NON_NEGATIVE, default=0, help="line n draws with seed*1000003 + n (as regenerate)")
 
 
 def _state_dtype(name: str) -> str:
@@ -128,6 +138,7 @@ def _extract_defaults() -> dict:
 def _extract_config(a):
     from eagle3.data.conversations import DataConfig
     from eagle3.extract.extract import ExtractConfig
+    from eagle3.extract.one_pass import Generation
     from eagle3.store import recipe
 
     return ExtractConfig(
@@ -137,7 +148,8 @@ def _extract_config(a):
         shard_samples=a.shard_samples, shard_tokens=a.shard_tokens, device=a.device, tp=a.tp,
         capture=a.capture, fsync=not a.no_fsync, vllm_kwargs={"gpu_memory_utilization": a.gpu_mem},
         selfcheck=0 if a.no_selfcheck else a.selfcheck_prompts, recipe=recipe.from_args(a),
-        dtype=_state_dtype(a.state_dtype),
+        dtype=_state_dtype(a.state_dtype), regenerate=Generation(a.temperature, a.top_p, a.max_tokens, a.seed)
+        if a.regenerate else None,
     )
 
 
@@ -509,6 +521,9 @@ def preflight(a) -> None:
 
             cfg = read_model_config(folder)
             validate_layer_ids(a.layer_ids, int((cfg.get("text_config") or cfg)["num_hidden_layers"]))
+        if a.regenerate and a.backend == "vllm" and a.capture == "aux":
+            raise pf.UsageError("extract --regenerate --capture aux: the aux capture runs as a drafter, which sees no "
+                                "decode step's states; use --capture direct or hooks (or auto)")
         if a.backend == "vllm":
             pf.vllm_installed("extract --backend vllm")
             pf.cuda_available("extract --backend vllm")

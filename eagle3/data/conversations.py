@@ -107,8 +107,8 @@ def json_problem(text: str, e: json.JSONDecodeError) -> str:
     return f"{e.msg} at column {e.colno} of {end}: ...{text[max(0, e.pos - 20):e.pos + 1]!r} <- here"
 
 
-def parse_line(text: str, path: str | Path, line: int) -> Conversation:
-    """One JSONL line -> Conversation, or DataError saying what is wrong."""
+def parse_line(text: str, path: str | Path, line: int, need_assistant: bool = True) -> Conversation:
+    """One JSONL line -> Conversation, or DataError saying what is wrong (schema.parse's need_assistant)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -118,7 +118,7 @@ def parse_line(text: str, path: str | Path, line: int) -> Conversation:
     def err(problem, fix, reason):
         raise DataError(path, line, problem, fix, reason)
 
-    return schema.parse(obj, err)
+    return schema.parse(obj, err, need_assistant)
 
 
 def parse_conversation(text: str, path: str | Path, line: int) -> list[dict]:
@@ -126,8 +126,9 @@ def parse_conversation(text: str, path: str | Path, line: int) -> list[dict]:
     return parse_line(text, path, line).messages
 
 
-def read_conversations(path: str | Path, report: DataReport) -> Iterator[tuple[int, str | None, Any]]:
-    """Yield (line number, raw text, messages or DataError) for each non-blank line."""
+def read_conversations(path: str | Path, report: DataReport,
+                       need_assistant: bool = True) -> Iterator[tuple[int, str | None, Any]]:
+    """Yield (line number, raw text, messages or DataError) for each non-blank line (need_assistant: parse_line's)."""
     path = Path(path)
     if not path.exists():
         raise DataError(path, None, "file not found", "Check the path")
@@ -146,7 +147,7 @@ def read_conversations(path: str | Path, report: DataReport) -> Iterator[tuple[i
                 report.blank_lines += 1
                 continue
             try:
-                yield lineno, text, parse_line(text, path, lineno)
+                yield lineno, text, parse_line(text, path, lineno, need_assistant)
             except DataError as e:
                 yield lineno, text, e
 

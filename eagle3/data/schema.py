@@ -111,8 +111,9 @@ def _tools(tools, err) -> list[dict] | None:
     return [t if "function" in t else {"type": "function", "function": t} for t in tools] or None
 
 
-def parse(obj, err) -> Conversation:
-    """A decoded JSONL line -> Conversation; ``err(problem, fix, reason)`` raises."""
+def parse(obj, err, need_assistant: bool = True) -> Conversation:
+    """A decoded JSONL line -> Conversation; ``err(problem, fix, reason)`` raises. ``need_assistant=False``: a
+    conversation with no assistant turn to learn is a prompt (`extract --regenerate`: the target writes the turn)."""
     if not isinstance(obj, dict):
         err(f"expected a JSON object, got {type(obj).__name__}", 'Write {"messages": [...]} or {"conversations": [...]}',
             "wrong_schema")
@@ -195,7 +196,7 @@ def parse(obj, err) -> Conversation:
         weights.append(int(weight))
     learnable = [i for i, m in enumerate(messages) if m["role"] == "assistant" and weights[i] and (
         (m["content"] or "").strip() or m.get("tool_calls") or (m.get("reasoning_content") or "").strip())]
-    if not learnable:
+    if not learnable and need_assistant:
         held = any(m["role"] == "assistant" for m in messages)
         err("no assistant turn with text, thinking or tool calls" + (" and weight 1" if held else "") +
             " (nothing to learn from)", "Add an assistant reply or remove the line", "no_assistant")

@@ -50,6 +50,8 @@ class ExtractConfig:
     vllm_kwargs: dict = field(default_factory=dict)
     selfcheck: int = 4                      # prompts for the final-state self-check before storing (0 = skip)
     recipe: dict | None = None              # the CLI options, recorded for `extract --resume` (recipe.py)
+    regenerate: "Generation | None" = None  # the target writes each last assistant turn, captured in the same
+    # pass (one_pass.py); None: the data's turns
     fault: Callable[[str], None] | None = None  # tests: kill points
 
 
@@ -65,6 +67,7 @@ class ExtractSummary:
     data_report: str = ""
     selfcheck: str = ""
     recomputed_rows: int = 0   # vLLM: prompt rows computed again after a preemption (captured once each)
+    generation: str = ""       # --regenerate: tokens generated, how the turns ended, rows computed twice
 
     @property
     def tokens_per_s(self) -> float:
@@ -79,7 +82,8 @@ class ExtractSummary:
             f"bytes      {self.bytes_written / 2**20:,.1f} MiB"
             + (f" = {_rate(self.bytes_written / self.seconds)} (`eagle3 bench disk` says what the disk can take)"
                if self.seconds else ""),
-        ] + ([f"data       {self.data_report}"] if self.data_report else []) + (
+        ] + ([f"generated  {self.generation}"] if self.generation else []) + (
+            [f"data       {self.data_report}"] if self.data_report else []) + (
             [f"check      {self.selfcheck}"] if self.selfcheck else [])
 
 
@@ -107,7 +111,12 @@ def make_backend(cfg: ExtractConfig, spec: StoreSpec):
     if cfg.backend == "vllm":
         from eagle3.extract.vllm_backend import VLLMBackend
 
-        return VLLMBackend(cfg.model, spec, tp=cfg.tp, capture=cfg.capture, **cfg.vllm_kwargs)
+        kw = dict(cfg.vllm_kwargs)
+        if cfg.regenerate is not None:  # one pass: the last token's row from the prefix cache's tail (one_pass.py)
+            kw["extra_engine_args"] = {"enable_prefix_caching": True, **(kw.get("extra_engine_args") or {})}
+            if cfg.data is not None and not kw.get("max_model_len"):
+                kw["max_model_len"] = cfg.data.max_len + 1  # the tail request: a sample's tokens and one more
+        return VLLMBackend(cfg.model, spec, tp=cfg.tp, capture=cfg.capture, **kw)
     raise ValueError(f"unknown backend {cfg.backend!r}: use hf or vllm")
 
 
@@ -135,7 +144,14 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
             raise ValueError("give conversations (cfg.data) or samples")
         if cfg.data.rejects_path is None:
             cfg.data.rejects_path = str(Path(cfg.out) / "rejects.jsonl")
-        samples, rep = load_dataset(cfg)
+        if cfg.regenerate is not None:
+            from transformers import AutoTokenizer
+
+            from eagle3.extract import one_pass
+
+            samples, rep = one_pass.load_prompts(cfg.data, AutoTokenizer.from_pretrained(cfg.model), cfg.regenerate)
+        else:
+            samples, rep = load_dataset(cfg)
         report = rep.summary()
         log.info("data: %s", report)
     spec = store_spec(cfg.model, cfg.layer_ids, cfg.dtype)
@@ -174,11 +190,15 @@ def _run_locked(cfg: ExtractConfig, samples, backend, progress: bool, store: Sto
     check_line = ""
     if cfg.selfcheck and todo:
         try:
-            check_line = require_final_state(backend, store, cfg, todo[: cfg.selfcheck])
+            check = todo[: cfg.selfcheck]  # --regenerate: the prompts (the check needs no generated turn)
+            check_line = require_final_state(backend, store, cfg, [getattr(s, "as_sample", lambda: s)() for s in check])
         except BaseException:
             if own_backend:
                 backend.close()
             raise
+    if cfg.regenerate is not None:
+        return _run_one_pass(cfg, samples, todo, done_before, backend, own_backend, progress, store, fault, report,
+                             check_line)
     t0 = time.perf_counter()
     written_tokens = written_bytes = 0
     bar = _progress(progress, total=sum(len(s) for s in todo), unit="tok", desc=f"extract ({cfg.backend})")
@@ -211,6 +231,38 @@ def _run_locked(cfg: ExtractConfig, samples, backend, progress: bool, store: Sto
         raise StoreError(f"{len(missing)} samples were not written (e.g. {sorted(missing)[:3]})")
     return ExtractSummary(str(cfg.out), len(samples), done_before, len(todo), written_tokens,
                           time.perf_counter() - t0, written_bytes, report, check_line, recomputed)
+
+
+def _run_one_pass(cfg: ExtractConfig, prompts, todo, done_before: int, backend, own_backend: bool, progress: bool,
+                  store: Store, fault, report: str, check_line: str) -> ExtractSummary:
+    """--regenerate: batches of prompts generated and captured in one pass (one_pass.py), committed as they come."""
+    from transformers import AutoTokenizer
+
+    from eagle3.data import masks
+    from eagle3.extract import one_pass
+
+    stops = masks.stop_ids(AutoTokenizer.from_pretrained(cfg.model))
+    t0 = time.perf_counter()
+    bar = _progress(progress, total=len(todo), unit="sample", desc=f"extract --regenerate ({cfg.backend})")
+    committer = BackgroundCommitter(store, fsync=cfg.fsync, fault=fault)
+    session = None
+    try:
+        session = one_pass.open_session(backend, store, cfg, cfg.regenerate, stops, fault)
+        batches = [todo[start : start + cfg.batch_size] for start in range(0, len(todo), cfg.batch_size)]
+        tokens, nbytes, stats = one_pass.run_batches(session, batches, committer, bar)
+        committer.close()
+    finally:
+        if session is not None:
+            session.close()
+        committer.close(raise_errors=False)
+        bar.close()
+        if own_backend:
+            backend.close()
+    missing = {p.sample_id for p in prompts} - store.done_ids
+    if missing:
+        raise StoreError(f"{len(missing)} samples were not written (e.g. {sorted(missing)[:3]})")
+    return ExtractSummary(str(cfg.out), len(prompts), done_before, len(todo), tokens, time.perf_counter() - t0,
+                          nbytes, report, check_line, stats.recomputed, stats.line())
 
 
 def require_final_state(backend, store: Store, cfg: ExtractConfig, samples: Sequence[Sample]) -> str:

@@ -78,6 +78,22 @@ class HFBackend:
         return out
 
     @torch.inference_mode()
+    def generate(self, prompts, gen, stops: set[int]) -> list[list[int]]:
+        """`extract --regenerate`: each prompt's turn (one_pass.Prompt: ids, seed, max_tokens), drawn with its own
+        seed; the end-of-turn token kept where the turn ended on one."""
+        out = []
+        sample = gen.temperature > 0
+        for p in prompts:
+            torch.manual_seed(p.seed)
+            x = torch.tensor([p.ids], device=self.device)
+            y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=p.max_tokens,
+                                    do_sample=sample, temperature=gen.temperature if sample else None,
+                                    top_p=gen.top_p if sample else None, top_k=None,
+                                    eos_token_id=sorted(stops), pad_token_id=sorted(stops)[0])
+            out.append(y[0, len(p.ids):].tolist())
+        return out
+
+    @torch.inference_mode()
     def top_logprobs(self, samples: Sequence[Sample], k: int):
         """The model's own next-token distribution after each sample: greedy token + top-k logprobs."""
         from eagle3.extract.selfcheck import EngineTop

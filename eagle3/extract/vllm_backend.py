@@ -37,6 +37,7 @@ class VLLMBackend:
         import vllm
 
         self.spec = spec
+        self.vllm = vllm
         self.strategy = compat.pick_strategy(capture)
         compat.prepare_environment(log_level or logging.getLevelName(logging.getLogger("eagle3").getEffectiveLevel()))
         kwargs = compat.engine_kwargs(
@@ -45,6 +46,8 @@ class VLLMBackend:
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, load_format=load_format,
             skip_tokenizer_init=skip_tokenizer_init, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, extra=extra_engine_args)
+        # an engine with prefix caching (extract --regenerate's): a prefill to capture must compute every row
+        self.read_cache = {"skip_reading_prefix_cache": True} if kwargs.get("enable_prefix_caching") else {}
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
@@ -68,7 +71,7 @@ class VLLMBackend:
     def generate_prefill(self, token_lists: Sequence[Sequence[int]]) -> None:
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, **self.read_cache)
         self.llm.generate([{"prompt_token_ids": list(t)} for t in token_lists], params, use_tqdm=False)
 
     def attach(self, on: bool) -> None:

@@ -80,6 +80,16 @@ class CaptureExtension:
         problems are recorded and reported by eagle3_collect."""
         cap = self._e3["capturer"]
         self._e3["last"] = layers
+        rows = self._e3.get("regen")
+        if rows is not None:  # extract --regenerate: every row of every request, prefill and decode
+            try:
+                layout = compat.step_layout(self.model_runner)
+                if layout.req_ids:
+                    rows.on_step(layers, layout)
+            except Exception as e:  # noqa: BLE001
+                log.exception("row capture failed in a forward step")
+                rows.errors.append(f"capture step: {type(e).__name__}: {e}")
+            return
         if cap is None:
             return
         try:
@@ -185,6 +195,60 @@ class CaptureExtension:
             self._e3["writer"].close()
             self._e3["writer"] = None
         return reply
+
+    def eagle3_regen_open(self, cfg: dict) -> dict:
+        """`extract --regenerate`: from now on every row each request computes (prompt rows at prefill, a row a
+        decode step) is kept by position (decode_capture.RowCollector) until eagle3_regen_write names the sample it
+        belongs to. cfg: root, spec, start_index, shard_tokens, fsync, writer_threads. The owner writes; other
+        ranks count rows."""
+        from eagle3.extract.decode_capture import RowCollector
+        from eagle3.store.format import StoreSpec
+        from eagle3.store.writer import ShardWriter
+
+        e3 = self._e3
+        e3["regen"] = RowCollector(keep=e3["owner"])
+        e3["regen_writer"] = ShardWriter(
+            cfg["root"], StoreSpec.from_json(cfg["spec"]), cfg["start_index"], cfg["shard_tokens"],
+            fsync=cfg["fsync"], threads=cfg.get("writer_threads", 2),
+            writer_id=f"tp{e3['par']['tp_rank']} pid {os.getpid()}") if e3["owner"] else None
+        return {"rank": e3["par"]["tp_rank"], "owner": e3["owner"]}
+
+    def eagle3_regen_write(self, samples: list) -> dict:
+        """samples: [(sample_id, [request ids in the order they ran], input ids as int32 bytes, loss mask as uint8
+        bytes)]. The owner assembles each sample's rows and writes them, then cuts the shard: every sample of the
+        call is in a reported shard. Returns the shards, the rows counted so far and any errors."""
+        import numpy as np
+
+        from eagle3.extract.capture import CaptureError
+
+        e3 = self._e3
+        rows, writer = e3["regen"], e3["regen_writer"]
+        errors, shards = list(rows.errors), []
+        rows.errors.clear()
+        if writer is not None:
+            try:
+                for sid, names, ids, mask in samples:
+                    ids_t = torch.from_numpy(np.frombuffer(ids, dtype=np.int32).copy())
+                    mask_t = torch.from_numpy(np.frombuffer(mask, dtype=np.uint8).copy())
+                    try:
+                        states = rows.take(sid, names, len(ids_t))  # [T, n_layers, H]
+                    except CaptureError as e:
+                        errors.append(str(e))
+                        continue
+                    writer.add(sid, ids_t, mask_t, states.transpose(0, 1))
+                shards = [vars(i) for i in writer.flush()]
+            except Exception as ex:  # noqa: BLE001 - reported, not raised here
+                errors.append(f"shard writer: {type(ex).__name__}: {ex}")
+        return {"rank": e3["par"]["tp_rank"], "owner": e3["owner"], "steps": rows.steps, "rows": rows.rows,
+                "shards": shards, "errors": errors}
+
+    def eagle3_regen_close(self) -> dict:
+        """End the session: the writer's threads end; rows no sample claimed are dropped (and counted)."""
+        e3 = self._e3
+        rows, writer = e3.pop("regen", None), e3.pop("regen_writer", None)
+        if writer is not None:
+            writer.close()
+        return {"rank": e3["par"]["tp_rank"], "unclaimed": rows.drop() if rows is not None else 0}
 
     def eagle3_dump_head(self, folder: str) -> dict:
         """Write this rank's slice of the target's final norm and lm_head to FOLDER/head-tp<rank>.safetensors

@@ -17,7 +17,7 @@ PLAN = "plan.json"  # sample ids + recipe; the store reads it as store.PLAN
 # the extract options a store records (argparse dest names), in the order a command line shows them
 KEYS = ("model", "data", "backend", "layer_ids", "batch_size", "max_len", "long_rule", "on_error", "max_samples",
         "dedup", "shard_samples", "shard_tokens", "device", "tp", "capture", "gpu_mem", "no_fsync", "selfcheck_prompts",
-        "no_selfcheck", "state_dtype")
+        "no_selfcheck", "state_dtype", "regenerate", "temperature", "top_p", "max_tokens", "seed")
 # options that may differ on resume (where and how fast it runs, not what is stored)
 RUNTIME = frozenset({"batch_size", "device", "tp", "gpu_mem", "no_fsync"})
 

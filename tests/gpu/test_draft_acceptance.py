@@ -218,6 +218,62 @@ def test_the_target_regenerates_held_out_conversations_with_vllm(chain, report):
     assert overall >= REGEN_MIN_SAME, summary
 
 
+ONE_PASS_CONVERSATIONS = 256
+ONE_PASS_REL_TOL = 0.04  # tests/gpu/test_extract_vllm.py's REL_TOL (bf16 kernels at other batch shapes), per row here
+
+
+def test_extract_regenerate_stores_in_one_pass_what_a_prefill_of_its_final_tokens_stores(chain, report):
+    """Issue 40 on the GPU: `extract --regenerate` (greedy, the last turn) generates and captures in one engine pass;
+    every stored row of every layer id, the last row included, equals within bf16 noise a separate prefill extraction
+    of the same final tokens (and a row's neighbour does not: the control). Beside it, the same conversations through
+    `regenerate --mode last` then `extract`: stored tokens a second of generation + capture (engine starts apart),
+    both measured here."""
+    from eagle3.data.conversations import Sample
+    from eagle3.extract import one_pass, regenerate
+    from eagle3.store.folder import Store
+
+    tmp, target = chain["tmp"], str(chain["target"])
+    convs = learnable.conversations(ARCH, ONE_PASS_CONVERSATIONS, seed=learnable.HELD_OUT_SEED + 3)
+    data = tmp / "onepass-in.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    kw = {"gpu_memory_utilization": 0.2}
+    gen = one_pass.Generation(max_tokens=384)
+    one = extract.run(extract.ExtractConfig(model=target, out=str(tmp / "onepass"), backend="vllm", batch_size=256,
+                                            data=DataConfig([str(data)], max_len=2048), regenerate=gen,
+                                            vllm_kwargs=kw), progress=False)
+    stored = {s["sample_id"]: s for s in Store.open(tmp / "onepass").iter_samples()}
+    samples = [Sample(sid, tuple(s["input_ids"].tolist()), tuple(s["loss_mask"].tolist())) for sid, s in stored.items()]
+    extract.run(extract.ExtractConfig(model=target, out=str(tmp / "onepass-prefill"), backend="vllm", batch_size=256,
+                                      vllm_kwargs=dict(kw, max_model_len=2049)), samples=samples, progress=False)
+    prefill = {s["sample_id"]: s for s in Store.open(tmp / "onepass-prefill").iter_samples()}
+    ids = Store.open(tmp / "onepass").spec.layer_ids
+    worst = worst_last = 0.0
+    closest_wrong = float("inf")
+    for sid, s in stored.items():
+        for i in ids:
+            a, b = s["states"][i].float(), prefill[sid]["states"][i].float()
+            err = ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12))  # [T] per row
+            worst, worst_last = max(worst, float(err.max())), max(worst_last, float(err[-1]))
+            shifted = ((a[1:] - b[:-1]).norm(dim=-1) / b[:-1].norm(dim=-1).clamp_min(1e-12))
+            closest_wrong = min(closest_wrong, float(shifted.median()))
+    # the two-step way, timed the same way: generation and capture, not the engines' starts
+    regen = regenerate.run(regenerate.RegenConfig(target=target, data=str(data), out=str(tmp / "onepass-regen.jsonl"),
+                                                  backend="vllm", mode="last", max_tokens=gen.max_tokens,
+                                                  batch_size=256, gpu_memory_utilization=0.2, max_model_len=2048))
+    two = extract.run(extract.ExtractConfig(model=target, out=str(tmp / "onepass-two"), backend="vllm", batch_size=256,
+                                            data=DataConfig([str(tmp / "onepass-regen.jsonl")], max_len=2048),
+                                            vllm_kwargs=dict(kw, max_model_len=2048)), progress=False)
+    summary = {"samples": len(stored), "generation": one.generation, "per_row_rel_err_worst": round(worst, 5),
+               "last_row_rel_err_worst": round(worst_last, 5), "neighbour_row_rel_err_median_min": round(closest_wrong, 4),
+               "one_pass_tok_per_s": round(one.tokens_per_s), "one_pass_seconds": round(one.seconds, 1),
+               "regenerate_then_extract_tok_per_s": round(two.tokens_written / (regen.seconds + two.seconds)),
+               "regenerate_seconds": round(regen.seconds, 1), "extract_seconds": round(two.seconds, 1),
+               "two_step_tokens": two.tokens_written, "one_pass_tokens": one.tokens_written}
+    report("e2e_extract_regenerate_one_pass", summary)
+    assert len(stored) == len(prefill) == ONE_PASS_CONVERSATIONS, summary
+    assert worst <= ONE_PASS_REL_TOL and closest_wrong > 3 * ONE_PASS_REL_TOL, summary
+
+
 LONG_PROMPTS = 128  # long-context prompts per variant (4,096 + 64 tokens each)
 GRAPH_PROMPTS = 256  # short prompts served under CUDA graphs (the llama and mla drafts)
 VARIANTS = {"llama + 3.1": dict(fc_norm=True, norm_output=True), "mla": dict(draft_arch="mla"),

@@ -62,6 +62,10 @@ class SamplingParams:
     temperature: float = 1.0
     detokenize: bool = True
     logprobs: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list | None = None
+    skip_reading_prefix_cache: bool | None = None
 
 
 class _Layer(torch.nn.Module):
@@ -192,6 +196,7 @@ class FakeLLM:
         self.preemptions = 0
         self.rpc_log: list[tuple[str, int]] = []
         self.seen_prefixes: set[tuple[int, ...]] = set()
+        self.cached: set[tuple[int, ...]] = set()  # _serve's prefix cache: whole blocks of tokens computed
         self.rng = random.Random(0)
         FakeLLM.last = self
         FakeLLM.instances.append(self)
@@ -237,7 +242,10 @@ class FakeLLM:
 
     def generate(self, prompts, params, use_tqdm=False):
         """Prefill (max_tokens=1). Returns vLLM-shaped outputs; with logprobs=k, the top-k of the reference
-        model's next-token distribution ({token: object with .logprob}, as vLLM's Logprob)."""
+        model's next-token distribution ({token: object with .logprob}, as vLLM's Logprob). An engine with prefix
+        caching on (extract --regenerate's) generates: ``_serve``."""
+        if self.kw.get("enable_prefix_caching") and not getattr(params, "logprobs", None):
+            return self._serve(prompts, params if isinstance(params, list) else [params] * len(prompts))
         assert params.max_tokens == 1
         outputs = []
         for p in prompts:
@@ -295,6 +303,63 @@ class FakeLLM:
             done = [r for r in waiting if r[2] >= len(r[1])]
             finished = done if self.kw.get("async_scheduling") else []
             waiting = [r for r in waiting if r[2] < len(r[1])]
+
+    BLOCK = 16  # the KV cache's block: the prefix cache holds whole blocks of tokens computed before
+
+    def _serve(self, prompts, params):
+        """Generation as vLLM runs it: each request's turn drawn from the reference logits (greedy, or sampled with
+        its seed) up to a stop token or max_tokens; then steps under the token budget: prompt chunks (past the
+        prefix cache's whole blocks unless skip_reading_prefix_cache), then a decode row a step forwarding the
+        token sampled before (the last one sampled is never forwarded). With async scheduling a request's last
+        step is followed by one more row of it, NaN here: whatever keeps it must let a later row win. Worker-side
+        request ids are "<id>-<8 characters>", as vLLM 0.26's."""
+        reqs, outputs = [], []
+        for p, sp in zip(prompts, params):
+            ids = list(p["prompt_token_ids"])
+            g = torch.Generator().manual_seed(sp.seed or 0)
+            out = []
+            while len(out) < sp.max_tokens:
+                logits = FakeLLM.reference_logits(ids + out).float()
+                tok = int(logits.argmax()) if not sp.temperature else int(
+                    torch.multinomial(torch.softmax(logits / sp.temperature, -1), 1, generator=g))
+                out.append(tok)
+                if tok in (sp.stop_token_ids or ()):
+                    break
+            rid = str(self.counter)
+            self.counter += 1
+            final = ids + out
+            skip = 0
+            if not sp.skip_reading_prefix_cache:
+                skip = max((k for k in range(0, len(ids), self.BLOCK) if tuple(ids[:k]) in self.cached), default=0)
+            # rows it forwards: the prompt, then every generated token but the last
+            # [internal id, prompt, computed, states of the final tokens, rows it forwards, prompt length, final]
+            reqs.append([f"{rid}-{self.rng.getrandbits(32):08x}", ids, skip, FakeLLM.reference(final),
+                         len(final) - 1, len(ids), final])
+            outputs.append(types.SimpleNamespace(request_id=rid, outputs=[types.SimpleNamespace(token_ids=out)]))
+        waiting, after = list(reqs), []
+        while waiting or after:
+            budget, step = self.token_budget, []
+            for r in after:  # async scheduling's extra row of a request that just ended
+                nan = torch.full((r[3].shape[0], r[4] + 1, r[3].shape[2]), float("nan"))
+                step.append(([r[0], r[1], r[4], nan], 1))
+                budget -= 1
+            for r in waiting:
+                if budget <= 0:
+                    break
+                n = 1 if r[2] >= r[5] else min(budget, r[5] - r[2], self.rng.randint(1, self.token_budget))
+                step.append((r, n))
+                budget -= n
+            self._run_step(step)
+            live = {id(r) for r in waiting}
+            for r, n in step:
+                if id(r) in live:
+                    r[2] += n
+                    for k in range(self.BLOCK, r[2] + 1, self.BLOCK):
+                        self.cached.add(tuple(r[6][:k]))
+            done = [r for r in waiting if r[2] >= r[4]]
+            after = done if self.kw.get("async_scheduling") else []
+            waiting = [r for r in waiting if r[2] < r[4]]
+        return outputs
 
     @torch.inference_mode()
     def _run_step(self, step):

@@ -146,3 +146,18 @@ def test_engine_encoded_tensors_are_what_the_normalizer_expects():
     bufs = enc.encode([[big]])
     with pytest.raises(ReplyError, match="engine-encoded"):
         normalize_reply(msgspec.msgpack.decode(bufs[0]), Expect(1, LayerStack(1, (256, 1024), torch.bfloat16)))
+
+
+def test_what_the_one_pass_extraction_relies_on():
+    """extract --regenerate (one_pass.py): SamplingParams' skip_reading_prefix_cache (the first request computes every
+    prompt row; the tail request reads the cache), the internal request id "<id>-<8 characters>" the worker sees
+    (decode_capture.external_id), and RequestOutput.request_id as the caller's id."""
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.output_processor import RequestState
+
+    from eagle3.extract.decode_capture import SUFFIX
+
+    assert vllm.SamplingParams(max_tokens=1, skip_reading_prefix_cache=True).skip_reading_prefix_cache is True
+    src = _src(InputProcessor.assign_request_id)
+    assert f'f"{{request.external_req_id}}-{{random_uuid():.{SUFFIX}}}"' in src
+    assert "request_id=external_req_id" in _src(RequestState)
