@@ -194,51 +194,65 @@ def _cut(sample_id: str, ids: list[int], mask: list[int], cfg: DataConfig, repor
     return parts
 
 
-def load_samples(cfg: DataConfig, tokenizer, tokenizer_where: str = "tokenizer") -> tuple[list[Sample], DataReport]:
-    """All samples of cfg.paths, in file then line order; rejects written to cfg.rejects_path."""
-    check_tokenizer(tokenizer, tokenizer_where)
+def unique_conversations(cfg: DataConfig, report: DataReport, rejects: list[dict],
+                         need_assistant: bool = True) -> Iterator[tuple[Path, int, str | None, Conversation]]:
+    """(path, line, raw text, Conversation) for each line of cfg.paths, in file then line order: a line that does not
+    parse is rejected (``reject``), a duplicate of an earlier line counted and, with cfg.dedup, dropped."""
     names = [Path(p).name for p in cfg.paths]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise DataError(sorted(dup)[0], None, "two input files share this name, so sample ids would collide",
                         "Rename one of them")
-    report, samples, rejects, seen = DataReport(), [], [], set()
-    stops = masks.stop_ids(tokenizer)
+    seen = set()
     for path in map(Path, cfg.paths):
-        for line, text, parsed in read_conversations(path, report):
-            try:
-                if isinstance(parsed, DataError):
+        for line, text, parsed in read_conversations(path, report, need_assistant):
+            if isinstance(parsed, DataError):
+                if cfg.on_error == "stop":
                     raise parsed
-                key = parsed.key()
-                if key in seen:
-                    report.duplicates += 1
-                    if cfg.dedup:
-                        continue
-                seen.add(key)
-                vs = masks.views(tokenizer, parsed, path, line)
-                report.views += len(vs) - 1
-                report.template_dropped.update(masks.dropped(parsed, vs))
-                parts = []
-                for v in vs:
-                    ids, mask = masks.encode(tokenizer, v, stops)
-                    sid = f"{path.name}:{line}" + ("" if v.end == len(parsed.messages) else f"@{v.end - 1}")
-                    parts += _cut(sid, ids, mask, cfg, report, path, line)
-                kept = [s for s in parts if any(s.loss_mask)]
-                if not kept:
-                    raise DataError(path, line, "no assistant tokens left after the long-sample rule",
-                                    "Raise --max-len", "no_assistant_tokens")
-                if len(kept) < len(parts):
-                    report.rejected["no_assistant_tokens"] += len(parts) - len(kept)
-            except DataError as e:
-                if cfg.on_error == "stop" or e.reason == "too_long" and cfg.long_rule == "error":
-                    raise
-                report.rejected[e.reason] += 1
-                rejects.append({"file": str(path), "line": line, "reason": e.reason, "error": str(e),
-                                "text": (text or "")[:200]})
+                reject(report, rejects, path, line, text, parsed)
                 continue
-            samples.extend(kept)
-            if cfg.max_samples and len(samples) >= cfg.max_samples:
-                break
+            key = parsed.key()
+            if key in seen:
+                report.duplicates += 1
+                if cfg.dedup:
+                    continue
+            seen.add(key)
+            yield path, line, text, parsed
+
+
+def reject(report: DataReport, rejects: list[dict], path: Path, line: int, text: str | None, e: DataError) -> None:
+    """A line skipped: counted by its reason, kept for the rejects file."""
+    report.rejected[e.reason] += 1
+    rejects.append({"file": str(path), "line": line, "reason": e.reason, "error": str(e), "text": (text or "")[:200]})
+
+
+def load_samples(cfg: DataConfig, tokenizer, tokenizer_where: str = "tokenizer") -> tuple[list[Sample], DataReport]:
+    """All samples of cfg.paths, in file then line order; rejects written to cfg.rejects_path."""
+    check_tokenizer(tokenizer, tokenizer_where)
+    report, samples, rejects = DataReport(), [], []
+    stops = masks.stop_ids(tokenizer)
+    for path, line, text, parsed in unique_conversations(cfg, report, rejects):
+        try:
+            vs = masks.views(tokenizer, parsed, path, line)
+            report.views += len(vs) - 1
+            report.template_dropped.update(masks.dropped(parsed, vs))
+            parts = []
+            for v in vs:
+                ids, mask = masks.encode(tokenizer, v, stops)
+                sid = f"{path.name}:{line}" + ("" if v.end == len(parsed.messages) else f"@{v.end - 1}")
+                parts += _cut(sid, ids, mask, cfg, report, path, line)
+            kept = [s for s in parts if any(s.loss_mask)]
+            if not kept:
+                raise DataError(path, line, "no assistant tokens left after the long-sample rule",
+                                "Raise --max-len", "no_assistant_tokens")
+            if len(kept) < len(parts):
+                report.rejected["no_assistant_tokens"] += len(parts) - len(kept)
+        except DataError as e:
+            if cfg.on_error == "stop" or e.reason == "too_long" and cfg.long_rule == "error":
+                raise
+            reject(report, rejects, path, line, text, e)
+            continue
+        samples.extend(kept)
         if cfg.max_samples and len(samples) >= cfg.max_samples:
             samples = samples[: cfg.max_samples]
             break

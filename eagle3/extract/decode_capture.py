@@ -65,6 +65,10 @@ class RowCollector:
             if b > a:
                 self.chunks[rid].append(_Chunk(int(layout.computed[i]), rows[a:b], event))
 
+    def add_error(self, message: str) -> None:
+        """A problem inside the forward (reported by the next eagle3_regen_write), as Capturer.add_error."""
+        self.errors.append(message)
+
     def _to_host(self, stacked: torch.Tensor):
         if stacked.device.type != "cuda":
             return stacked.detach().clone(), None

@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -23,6 +23,9 @@ from eagle3.store.folder import Store, read_manifest, refuse_foreign
 from eagle3.store.format import MANIFEST, StoreError, StoreSpec, shard_tokens
 from eagle3.targets.layers import default_layer_ids, validate_layer_ids
 from eagle3.targets.presets import config_hash, read_model_config
+
+if TYPE_CHECKING:
+    from eagle3.extract.one_pass import Generation
 
 log = logging.getLogger(__name__)
 # batches announced to the engine's workers in one RPC at most (vLLM): the submit of the first, the next ones' ride
@@ -50,7 +53,7 @@ class ExtractConfig:
     vllm_kwargs: dict = field(default_factory=dict)
     selfcheck: int = 4                      # prompts for the final-state self-check before storing (0 = skip)
     recipe: dict | None = None              # the CLI options, recorded for `extract --resume` (recipe.py)
-    regenerate: "Generation | None" = None  # the target writes each last assistant turn, captured in the same
+    regenerate: Generation | None = None  # the target writes each last assistant turn, captured in the same
     # pass (one_pass.py); None: the data's turns
     fault: Callable[[str], None] | None = None  # tests: kill points
 

@@ -33,6 +33,20 @@ def decoder_stack(model) -> torch.nn.Module:
     raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
+@torch.inference_mode()
+def generate_turn(model, device, ids, seed: int, max_tokens: int, temperature: float, top_p: float,
+                  stops: set[int]) -> list[int]:
+    """transformers' generate after ``ids`` with its own seed (greedy at temperature 0): the new tokens, the
+    end-of-turn token kept where the turn ended on one."""
+    torch.manual_seed(seed)
+    x = torch.tensor([list(ids)], device=device)
+    sample = temperature > 0
+    y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=sample,
+                       temperature=temperature if sample else None, top_p=top_p if sample else None, top_k=None,
+                       eos_token_id=sorted(stops), pad_token_id=sorted(stops)[0])
+    return y[0, len(ids):].tolist()
+
+
 class HFBackend:
     name = "hf"
 
@@ -77,21 +91,10 @@ class HFBackend:
                 out.append(states[b, :, : len(s)].to(self.out_dtype).cpu())
         return out
 
-    @torch.inference_mode()
     def generate(self, prompts, gen, stops: set[int]) -> list[list[int]]:
-        """`extract --regenerate`: each prompt's turn (one_pass.Prompt: ids, seed, max_tokens), drawn with its own
-        seed; the end-of-turn token kept where the turn ended on one."""
-        out = []
-        sample = gen.temperature > 0
-        for p in prompts:
-            torch.manual_seed(p.seed)
-            x = torch.tensor([p.ids], device=self.device)
-            y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=p.max_tokens,
-                                    do_sample=sample, temperature=gen.temperature if sample else None,
-                                    top_p=gen.top_p if sample else None, top_k=None,
-                                    eos_token_id=sorted(stops), pad_token_id=sorted(stops)[0])
-            out.append(y[0, len(p.ids):].tolist())
-        return out
+        """`extract --regenerate`: each prompt's turn (one_pass.Prompt: ids, seed, max_tokens; gen: the sampling)."""
+        return [generate_turn(self.model, self.device, p.ids, p.seed, p.max_tokens, gen.temperature, gen.top_p,
+                              stops) for p in prompts]
 
     @torch.inference_mode()
     def top_logprobs(self, samples: Sequence[Sample], k: int):

@@ -24,14 +24,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from eagle3.data import masks
-from eagle3.data.conversations import DataConfig, DataReport, Sample, read_conversations, write_rejects
+from eagle3.data.conversations import DataConfig, DataReport, Sample, write_rejects
 from eagle3.data.schema import DataError
 from eagle3.store.format import ShardInfo, StoreError, shard_tokens
 
@@ -81,40 +80,24 @@ class Written:
 def load_prompts(cfg: DataConfig, tokenizer, gen: Generation) -> tuple[list[Prompt], DataReport]:
     """Each conversation's prompt (module docstring), in file then line order; bad lines and prompts of max_len
     tokens or more are rejected (counted, and written to cfg.rejects_path with the reason)."""
-    from eagle3.data.conversations import check_tokenizer
+    from eagle3.data.conversations import check_tokenizer, reject, unique_conversations
 
     check_tokenizer(tokenizer, "tokenizer")
-    report, prompts, rejects, seen = DataReport(), [], [], set()
-    for path in map(Path, cfg.paths):
-        for line, text, parsed in read_conversations(path, report, need_assistant=False):
-            try:
-                if isinstance(parsed, DataError):
-                    raise parsed
-                key = parsed.key()
-                if key in seen:
-                    report.duplicates += 1
-                    if cfg.dedup:
-                        continue
-                seen.add(key)
-                msgs = parsed.messages
-                turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and parsed.weights[i]]
-                head = msgs[: turns[-1]] if turns else msgs
-                ids = tokenizer(masks.chat(tokenizer, head, parsed.tools, gen=True),
-                                add_special_tokens=False)["input_ids"]
-                if len(ids) >= cfg.max_len:
-                    raise DataError(path, line, f"the prompt has {len(ids)} tokens, no room under max_len "
-                                    f"{cfg.max_len} for the target's turn", "Raise --max-len", "too_long")
-            except DataError as e:
-                if cfg.on_error == "stop":
-                    raise
-                report.rejected[e.reason] += 1
-                rejects.append({"file": str(path), "line": line, "reason": e.reason, "error": str(e),
-                                "text": (text or "")[:200]})
-                continue
-            prompts.append(Prompt(f"{path.name}:{line}{ID_SUFFIX}", tuple(ids), gen.seed * SEED_STRIDE + line,
-                                  min(gen.max_tokens, cfg.max_len - len(ids))))
-            if cfg.max_samples and len(prompts) >= cfg.max_samples:
-                break
+    report, prompts, rejects = DataReport(), [], []
+    for path, line, text, parsed in unique_conversations(cfg, report, rejects, need_assistant=False):
+        msgs = parsed.messages
+        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and parsed.weights[i]]
+        head = msgs[: turns[-1]] if turns else msgs
+        ids = tokenizer(masks.chat(tokenizer, head, parsed.tools, gen=True), add_special_tokens=False)["input_ids"]
+        if len(ids) >= cfg.max_len:
+            e = DataError(path, line, f"the prompt has {len(ids)} tokens, no room under max_len {cfg.max_len} for "
+                          "the target's turn", "Raise --max-len", "too_long")
+            if cfg.on_error == "stop":
+                raise e
+            reject(report, rejects, path, line, text, e)
+            continue
+        prompts.append(Prompt(f"{path.name}:{line}{ID_SUFFIX}", tuple(ids), gen.seed * SEED_STRIDE + line,
+                              min(gen.max_tokens, cfg.max_len - len(ids))))
         if cfg.max_samples and len(prompts) >= cfg.max_samples:
             break
     report.samples, report.tokens = len(prompts), sum(len(p) for p in prompts)

@@ -180,25 +180,14 @@ class HFGenerator:
         import torch
         from transformers import AutoModelForCausalLM
 
-        self.torch = torch
         self.device = device
         self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
 
     def __call__(self, prompts: list[list[int]], seeds: list[int], cfg: RegenConfig, stops: set[int]):
-        torch = self.torch
-        out = []
-        for ids, seed in zip(prompts, seeds):
-            torch.manual_seed(seed)
-            x = torch.tensor([ids], device=self.device)
-            sample = cfg.temperature > 0
-            with torch.no_grad():
-                y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_tokens,
-                                        do_sample=sample, temperature=cfg.temperature if sample else None,
-                                        top_p=cfg.top_p if sample else None, top_k=None,
-                                        eos_token_id=sorted(stops), pad_token_id=sorted(stops)[0])
-            gen = y[0, len(ids):].tolist()
-            out.append(gen)
-        return out
+        from eagle3.extract.hf_backend import generate_turn
+
+        return [generate_turn(self.model, self.device, ids, seed, cfg.max_tokens, cfg.temperature, cfg.top_p, stops)
+                for ids, seed in zip(prompts, seeds)]
 
 
 class VLLMGenerator:

@@ -78,18 +78,9 @@ class CaptureExtension:
     def _e3_on_step(self, layers: list) -> None:
         """Runs inside vLLM's forward: it must never raise (an exception here kills the engine core);
         problems are recorded and reported by eagle3_collect."""
-        cap = self._e3["capturer"]
         self._e3["last"] = layers
-        rows = self._e3.get("regen")
-        if rows is not None:  # extract --regenerate: every row of every request, prefill and decode
-            try:
-                layout = compat.step_layout(self.model_runner)
-                if layout.req_ids:
-                    rows.on_step(layers, layout)
-            except Exception as e:  # noqa: BLE001
-                log.exception("row capture failed in a forward step")
-                rows.errors.append(f"capture step: {type(e).__name__}: {e}")
-            return
+        # extract --regenerate's row collector (every row of every request, prefill and decode), else the capture
+        cap = self._e3.get("regen") or self._e3["capturer"]
         if cap is None:
             return
         try:
