@@ -75,6 +75,7 @@ class DataReport:
     split_parts: int = 0
     duplicates: int = 0            # lines equal to an earlier one (dropped with dedup)
     views: int = 0                 # extra samples: turns the template renders differently once later turns follow
+    unended: int = 0               # regenerated turns cut at max_tokens: learned without an end-of-turn token
     rejected: Counter = field(default_factory=Counter)
     template_dropped: Counter = field(default_factory=Counter)  # "role.field" -> turns whose data the template left out
 
@@ -85,6 +86,9 @@ class DataReport:
                f"duplicates {self.duplicates}; rejected: {rej}")
         if self.views:
             out += f"; {self.views} turns learned from their own view (the template re-renders them later)"
+        if self.unended:
+            out += (f"; {self.unended} turns the target did not end (regenerated, cut at max_tokens): learned "
+                    "without the end-of-turn token the template closes them with")
         if self.template_dropped:
             out += "; the chat template dropped " + ", ".join(
                 f"{k} in {v} turns" for k, v in sorted(self.template_dropped.items())) + " (the data held them)"
@@ -235,6 +239,7 @@ def load_samples(cfg: DataConfig, tokenizer, tokenizer_where: str = "tokenizer")
         try:
             vs = masks.views(tokenizer, parsed, path, line)
             report.views += len(vs) - 1
+            report.unended += sum(not e for v in vs for e in v.ended)
             report.template_dropped.update(masks.dropped(parsed, vs))
             parts = []
             for v in vs:

@@ -3,7 +3,8 @@
 The target generates, after the template's generation prompt, the turn's thinking, text, tool-call markup and the
 end-of-turn token. So a turn's span starts where ``chat(turns before it, add_generation_prompt=True)`` ends and
 ends at the last end-of-turn token inside ``chat(turns through it)``; the template's headers and whatever it
-writes after the end token (ChatML's "\\n") stay out.
+writes after the end token (ChatML's "\\n") stay out. A turn the target did not end (regenerate's turn cut at
+max_tokens: Conversation.unended) ends before that end token: the template wrote it, the target did not.
 
 Views. A template may render an earlier turn differently once later turns follow (Kimi-K2's thinking template
 drops the thinking of turns before the last user message). The target generated that turn with the history it
@@ -26,6 +27,7 @@ class View:
     text: str
     spans: list[tuple[int, int]]   # character spans of the assistant turns learned in this view
     turns: list[int]               # their message indexes
+    ended: list[bool]              # per span: the target ended the turn (its end-of-turn token is learned)
 
 
 def chat(tokenizer, messages: list[dict], tools=None, gen: bool = False) -> str:
@@ -62,13 +64,14 @@ def views(tokenizer, conv: Conversation, path="?", line: int = 0) -> list[View]:
                             "Use a template whose generation prompt is what precedes an assistant turn's content",
                             "template_not_prefix")
         turn_span[i] = (before, through)
-    out, left, end = [], list(learn), len(msgs)
+    out, left, end, unended = [], list(learn), len(msgs), conv.unended()
     while left:
         text = chat(tokenizer, msgs[:end], tools)
         # always progresses: a view that ends at a turn renders that turn as its own generation did
         here = [i for i in left if i < end and text.startswith(turn_span[i][1])]
         if here:
-            out.append(View(end, text, [(len(turn_span[i][0]), len(turn_span[i][1])) for i in here], here))
+            out.append(View(end, text, [(len(turn_span[i][0]), len(turn_span[i][1])) for i in here], here,
+                            [i not in unended for i in here]))
             left = [i for i in left if i not in here]
         if left:
             end = left[-1] + 1
@@ -76,14 +79,15 @@ def views(tokenizer, conv: Conversation, path="?", line: int = 0) -> list[View]:
 
 
 def encode(tokenizer, view: View, stops: set[int]) -> tuple[list[int], list[int]]:
-    """View -> (input_ids [T], loss_mask [T]): 1 on tokens starting inside a span, up to the span's last end token."""
+    """View -> (input_ids [T], loss_mask [T]): 1 on tokens starting inside a span, up to the span's last end token
+    (for a turn the target did not end: up to the token before it)."""
     enc = tokenizer(view.text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     mask = [0] * len(ids)
-    for s, e in view.spans:
+    for (s, e), ended in zip(view.spans, view.ended):
         inside = [t for t, (a, _) in enumerate(offsets) if s <= a < e]
         ends = [t for t in inside if ids[t] in stops]
-        last = ends[-1] if ends else (inside[-1] if inside else -1)
+        last = (ends[-1] - (not ended)) if ends else (inside[-1] if inside else -1)
         for t in inside:
             if t <= last:
                 mask[t] = 1

@@ -7,6 +7,10 @@ null on an assistant turn that calls tools. Assistant turns may carry ``tool_cal
 "function", "function": {"name", "arguments"}}``) and ``reasoning_content`` (thinking; vLLM's ``reasoning`` is
 read as the same); tool turns ``tool_call_id``. ``weight`` on a turn: 1 (default) or 0 = not in the loss.
 
+A line `eagle3 regenerate` wrote also has ``regenerated``: ``turns`` (the message indexes it wrote) and ``finish``
+(each "stop", or "length": cut at max_tokens). A turn cut at max_tokens is learned without its end-of-turn token, which
+the template writes but the target never generated there (data/masks.py).
+
 ShareGPT ``{"conversations": [{"from", "value"}], "tools": "[...]"}``: system, human, gpt; ``function_call``
 (the value a JSON call ``{"name", "arguments"}`` or a list of them: an assistant turn with tool_calls),
 ``observation`` (the tool's reply: a tool turn).
@@ -43,7 +47,36 @@ class Conversation:
 
     def key(self) -> str:
         """Identity for duplicate counting: the messages and tools as the template gets them."""
-        return json.dumps([self.messages, self.tools, self.weights], sort_keys=True, ensure_ascii=False)
+        return json.dumps([self.messages, self.tools, self.weights, sorted(self.unended())], sort_keys=True,
+                          ensure_ascii=False)
+
+    def unended(self) -> set[int]:
+        """Message indexes of the turns the target did not end (regenerate's record: finish "length")."""
+        r = self.extra.get("regenerated") or {}
+        return {i for i, f in zip(r.get("turns", ()), r.get("finish", ())) if f == "length"}
+
+
+FINISH = ("stop", "length")  # how a regenerated turn ended: its end-of-turn token, or max_tokens
+
+
+def _check_regenerated(record, messages: list[dict], err) -> None:
+    """regenerate's record of the turns it wrote: turns[j] an assistant message, finish[j] how it ended."""
+    fix = ('Keep the "regenerated" record as `eagle3 regenerate` wrote it ({"turns": [message index, ...], "finish": '
+           '["stop" or "length", ...]}), or remove it')
+    turns, finish = (record.get("turns"), record.get("finish")) if isinstance(record, dict) else (None, None)
+    if not isinstance(turns, list) or not isinstance(finish, list):
+        err("the regenerated record's turns and finish must be lists", fix, "bad_regenerated")
+    if len(turns) != len(finish):
+        err(f"the regenerated record has {len(turns)} turns but {len(finish)} finish values", fix, "bad_regenerated")
+    for i, f in zip(turns, finish):
+        if f not in FINISH:
+            err(f"the regenerated record has finish {f!r}; it is one of {FINISH}", fix, "bad_regenerated")
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(messages):
+            err(f"the regenerated record's turn {i!r} is past the last of {len(messages)} messages", fix,
+                "bad_regenerated")
+        if messages[i]["role"] != "assistant":
+            err(f"the regenerated record's turn {i} is a {messages[i]['role']} turn, not an assistant turn", fix,
+                "bad_regenerated")
 
 
 def _text(content, k: int, role: str, err) -> str | None:
@@ -200,5 +233,7 @@ def parse(obj, err, need_assistant: bool = True) -> Conversation:
         held = any(m["role"] == "assistant" for m in messages)
         err("no assistant turn with text, thinking or tool calls" + (" and weight 1" if held else "") +
             " (nothing to learn from)", "Add an assistant reply or remove the line", "no_assistant")
+    if obj.get("regenerated") is not None:
+        _check_regenerated(obj["regenerated"], messages, err)
     extra = {k: v for k, v in obj.items() if k not in ("messages", "conversations", "tools")}
     return Conversation(messages, tools, weights, extra)

@@ -10,6 +10,8 @@ the target, in input order, one output line per input line.
   target's text in Kimi-K2's format (<think>, the tool-call section tokens; ids ``functions.NAME:I`` as vLLM's
   kimi_k2 parser reads them) where the tokenizer has those tokens; otherwise the text up to the end-of-turn token is
   the content.
+- A turn cut at max_tokens is marked ``finish: "length"`` in the line's ``regenerated`` record; extract learns it
+  without the end-of-turn token the chat template closes it with (data/masks.py).
 - Sampling: temperature (0 = greedy), top_p, max_tokens; line n samples with seed ``seed * 1_000_003 + n``, so a
   resumed run draws what an uninterrupted one would.
 - Resumable and never overwriting: each output line is appended and fsynced with its input line number; a rerun of

@@ -14,12 +14,14 @@ only where a measurement fails outright (a step that does not run). Where the 8k
 two steps (GPU_OUT/profile_8k.txt; time by kind of work in the report: train/step_profile.py). Last, the 8k row
 under torch.compile (with its compile time), as the issue asks: measured with and without.
 Rows are reported as they are measured; a size that runs out of memory is a row saying so. The rows also go to
-GPU_OUT/benchmark.json for `eagle3 bench report` (tok/s per GPU, MFU, peak memory). NOT YET RUN ON A GPU.
+GPU_OUT/benchmark.json for `eagle3 bench report` (tok/s per GPU, MFU, peak memory). NOT YET RUN ON A GPU; its code runs
+on CPU at a small shape in tests/unit/test_bench_train_rehearsal.py.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -30,15 +32,36 @@ pytestmark = [pytest.mark.gpu, pytest.mark.benchmark]
 N_AUX, DRAFT_VOCAB, TTT = 3, 32000, 3
 
 
-def _model(shape, device="cuda", mla=None):
+@dataclass(frozen=True)
+class Bench:
+    """What the benchmark measures on: the Kimi-K2.5 draft on CUDA here; a small draft on CPU in
+    tests/unit/test_bench_train_rehearsal.py, which runs this file's code before a lease does."""
+    shape: object            # a DraftShape: the llama draft
+    mla: object              # an MLAShape: the MLA draft (the same hidden size and vocabulary)
+    device: str = "cuda"
+    draft_vocab: int = DRAFT_VOCAB
+    seqs: tuple = (2048, 8192, 32768)  # short, the goal's (8k), long (32k): tokens a packed sequence
+    longest_cap: int = 262144          # the longest-sequence search stops here
+    longest_step: int = 4096           # and resolves to a multiple of this
+    compile_backend: str = "inductor"
+
+
+def kimi() -> Bench:
+    from eagle3.targets.presets import KIMI_K25_TEXT
+    from eagle3.train import mla_draft
+
+    return Bench(flops.kimi_k25_draft(), mla_draft.MLAShape.for_target(KIMI_K25_TEXT))
+
+
+def _model(b: Bench, mla=None):
     from speculators.models.eagle3 import Eagle3DraftModel
 
     from eagle3.train.draft import speculators_config
 
-    cfg = speculators_config(shape, [2, 30, 58], DRAFT_VOCAB, TTT, "/nonexistent", ["DeepseekV3ForCausalLM"],
+    cfg = speculators_config(b.shape, [2, 30, 58], b.draft_vocab, TTT, "/nonexistent", ["DeepseekV3ForCausalLM"],
                              attn_implementation="sdpa")
     torch.manual_seed(0)
-    with torch.device(device):
+    with torch.device(b.device):
         m = Eagle3DraftModel(cfg)
     if mla is not None:
         from eagle3.train import mla_draft
@@ -47,16 +70,16 @@ def _model(shape, device="cuda", mla=None):
     for p in m.parameters():
         if p.isnan().any():  # the verifier's weights, unloaded: any values do for a speed test
             p.data.normal_(0, 0.02)
-    t2d = torch.zeros(shape.vocab_size, dtype=torch.bool)
-    t2d[:DRAFT_VOCAB] = True
-    m.load_vocab_mappings(t2d.to(device), torch.zeros(DRAFT_VOCAB, dtype=torch.long, device=device))
+    t2d = torch.zeros(b.shape.vocab_size, dtype=torch.bool)
+    t2d[:b.draft_vocab] = True
+    m.load_vocab_mappings(t2d.to(b.device), torch.zeros(b.draft_vocab, dtype=torch.long, device=b.device))
     return m.float().train()
 
 
-def _inputs(shape, seq: int, device="cuda"):
-    h = shape.hidden_size
+def _inputs(b: Bench, seq: int):
+    h, device = b.shape.hidden_size, b.device
     g = torch.Generator(device=device).manual_seed(1)
-    return dict(input_ids=torch.randint(0, DRAFT_VOCAB, (1, seq), device=device, generator=g),
+    return dict(input_ids=torch.randint(0, b.draft_vocab, (1, seq), device=device, generator=g),
                 hidden_states=torch.randn(1, seq, N_AUX * h, device=device, generator=g, dtype=torch.bfloat16).float(),
                 verifier_last_hidden_states=torch.randn(1, seq, h, device=device, generator=g,
                                                         dtype=torch.bfloat16).float(),
@@ -65,8 +88,8 @@ def _inputs(shape, seq: int, device="cuda"):
                 document_ids=torch.zeros(1, seq, dtype=torch.long, device=device))
 
 
-def _sync():
-    if torch.cuda.is_available():
+def _sync(device: str):
+    if device == "cuda":
         torch.cuda.synchronize()
 
 
@@ -75,7 +98,7 @@ def _steps(model, opt, inputs, n: int, amp: bool, loss_impl: str = "auto") -> fl
 
     device = inputs["input_ids"].device.type
     loss_config = make_loss_config("kl_div", loss_impl, device)  # the trainer's: chunked on CUDA
-    _sync()
+    _sync(device)
     t0 = time.perf_counter()
     for _ in range(n):
         with torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
@@ -84,33 +107,38 @@ def _steps(model, opt, inputs, n: int, amp: bool, loss_impl: str = "auto") -> fl
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    _sync()
+    _sync(device)
     return (time.perf_counter() - t0) / n
 
 
-def _measure(model, opt, shape, seq: int, amp: bool, steps: int = 5, mla=None, loss_impl: str = "auto") -> dict:
-    inputs = _inputs(shape, seq)
-    torch.cuda.reset_peak_memory_stats()
+def _row(seq: int, amp: bool, mla, loss_impl: str) -> dict:
+    return {"draft": "mla" if mla is not None else "llama", "seq": seq, "precision": "bf16-mixed" if amp else "fp32",
+            "loss": loss_impl}
+
+
+def _measure(b: Bench, model, opt, seq: int, amp: bool, steps: int = 5, mla=None, loss_impl: str = "auto") -> dict:
+    inputs = _inputs(b, seq)
+    if b.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     _steps(model, opt, inputs, 2, amp, loss_impl)  # warm-up: allocator, kernels
     sec = _steps(model, opt, inputs, steps, amp, loss_impl)
-    per_token = flops.train_flops_per_token(shape, N_AUX, DRAFT_VOCAB, TTT, seq) if mla is None else (
-        sum(flops.mla_linear_flops(mla, N_AUX, DRAFT_VOCAB, TTT).values()) + flops.mla_attention_flops(mla, TTT, seq))
-    return {"draft": "mla" if mla is not None else "llama", "seq": seq, "precision": "bf16-mixed" if amp else "fp32", "s_per_step": round(sec, 4),
-            "tok_per_s": round(seq / sec), "gflop_per_token": round(per_token / 1e9, 2),
-            "mfu": round(flops.mfu(seq / sec, per_token), 4),
-            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "loss": loss_impl}
+    per_token = flops.train_flops_per_token(b.shape, N_AUX, b.draft_vocab, TTT, seq) if mla is None else (
+        sum(flops.mla_linear_flops(mla, N_AUX, b.draft_vocab, TTT).values()) + flops.mla_attention_flops(mla, TTT, seq))
+    return dict(_row(seq, amp, mla, loss_impl), s_per_step=round(sec, 4), tok_per_s=round(seq / sec),
+                gflop_per_token=round(per_token / 1e9, 2), mfu=round(flops.mfu(seq / sec, per_token), 4),
+                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if b.device == "cuda" else None)
 
 
-def _tried(model, opt, shape, seq: int, amp: bool, steps: int = 5, mla=None, loss_impl: str = "auto") -> dict:
+def _tried(b: Bench, model, opt, seq: int, amp: bool, steps: int = 5, mla=None, loss_impl: str = "auto") -> dict:
     """_measure's row, or {seq, out_of_memory} where a step does not fit: one size that does not fit loses no other."""
     try:
-        return _measure(model, opt, shape, seq, amp, steps, mla, loss_impl)
+        return _measure(b, model, opt, seq, amp, steps, mla, loss_impl)
     except torch.OutOfMemoryError:
         opt.zero_grad(set_to_none=True)
-        return {"draft": "mla" if mla is not None else "llama", "seq": seq,
-                "precision": "bf16-mixed" if amp else "fp32", "loss": loss_impl, "out_of_memory": True}
+        return dict(_row(seq, amp, mla, loss_impl), out_of_memory=True)
     finally:
-        torch.cuda.empty_cache()
+        if b.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _longest(fits, lo: int, hi: int, step: int = 4096) -> int:
@@ -121,50 +149,56 @@ def _longest(fits, lo: int, hi: int, step: int = 4096) -> int:
     return lo
 
 
+def longest_trainable(fits, rows: list[dict], b: Bench) -> int | None:
+    """Where the long size fits: doubled while it fits (to longest_cap at most), then bisected to longest_step; else
+    bisected between the goal's size and the long one; None where the goal's size does not fit."""
+    _, mid, long = b.seqs
+    if "out_of_memory" in rows[1]:
+        return None
+    if "out_of_memory" in rows[2]:
+        return _longest(fits, mid, long, b.longest_step)
+    lo, hi = long, 2 * long
+    while hi <= b.longest_cap and fits(hi):
+        lo, hi = hi, hi * 2
+    return lo if hi > b.longest_cap else _longest(fits, lo, hi, b.longest_step)
+
+
 def test_bench_train_kimi_draft(report, gpu_out):
-    shape = flops.kimi_k25_draft()
-    model = _model(shape)
+    run_bench(kimi(), report, gpu_out)
+
+
+def run_bench(b: Bench, report, gpu_out) -> None:
+    short, mid, long = b.seqs
+    model = _model(b)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = []
-    for seq, amp, loss in ((2048, True, "auto"), (8192, True, "auto"), (32768, True, "auto"), (8192, False, "auto"),
-                           (32768, True, "eager")):  # the last: speculators' eager loss, for its peak memory
-        rows.append(_tried(model, opt, shape, seq, amp, loss_impl=loss))
+    for seq, amp, loss in ((short, True, "auto"), (mid, True, "auto"), (long, True, "auto"), (mid, False, "auto"),
+                           (long, True, "eager")):  # the last: speculators' eager loss, for its peak memory
+        rows.append(_tried(b, model, opt, seq, amp, loss_impl=loss))
         report("bench_train_kimi_draft", rows)  # as it goes: a lease that ends mid-way keeps what was measured
 
     def fits(seq):
-        return "out_of_memory" not in _tried(model, opt, shape, seq, True, steps=1)
+        return "out_of_memory" not in _tried(b, model, opt, seq, True, steps=1)
 
-    # where 32k fits: doubled while it fits (to 256k at most), then bisected to 4k; else bisected between 8k and 32k
-    if "out_of_memory" in rows[1]:
-        longest = None
-    elif "out_of_memory" in rows[2]:
-        longest = _longest(fits, 8192, 32768)
-    else:
-        lo, hi = 32768, 65536
-        while hi <= 262144 and fits(hi):
-            lo, hi = hi, hi * 2
-        longest = lo if hi > 262144 else _longest(fits, lo, hi)
+    longest = longest_trainable(fits, rows, b)
     report("bench_train_longest_seq", longest)
     assert all(r.get("tok_per_s", 1) > 0 for r in rows) and "out_of_memory" not in rows[1], rows  # 8k must train
     eight = rows[1]
     report("bench_train_goals", {"mfu_8k": eight["mfu"], "mfu_goal_0.35_met": eight["mfu"] >= 0.35,
-                                 "longest": longest, "32k_goal_met": (longest or 0) >= 32768})
+                                 "longest": longest, "32k_goal_met": (longest or 0) >= long})
     if eight["mfu"] < 0.35:  # the goal missed: where an 8k step's time goes (GPU_OUT/profile_8k.txt)
         from eagle3.train import step_profile
 
-        inputs = _inputs(shape, 8192)
+        inputs = _inputs(b, mid)
         prof = step_profile.profile(lambda: _steps(model, opt, inputs, 1, True), 2)
         (gpu_out / "profile_8k.txt").write_text(step_profile.table(prof, top=40) + "\n")
         report("bench_train_profile_8k", step_profile.shares(prof))
-    del model, opt
-    torch.cuda.empty_cache()
-    from eagle3.targets.presets import KIMI_K25_TEXT
-    from eagle3.train import mla_draft
-
-    mla = mla_draft.MLAShape.for_target(KIMI_K25_TEXT)
-    model = _model(shape, mla=mla)
+    model = opt = None
+    if b.device == "cuda":
+        torch.cuda.empty_cache()
+    model = _model(b, mla=b.mla)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    mla_rows = [_tried(model, opt, shape, seq, amp=True, mla=mla) for seq in (2048, 8192)]
+    mla_rows = [_tried(b, model, opt, seq, amp=True, mla=b.mla) for seq in (short, mid)]
     report("bench_train_kimi_mla_draft", mla_rows)
     import json
 
@@ -173,28 +207,32 @@ def test_bench_train_kimi_draft(report, gpu_out):
     (gpu_out / "benchmark.json").write_text(json.dumps(train_history(  # `eagle3 bench report --history` reads it
         rows + mla_rows, time.strftime("%Y-%m-%dT%H:%M"), "h200-kimi-k2.5-draft")))
     model = opt = None  # the memory back before the compiled model is built
-    torch.cuda.empty_cache()
-    report("bench_train_compiled_8k", _compiled_row(shape))  # last: a compile that takes minutes costs no other row
+    if b.device == "cuda":
+        torch.cuda.empty_cache()
+    report("bench_train_compiled_8k", _compiled_row(b))  # last: a compile that takes minutes costs no other row
 
 
-def _compiled_row(shape, seq: int = 8192) -> dict:
-    """The llama draft at 8k under torch.compile (the model's forward; the TTT loop and the loss inside it), beside
-    the eager row: its tok/s and MFU, and the compile's own seconds (the two warm-up steps). An error is the row."""
-    model = _model(shape)
+def _compiled_row(b: Bench) -> dict:
+    """The llama draft at the goal's size under torch.compile (the model's forward; the TTT loop and the loss inside
+    it), beside the eager row: its tok/s and MFU, and the compile's own seconds (the two warm-up steps). An error is
+    the row."""
+    seq = b.seqs[1]
+    model = _model(b)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     t0 = time.perf_counter()
     try:
-        compiled = torch.compile(model)
-        _steps(compiled, opt, _inputs(shape, seq), 2, True)
+        compiled = torch.compile(model, backend=b.compile_backend)
+        _steps(compiled, opt, _inputs(b, seq), 2, True)
         warm = time.perf_counter() - t0
-        row = _measure(compiled, opt, shape, seq, True)
+        row = _measure(b, compiled, opt, seq, True)
         return dict(row, compiled=True, compile_warmup_s=round(warm, 1))
     except Exception as e:  # noqa: BLE001 - reported: whether compile pays is the question
         return {"seq": seq, "compiled": True, "error": f"{type(e).__name__}: {str(e)[:300]}",
                 "seconds": round(time.perf_counter() - t0, 1)}
     finally:
         del model, opt
-        torch.cuda.empty_cache()
+        if b.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def reader_rate(root, n: int, seq: int, hidden: int = 7168) -> dict:

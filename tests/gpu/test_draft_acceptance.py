@@ -190,32 +190,37 @@ def test_the_target_regenerates_held_out_conversations_with_vllm(chain, report):
     target: every line written, in order; its last turns come back as the data's structured fields (deepseek: Kimi's
     <think> and tool-call section parsed into reasoning_content and tool_calls); and, since its answers follow from
     the prompt by rules, most regenerated turns say what the data's say (reported per traffic type)."""
+    summary = regenerate_held_out(chain["tmp"], chain["target"], REGEN_CONVERSATIONS)
+    report("e2e_regenerate_vllm", summary)
+    if ARCH == "deepseek":
+        assert summary["turns_with_reasoning"] > 0, summary
+    assert summary["same_as_data"] >= REGEN_MIN_SAME, summary
+
+
+def regenerate_held_out(tmp, target, n: int, max_tokens: int = 384) -> dict:
+    """`regenerate --backend vllm --mode last` (greedy) over n held-out conversations; every line back in order
+    (asserted), and how many turns say what the data's say. On CPU with the fake vLLM in tests/unit/test_e2e_rehearsal.py."""
     from eagle3.extract import regenerate
 
-    tmp = chain["tmp"]
-    convs = learnable.conversations(ARCH, REGEN_CONVERSATIONS, seed=learnable.HELD_OUT_SEED + 2)
+    convs = learnable.conversations(ARCH, n, seed=learnable.HELD_OUT_SEED + 2)
     data = tmp / "regen-in.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in convs))
     out = tmp / "regen-out.jsonl"
-    s = regenerate.run(regenerate.RegenConfig(target=str(chain["target"]), data=str(data), out=str(out),
-                                              backend="vllm", mode="last", temperature=0.0, max_tokens=384,
+    s = regenerate.run(regenerate.RegenConfig(target=str(target), data=str(data), out=str(out),
+                                              backend="vllm", mode="last", temperature=0.0, max_tokens=max_tokens,
                                               gpu_memory_utilization=0.2, max_model_len=2048))
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert s.written == len(rows) == REGEN_CONVERSATIONS and [r["regenerated"]["line"] for r in rows] == \
-        list(range(1, REGEN_CONVERSATIONS + 1))
+    assert s.written == len(rows) == n and [r["regenerated"]["line"] for r in rows] == list(range(1, n + 1))
     same: dict[str, list[bool]] = {}
     for c, r in zip(convs, rows):
         (i,) = r["regenerated"]["turns"]
         same.setdefault(c.get("traffic", "chat"), []).append(_turn_key(r["messages"][i]) == _turn_key(c["messages"][i]))
-    share = {t: round(sum(v) / len(v), 3) for t, v in same.items()}
-    overall = sum(map(sum, same.values())) / REGEN_CONVERSATIONS
-    summary = {"line": s.line(), "tokens_per_s": round(s.tokens / s.seconds) if s.seconds else None,
-               "same_as_data": round(overall, 3), "same_per_traffic": share, "cut": s.cut,
-               "finish": sorted({f for r in rows for f in r["regenerated"]["finish"]})}
-    report("e2e_regenerate_vllm", summary)
-    if ARCH == "deepseek":
-        assert any(r["messages"][r["regenerated"]["turns"][0]].get("reasoning_content") for r in rows), summary
-    assert overall >= REGEN_MIN_SAME, summary
+    return {"line": s.line(), "tokens_per_s": round(s.tokens / s.seconds) if s.seconds else None,
+            "same_as_data": round(sum(map(sum, same.values())) / n, 3),
+            "same_per_traffic": {t: round(sum(v) / len(v), 3) for t, v in same.items()}, "cut": s.cut,
+            "finish": sorted({f for r in rows for f in r["regenerated"]["finish"]}),
+            "turns_with_reasoning": sum(bool(r["messages"][r["regenerated"]["turns"][0]].get("reasoning_content"))
+                                        for r in rows)}
 
 
 ONE_PASS_CONVERSATIONS = 256
@@ -228,23 +233,34 @@ def test_extract_regenerate_stores_in_one_pass_what_a_prefill_of_its_final_token
     of the same final tokens (and a row's neighbour does not: the control). Beside it, the same conversations through
     `regenerate --mode last` then `extract`: stored tokens a second of generation + capture (engine starts apart),
     both measured here."""
+    summary = one_pass_against_prefill(chain["tmp"], str(chain["target"]), ONE_PASS_CONVERSATIONS)
+    report("e2e_extract_regenerate_one_pass", summary)
+    assert summary["samples"] == summary["prefill_samples"] == ONE_PASS_CONVERSATIONS, summary
+    assert summary["per_row_rel_err_worst"] <= ONE_PASS_REL_TOL, summary
+    assert summary["neighbour_row_rel_err_median_min"] > 3 * ONE_PASS_REL_TOL, summary
+
+
+def one_pass_against_prefill(tmp, target: str, n: int, max_tokens: int = 384, batch_size: int = 256) -> dict:
+    """extract --regenerate over n held-out conversations; a prefill extraction of its stored tokens; regenerate then
+    extract of the same conversations: the per-row errors and the rates. On CPU with the fake vLLM in
+    tests/unit/test_e2e_rehearsal.py."""
     from eagle3.data.conversations import Sample
     from eagle3.extract import one_pass, regenerate
     from eagle3.store.folder import Store
 
-    tmp, target = chain["tmp"], str(chain["target"])
-    convs = learnable.conversations(ARCH, ONE_PASS_CONVERSATIONS, seed=learnable.HELD_OUT_SEED + 3)
+    convs = learnable.conversations(ARCH, n, seed=learnable.HELD_OUT_SEED + 3)
     data = tmp / "onepass-in.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in convs))
     kw = {"gpu_memory_utilization": 0.2}
-    gen = one_pass.Generation(max_tokens=384)
-    one = extract.run(extract.ExtractConfig(model=target, out=str(tmp / "onepass"), backend="vllm", batch_size=256,
-                                            data=DataConfig([str(data)], max_len=2048), regenerate=gen,
-                                            vllm_kwargs=kw), progress=False)
+    gen = one_pass.Generation(max_tokens=max_tokens)
+    one = extract.run(extract.ExtractConfig(model=target, out=str(tmp / "onepass"), backend="vllm",
+                                            batch_size=batch_size, data=DataConfig([str(data)], max_len=2048),
+                                            regenerate=gen, vllm_kwargs=kw), progress=False)
     stored = {s["sample_id"]: s for s in Store.open(tmp / "onepass").iter_samples()}
     samples = [Sample(sid, tuple(s["input_ids"].tolist()), tuple(s["loss_mask"].tolist())) for sid, s in stored.items()]
-    extract.run(extract.ExtractConfig(model=target, out=str(tmp / "onepass-prefill"), backend="vllm", batch_size=256,
-                                      vllm_kwargs=dict(kw, max_model_len=2049)), samples=samples, progress=False)
+    extract.run(extract.ExtractConfig(model=target, out=str(tmp / "onepass-prefill"), backend="vllm",
+                                      batch_size=batch_size, vllm_kwargs=dict(kw, max_model_len=2049)),
+                samples=samples, progress=False)
     prefill = {s["sample_id"]: s for s in Store.open(tmp / "onepass-prefill").iter_samples()}
     ids = Store.open(tmp / "onepass").spec.layer_ids
     worst = worst_last = 0.0
@@ -259,19 +275,19 @@ def test_extract_regenerate_stores_in_one_pass_what_a_prefill_of_its_final_token
     # the two-step way, timed the same way: generation and capture, not the engines' starts
     regen = regenerate.run(regenerate.RegenConfig(target=target, data=str(data), out=str(tmp / "onepass-regen.jsonl"),
                                                   backend="vllm", mode="last", max_tokens=gen.max_tokens,
-                                                  batch_size=256, gpu_memory_utilization=0.2, max_model_len=2048))
-    two = extract.run(extract.ExtractConfig(model=target, out=str(tmp / "onepass-two"), backend="vllm", batch_size=256,
+                                                  batch_size=batch_size, gpu_memory_utilization=0.2,
+                                                  max_model_len=2048))
+    two = extract.run(extract.ExtractConfig(model=target, out=str(tmp / "onepass-two"), backend="vllm",
+                                            batch_size=batch_size,
                                             data=DataConfig([str(tmp / "onepass-regen.jsonl")], max_len=2048),
                                             vllm_kwargs=dict(kw, max_model_len=2048)), progress=False)
-    summary = {"samples": len(stored), "generation": one.generation, "per_row_rel_err_worst": round(worst, 5),
-               "last_row_rel_err_worst": round(worst_last, 5), "neighbour_row_rel_err_median_min": round(closest_wrong, 4),
-               "one_pass_tok_per_s": round(one.tokens_per_s), "one_pass_seconds": round(one.seconds, 1),
-               "regenerate_then_extract_tok_per_s": round(two.tokens_written / (regen.seconds + two.seconds)),
-               "regenerate_seconds": round(regen.seconds, 1), "extract_seconds": round(two.seconds, 1),
-               "two_step_tokens": two.tokens_written, "one_pass_tokens": one.tokens_written}
-    report("e2e_extract_regenerate_one_pass", summary)
-    assert len(stored) == len(prefill) == ONE_PASS_CONVERSATIONS, summary
-    assert worst <= ONE_PASS_REL_TOL and closest_wrong > 3 * ONE_PASS_REL_TOL, summary
+    return {"samples": len(stored), "prefill_samples": len(prefill), "generation": one.generation,
+            "per_row_rel_err_worst": round(worst, 5), "last_row_rel_err_worst": round(worst_last, 5),
+            "neighbour_row_rel_err_median_min": round(closest_wrong, 4),
+            "one_pass_tok_per_s": round(one.tokens_per_s), "one_pass_seconds": round(one.seconds, 1),
+            "regenerate_then_extract_tok_per_s": round(two.tokens_written / (regen.seconds + two.seconds)),
+            "regenerate_seconds": round(regen.seconds, 1), "extract_seconds": round(two.seconds, 1),
+            "two_step_tokens": two.tokens_written, "one_pass_tokens": one.tokens_written}
 
 
 LONG_PROMPTS = 128  # long-context prompts per variant (4,096 + 64 tokens each)

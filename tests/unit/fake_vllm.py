@@ -66,6 +66,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list | None = None
     skip_reading_prefix_cache: bool | None = None
+    skip_special_tokens: bool = True
 
 
 class _Layer(torch.nn.Module):
@@ -175,7 +176,7 @@ class FakeLLM:
     def __init__(self, **kw):
         from eagle3.extract.vllm_worker import CaptureExtension
 
-        assert kw["worker_extension_cls"] == WORKER_EXTENSION
+        assert kw.get("worker_extension_cls", WORKER_EXTENSION) == WORKER_EXTENSION  # or none: regenerate's engine
         self.kw = kw
         self.tp = kw.get("tensor_parallel_size", 1)
         self.aux = kw.get("speculative_config") is not None

@@ -208,3 +208,51 @@ def test_kimi_traffic_renders_through_the_kimi_template_with_its_masks(tmp_path,
                                                                           if not m])
         if c["traffic"] == "thinking":
             assert c["messages"][-1]["reasoning_content"] in kimi_tok.decode(on)
+
+
+# ------------------------------------------------------------------------ turns the target did not end (regenerate)
+
+
+def _regenerated(messages, turns, finish):
+    """A line as `eagle3 regenerate` writes it: the messages and its record of the turns it wrote."""
+    return {"messages": messages, "regenerated": {"line": 1, "turns": turns, "tokens": [5] * len(turns),
+                                                  "finish": finish, "cut_after": None}}
+
+
+@pytest.mark.parametrize("finish,on", [("length", "Hello."), ("stop", "Hello.<|im_end|>")])
+def test_a_turn_the_target_did_not_end_learns_no_end_of_turn(tmp_path, tokenizer, finish, on):
+    """regenerate's turn cut at max_tokens: the template closes it with an end-of-turn token the target never
+    generated there; a draft trained on it would learn to end turns where the target goes on."""
+    line = _regenerated([{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}], [1], [finish])
+    (s,), rep = _load(tmp_path, tokenizer, [line])
+    assert _split(tokenizer, s)[0] == on
+    assert rep.unended == (finish == "length")
+    assert ("1 turns the target did not end" in rep.summary()) == (finish == "length"), rep.summary()
+
+
+def test_of_several_regenerated_turns_only_the_cut_one_loses_its_end_token(tmp_path, llama3_tok, kimi_tok):
+    msgs = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye?"}, {"role": "assistant", "content": "Bye."}]
+    (s,), _ = _load(tmp_path, llama3_tok, [_regenerated(msgs, [1, 3], ["length", "stop"])])
+    assert _split(llama3_tok, s)[0] == "Hello.Bye.<|eot_id|>"
+    msgs = [dict(m) for m in TOOL_CHAT]
+    (s,), _ = _load(tmp_path, kimi_tok, [{"tools": kimi_traffic.TOOLS[:1],
+                                          **_regenerated(msgs, [1, 3], ["stop", "length"])}])
+    assert _split(kimi_tok, s)[0].endswith("<|tool_calls_section_end|><|im_end|><think></think>Foggy in Oslo.")
+
+
+@pytest.mark.parametrize("record,problem", [
+    ({"turns": [0], "finish": ["length"]}, "turn 0 is a user turn"),
+    ({"turns": [1], "finish": ["length", "stop"]}, "1 turns but 2 finish"),
+    ({"turns": [1], "finish": ["eos"]}, "finish 'eos'"),
+    ({"turns": [7], "finish": ["stop"]}, "turn 7 is past the last of 2"),
+    ({"turns": "1", "finish": ["stop"]}, "turns and finish must be lists"),
+])
+def test_a_malformed_regenerate_record_is_refused_with_the_reason(tmp_path, tokenizer, record, problem):
+    line = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}],
+            "regenerated": record}
+    good = _regenerated(line["messages"], [1], ["stop"])
+    kept, rep = _load(tmp_path, tokenizer, [line, good], rejects_path=str(tmp_path / "rejects.jsonl"))
+    assert [s.sample_id for s in kept] == ["d.jsonl:2"] and rep.rejected["bad_regenerated"] == 1
+    said = json.loads((tmp_path / "rejects.jsonl").read_text().splitlines()[0])["error"]
+    assert said.startswith("d.jsonl:1: ".replace("d.jsonl", str(tmp_path / "d.jsonl"))) and problem in said, said

@@ -34,6 +34,14 @@ def test_engine_args_accept_what_the_adapter_passes(strategy):
     assert {"kernel_config", "async_scheduling", "enable_prefix_caching", "worker_extension_cls"} <= set(kw)
 
 
+def test_the_fake_engine_s_sampling_parameters_are_vllm_s():
+    """tests/unit/fake_vllm.py's SamplingParams: every field it has (what eagle3 passes) is one of vLLM's."""
+    from tests.unit import fake_vllm
+
+    fake = {f.name for f in dataclasses.fields(fake_vllm.SamplingParams)}
+    assert fake <= set(vllm.SamplingParams.__struct_fields__), fake - set(vllm.SamplingParams.__struct_fields__)
+
+
 def test_llm_collective_rpc_signature():
     params = inspect.signature(vllm.LLM.collective_rpc).parameters
     assert list(params)[:5] == ["self", "method", "timeout", "args", "kwargs"]

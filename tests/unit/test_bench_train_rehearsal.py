@@ -1,0 +1,84 @@
+"""tests/gpu/test_bench_train.py's code run on CPU at a small draft shape, so a lease spends its time measuring, not
+finding a wrong name: every row of the table, the longest-sequence search against sizes that run out of memory, the
+profile where the MFU goal is missed, the MLA rows, the report's JSON and the compiled row. The figures mean nothing
+here (CPU, a 64-wide draft); what is checked is that each is made and lands where `bench report` reads it."""
+
+import json
+
+import pytest
+import torch
+
+from eagle3 import bench
+from eagle3.train import mla_draft
+from eagle3.train.draft import DraftShape
+from tests.gpu import test_bench_train as gb
+
+SMALL = gb.Bench(DraftShape(64, 512, 4, 2, 16, 128), mla_draft.MLAShape(64, 4, 24, 32, 16, 8, 12, 96), device="cpu",
+                 draft_vocab=256, seqs=(32, 64, 128), longest_cap=512, longest_step=16, compile_backend="eager")
+
+
+def _out_of_memory_past(monkeypatch, limit: int) -> list[int]:
+    """Steps of more than ``limit`` tokens run out of memory, as they would on the GPU; the sizes tried, in order."""
+    real, tried = gb._measure, []
+
+    def measure(b, model, opt, seq, *a, **kw):
+        tried.append(seq)
+        if seq > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (rehearsal: {seq} > {limit} tokens)")
+        return real(b, model, opt, seq, *a, **kw)
+
+    monkeypatch.setattr(gb, "_measure", measure)
+    return tried
+
+
+def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
+    limit, longest = 200, 192  # the long size (128) fits, 256 does not: bisected to a multiple of 16
+    tried = _out_of_memory_past(monkeypatch, limit)
+    got = {}
+    gb.run_bench(SMALL, got.__setitem__, tmp_path)
+    rows = got["bench_train_kimi_draft"]
+    assert [(r["seq"], r["precision"], r["loss"]) for r in rows] == [
+        (32, "bf16-mixed", "auto"), (64, "bf16-mixed", "auto"), (128, "bf16-mixed", "auto"), (64, "fp32", "auto"),
+        (128, "bf16-mixed", "eager")]
+    for r in rows:
+        assert ("out_of_memory" in r) == (r["seq"] > limit), r
+        assert "out_of_memory" in r or (r["tok_per_s"] > 0 and 0 <= r["mfu"] < 1 and "gflop_per_token" in r), r
+    assert got["bench_train_longest_seq"] == longest, tried
+    goals = got["bench_train_goals"]
+    assert goals["longest"] == longest and goals["32k_goal_met"] == (longest >= 128)
+    assert not goals["mfu_goal_0.35_met"]  # a CPU at 64 wide: the profile's branch runs
+    assert (tmp_path / "profile_8k.txt").read_text().strip()
+    assert sum(got["bench_train_profile_8k"].values()) == pytest.approx(1.0, abs=0.02)
+    mla = got["bench_train_kimi_mla_draft"]
+    assert [(r["draft"], r["seq"]) for r in mla] == [("mla", 32), ("mla", 64)] and all(r["tok_per_s"] > 0 for r in mla)
+    # the rows that ran, as `bench report --history` reads them
+    records = bench.load_history([tmp_path / "benchmark.json"])
+    keys = sorted(r.key for r in records)
+    assert keys == sorted(f"train_{d}_{p}{'_eager' if e else ''}/{s}" for d, s, p, e in
+                          [("llama", 32, "bf16-mixed", 0), ("llama", 64, "bf16-mixed", 0), ("llama", 64, "fp32", 0),
+                           ("mla", 32, "bf16-mixed", 0), ("mla", 64, "bf16-mixed", 0)]
+                          + [("llama", 128, "bf16-mixed", 0), ("llama", 128, "bf16-mixed", 1)])
+    assert len(bench.train_lines(records)) == 2 + len(keys)
+    compiled = got["bench_train_compiled_8k"]
+    assert compiled["compiled"] and "error" not in compiled and compiled["tok_per_s"] > 0, compiled
+
+
+@pytest.mark.parametrize("limit,longest", [(200, 192), (100, 96), (1000, 512), (127, 112), (60, None)])
+def test_the_longest_sequence_is_searched_from_what_the_table_found(limit, longest):
+    """Long fits: doubled to the cap, then bisected; long does not fit: bisected between the goal's size and long; the
+    goal's size does not fit: no search."""
+    asked = []
+
+    def fits(seq):
+        asked.append(seq)
+        return seq <= limit
+
+    rows = [{"seq": s} if s <= limit else {"seq": s, "out_of_memory": True} for s in SMALL.seqs]
+    assert gb.longest_trainable(fits, rows, SMALL) == longest
+    assert all(a % SMALL.longest_step == 0 and a <= SMALL.longest_cap for a in asked), asked
+    assert len(set(asked)) == len(asked), asked  # no size tried twice
+
+
+def test_the_reader_benchmark_reads_back_every_token(tmp_path):
+    got = gb.reader_rate(tmp_path / "store", 3, 40, hidden=64)
+    assert got["tokens"] == 120 and got["seconds"] > 0 and got["bytes_per_token"] == 4 * 64 * 2
