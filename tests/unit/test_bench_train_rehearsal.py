@@ -3,7 +3,6 @@ finding a wrong name: every row of the table, the longest-sequence search agains
 profile where the MFU goal is missed, the MLA rows, the report's JSON and the compiled row. The figures mean nothing
 here (CPU, a 64-wide draft); what is checked is that each is made and lands where `bench report` reads it."""
 
-import json
 
 import pytest
 import torch

@@ -11,7 +11,6 @@ from transformers import AutoTokenizer
 
 from eagle3.data import masks
 from eagle3.store.folder import Store
-
 from tests.gpu import test_draft_acceptance as e2e
 
 from .test_vllm_backend import fake, reference_logits, reference_states  # noqa: F401 - fixtures
