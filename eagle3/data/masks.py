@@ -4,7 +4,9 @@ The target generates, after the template's generation prompt, the turn's thinkin
 end-of-turn token. So a turn's span starts where ``chat(turns before it, add_generation_prompt=True)`` ends and
 ends at the last end-of-turn token inside ``chat(turns through it)``; the template's headers and whatever it
 writes after the end token (ChatML's "\\n") stay out. A turn the target did not end (regenerate's turn cut at
-max_tokens: Conversation.unended) ends before that end token: the template wrote it, the target did not.
+max_tokens: Conversation.unended) ends before that end token, and after the tokens the target wrote where the record
+counts them (Kimi's template closes a thinking block cut short with </think>): the template wrote those, not the
+target.
 
 Views. A template may render an earlier turn differently once later turns follow (Kimi-K2's thinking template
 drops the thinking of turns before the last user message). The target generated that turn with the history it
@@ -28,6 +30,7 @@ class View:
     spans: list[tuple[int, int]]   # character spans of the assistant turns learned in this view
     turns: list[int]               # their message indexes
     ended: list[bool]              # per span: the target ended the turn (its end-of-turn token is learned)
+    written: list[int | None]      # per span not ended: the tokens the target wrote in it (None: not recorded)
 
 
 def chat(tokenizer, messages: list[dict], tools=None, gen: bool = False) -> str:
@@ -71,7 +74,7 @@ def views(tokenizer, conv: Conversation, path="?", line: int = 0) -> list[View]:
         here = [i for i in left if i < end and text.startswith(turn_span[i][1])]
         if here:
             out.append(View(end, text, [(len(turn_span[i][0]), len(turn_span[i][1])) for i in here], here,
-                            [i not in unended for i in here]))
+                            [i not in unended for i in here], [unended.get(i) for i in here]))
             left = [i for i in left if i not in here]
         if left:
             end = left[-1] + 1
@@ -80,14 +83,16 @@ def views(tokenizer, conv: Conversation, path="?", line: int = 0) -> list[View]:
 
 def encode(tokenizer, view: View, stops: set[int]) -> tuple[list[int], list[int]]:
     """View -> (input_ids [T], loss_mask [T]): 1 on tokens starting inside a span, up to the span's last end token
-    (for a turn the target did not end: up to the token before it)."""
+    (for a turn the target did not end: up to the token before it, and at most the tokens it wrote)."""
     enc = tokenizer(view.text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     mask = [0] * len(ids)
-    for (s, e), ended in zip(view.spans, view.ended):
+    for (s, e), ended, written in zip(view.spans, view.ended, view.written):
         inside = [t for t, (a, _) in enumerate(offsets) if s <= a < e]
         ends = [t for t in inside if ids[t] in stops]
         last = (ends[-1] - (not ended)) if ends else (inside[-1] if inside else -1)
+        if not ended and written is not None and inside:
+            last = min(last, inside[0] + written - 1)
         for t in inside:
             if t <= last:
                 mask[t] = 1

@@ -50,17 +50,20 @@ class Conversation:
         return json.dumps([self.messages, self.tools, self.weights, sorted(self.unended())], sort_keys=True,
                           ensure_ascii=False)
 
-    def unended(self) -> set[int]:
-        """Message indexes of the turns the target did not end (regenerate's record: finish "length")."""
+    def unended(self) -> dict[int, int | None]:
+        """The turns the target did not end (regenerate's record: finish "length"): message index -> the tokens it
+        wrote in that turn (None where the record does not say)."""
         r = self.extra.get("regenerated") or {}
-        return {i for i, f in zip(r.get("turns", ()), r.get("finish", ())) if f == "length"}
+        turns, tokens = r.get("turns", ()), r.get("tokens") or [None] * len(r.get("turns", ()))
+        return {i: n for i, f, n in zip(turns, r.get("finish", ()), tokens) if f == "length"}
 
 
 FINISH = ("stop", "length")  # how a regenerated turn ended: its end-of-turn token, or max_tokens
 
 
 def _check_regenerated(record, messages: list[dict], err) -> None:
-    """regenerate's record of the turns it wrote: turns[j] an assistant message, finish[j] how it ended."""
+    """regenerate's record of the turns it wrote: turns[j] an assistant message, finish[j] how it ended, tokens[j]
+    (optional) how many tokens the target wrote in it."""
     fix = ('Keep the "regenerated" record as `eagle3 regenerate` wrote it ({"turns": [message index, ...], "finish": '
            '["stop" or "length", ...]}), or remove it')
     turns, finish = (record.get("turns"), record.get("finish")) if isinstance(record, dict) else (None, None)
@@ -68,6 +71,12 @@ def _check_regenerated(record, messages: list[dict], err) -> None:
         err("the regenerated record's turns and finish must be lists", fix, "bad_regenerated")
     if len(turns) != len(finish):
         err(f"the regenerated record has {len(turns)} turns but {len(finish)} finish values", fix, "bad_regenerated")
+    tokens = record.get("tokens")
+    if tokens is not None and (not isinstance(tokens, list) or len(tokens) != len(turns)):
+        err(f"the regenerated record's tokens is not a list of {len(turns)} counts", fix, "bad_regenerated")
+    for n in tokens or ():
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            err(f"the regenerated record has token count {n!r}; counts are whole numbers >= 0", fix, "bad_regenerated")
     for i, f in zip(turns, finish):
         if f not in FINISH:
             err(f"the regenerated record has finish {f!r}; it is one of {FINISH}", fix, "bad_regenerated")

@@ -84,8 +84,8 @@ def parse_turn(text: str, kimi: bool) -> dict:
         return msg
     think_open, think_close = kimi_format.THINK
     rest = text
-    if rest.startswith(think_open) and think_close in rest:
-        reasoning, rest = rest[len(think_open):].split(think_close, 1)
+    if rest.startswith(think_open):  # no </think>: cut at max_tokens inside the thinking, which is all it wrote
+        reasoning, _, rest = rest[len(think_open):].partition(think_close)
         if reasoning:
             msg["reasoning_content"] = reasoning
     begin, end, call, arg, call_end = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",

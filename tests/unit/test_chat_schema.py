@@ -215,7 +215,7 @@ def test_kimi_traffic_renders_through_the_kimi_template_with_its_masks(tmp_path,
 
 def _regenerated(messages, turns, finish):
     """A line as `eagle3 regenerate` writes it: the messages and its record of the turns it wrote."""
-    return {"messages": messages, "regenerated": {"line": 1, "turns": turns, "tokens": [5] * len(turns),
+    return {"messages": messages, "regenerated": {"line": 1, "turns": turns, "tokens": [100] * len(turns),
                                                   "finish": finish, "cut_after": None}}
 
 
@@ -241,12 +241,27 @@ def test_of_several_regenerated_turns_only_the_cut_one_loses_its_end_token(tmp_p
     assert _split(kimi_tok, s)[0].endswith("<|tool_calls_section_end|><|im_end|><think></think>Foggy in Oslo.")
 
 
+def test_a_turn_cut_inside_its_thinking_learns_only_what_the_target_wrote(tmp_path, kimi_tok):
+    """Kimi's template closes a cut thinking block with </think> and the turn with <|im_end|>; the target wrote
+    neither. regenerate's record has the turn's token count: the mask stops there."""
+    wrote = "<think>Let me think about wh"
+    n = len(kimi_tok(wrote, add_special_tokens=False)["input_ids"])
+    msgs = [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "reasoning_content": wrote.removeprefix("<think>")}]
+    line = _regenerated(msgs, [1], ["length"])
+    line["regenerated"]["tokens"] = [n]
+    (s,), _ = _load(tmp_path, kimi_tok, [line])
+    assert _split(kimi_tok, s)[0] == wrote
+    assert kimi_tok.decode(s.input_ids).endswith(wrote + "</think><|im_end|>")
+
+
 @pytest.mark.parametrize("record,problem", [
     ({"turns": [0], "finish": ["length"]}, "turn 0 is a user turn"),
     ({"turns": [1], "finish": ["length", "stop"]}, "1 turns but 2 finish"),
     ({"turns": [1], "finish": ["eos"]}, "finish 'eos'"),
     ({"turns": [7], "finish": ["stop"]}, "turn 7 is past the last of 2"),
     ({"turns": "1", "finish": ["stop"]}, "turns and finish must be lists"),
+    ({"turns": [1], "finish": ["length"], "tokens": [-3]}, "token count -3"),
 ])
 def test_a_malformed_regenerate_record_is_refused_with_the_reason(tmp_path, tokenizer, record, problem):
     line = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}],

@@ -27,6 +27,13 @@ def test_the_target_s_kimi_text_becomes_structured_fields():
     assert parse_turn("<think>x</think>Foggy.", kimi=False)["content"] == "<think>x</think>Foggy."
 
 
+def test_a_turn_cut_inside_its_thinking_keeps_the_thinking_as_thinking():
+    """max_tokens reached before </think>: the text so far is the reasoning (the template writes <think>...; as
+    content it would render after an empty <think></think>, which the target never wrote)."""
+    assert parse_turn("<think>Let me th", kimi=True) == {"role": "assistant", "reasoning_content": "Let me th",
+                                                         "content": ""}
+
+
 @pytest.fixture(scope="module")
 def kimi_target(tmp_path_factory):
     """A config + Kimi-format tokenizer folder (the generator is scripted, so no weights are read)."""
