@@ -312,9 +312,11 @@ def train_history(rows: list[dict], run: str, profile: str, gpus: int = 1) -> di
     """The trainer benchmark's rows ({draft, seq, precision, tok_per_s, mfu, peak_gib, ...}; a row that ran out of
     memory has no tok_per_s) as pytest-benchmark JSON, so `bench report` shows them beside the extraction's:
     tokens/s of all ``gpus`` and per GPU, MFU and peak memory in their own lines."""
-    def key(r):  # a loss other than the trainer's default in the key: train_llama_bf16-mixed_eager/32768
+    def key(r):  # what differs from the trainer's default in the key: train_llama_bf16-mixed_eager/32768,
+        # train_llama_bf16-mixed_flex_compiled/8192
         loss = f"_{r['loss']}" if r.get("loss", "auto") != "auto" else ""
-        return f"{TRAIN_PREFIX}{r['draft']}_{r['precision']}{loss}/{r['seq']}"
+        attn = f"_{r['attn']}" if r.get("attn", "sdpa") != "sdpa" else ""
+        return f"{TRAIN_PREFIX}{r['draft']}_{r['precision']}{loss}{attn}{'_compiled' if r.get('compiled') else ''}/{r['seq']}"
 
     return {"datetime": run, "benchmarks": [
         {"name": key(r), "extra_info": dict(r, key=key(r), tokens_per_s=r["tok_per_s"], profile=profile, gpus=gpus)}

@@ -12,7 +12,8 @@ T tokens a step, AdamW, the trainer's own precision (bf16-mixed: float32 weights
 Goals (issue 42): >= 35 % MFU at 8k; >= 32k tokens trainable; the reader >= 2x the trainer. Reported, asserted
 only where a measurement fails outright (a step that does not run). Where the 8k MFU misses its goal, a profile of
 two steps (GPU_OUT/profile_8k.txt; time by kind of work in the report: train/step_profile.py). Last, the 8k row
-under torch.compile (with its compile time), as the issue asks: measured with and without.
+under torch.compile (with its compile time), as the issue asks: measured with and without; and flex attention
+(a block mask instead of sdpa's dense one; fused only when compiled) compiled at 8k and 32k.
 Rows are reported as they are measured; a size that runs out of memory is a row saying so. The rows also go to
 GPU_OUT/benchmark.json for `eagle3 bench report` (tok/s per GPU, MFU, peak memory). NOT YET RUN ON A GPU; its code runs
 on CPU at a small shape in tests/unit/test_bench_train_rehearsal.py.
@@ -44,6 +45,7 @@ class Bench:
     longest_cap: int = 262144          # the longest-sequence search stops here
     longest_step: int = 4096           # and resolves to a multiple of this
     compile_backend: str = "inductor"
+    compiled: tuple = (("sdpa", 1), ("flex", 1), ("flex", 2))  # the compiled rows: attention, index into seqs
 
 
 def kimi() -> Bench:
@@ -53,13 +55,16 @@ def kimi() -> Bench:
     return Bench(flops.kimi_k25_draft(), mla_draft.MLAShape.for_target(KIMI_K25_TEXT))
 
 
-def _model(b: Bench, mla=None):
+ATTN = {"sdpa": "sdpa", "flex": "simple_flex_attention"}  # a row's attention -> speculators' attn_implementation
+
+
+def _model(b: Bench, mla=None, attn: str = "sdpa"):
     from speculators.models.eagle3 import Eagle3DraftModel
 
     from eagle3.train.draft import speculators_config
 
     cfg = speculators_config(b.shape, [2, 30, 58], b.draft_vocab, TTT, "/nonexistent", ["DeepseekV3ForCausalLM"],
-                             attn_implementation="sdpa")
+                             attn_implementation=ATTN[attn])
     torch.manual_seed(0)
     with torch.device(b.device):
         m = Eagle3DraftModel(cfg)
@@ -200,24 +205,35 @@ def run_bench(b: Bench, report, gpu_out) -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     mla_rows = [_tried(b, model, opt, seq, amp=True, mla=b.mla) for seq in (short, mid)]
     report("bench_train_kimi_mla_draft", mla_rows)
+    _write_history(gpu_out, rows + mla_rows)
+    model = opt = None  # the memory back before the compiled model is built
+    if b.device == "cuda":
+        torch.cuda.empty_cache()
+    # last: a compile that takes minutes costs no other row. sdpa at 8k beside the eager row; then flex attention
+    # (speculators' default: a block mask, not sdpa's dense [T, T x steps] one), which runs fused only compiled, at
+    # 8k and 32k: whether it pays in speed, and in the memory of long sequences
+    compiled = []
+    for attn, k in b.compiled:
+        compiled.append(_compiled_row(b, b.seqs[k], attn))
+        report("bench_train_compiled", compiled)
+        _write_history(gpu_out, rows + mla_rows + compiled)
+
+
+def _write_history(gpu_out, rows: list[dict]) -> None:
+    """The rows that ran, as pytest-benchmark JSON: `eagle3 bench report --history GPU_OUT/benchmark.json`."""
     import json
 
     from eagle3.bench import train_history
 
-    (gpu_out / "benchmark.json").write_text(json.dumps(train_history(  # `eagle3 bench report --history` reads it
-        rows + mla_rows, time.strftime("%Y-%m-%dT%H:%M"), "h200-kimi-k2.5-draft")))
-    model = opt = None  # the memory back before the compiled model is built
-    if b.device == "cuda":
-        torch.cuda.empty_cache()
-    report("bench_train_compiled_8k", _compiled_row(b))  # last: a compile that takes minutes costs no other row
+    (gpu_out / "benchmark.json").write_text(json.dumps(train_history(
+        rows, time.strftime("%Y-%m-%dT%H:%M"), "h200-kimi-k2.5-draft")))
 
 
-def _compiled_row(b: Bench) -> dict:
-    """The llama draft at the goal's size under torch.compile (the model's forward; the TTT loop and the loss inside
-    it), beside the eager row: its tok/s and MFU, and the compile's own seconds (the two warm-up steps). An error is
+def _compiled_row(b: Bench, seq: int, attn: str = "sdpa") -> dict:
+    """The llama draft under torch.compile (the model's forward; the TTT loop and the loss inside it), beside the
+    eager rows: its tok/s and MFU, peak memory, and the compile's own seconds (the two warm-up steps). An error is
     the row."""
-    seq = b.seqs[1]
-    model = _model(b)
+    model = _model(b, attn=attn)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     t0 = time.perf_counter()
     try:
@@ -225,9 +241,9 @@ def _compiled_row(b: Bench) -> dict:
         _steps(compiled, opt, _inputs(b, seq), 2, True)
         warm = time.perf_counter() - t0
         row = _measure(b, compiled, opt, seq, True)
-        return dict(row, compiled=True, compile_warmup_s=round(warm, 1))
-    except Exception as e:  # noqa: BLE001 - reported: whether compile pays is the question
-        return {"seq": seq, "compiled": True, "error": f"{type(e).__name__}: {str(e)[:300]}",
+        return dict(row, attn=attn, compiled=True, compile_warmup_s=round(warm, 1))
+    except Exception as e:  # noqa: BLE001 - reported (running out of memory too): whether compile pays is the question
+        return {"seq": seq, "attn": attn, "compiled": True, "error": f"{type(e).__name__}: {str(e)[:300]}",
                 "seconds": round(time.perf_counter() - t0, 1)}
     finally:
         del model, opt

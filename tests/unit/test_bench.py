@@ -128,13 +128,19 @@ def test_the_trainer_s_figures_reach_the_report_per_gpu_with_their_mfu(tmp_path)
             {"draft": "llama", "seq": 32768, "precision": "bf16-mixed", "out_of_memory": True},
             {"draft": "mla", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 30000, "mfu": 0.33, "peak_gib": 55.0},
             {"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "loss": "eager", "tok_per_s": 38000, "mfu": 0.39,
-             "peak_gib": 70.0}]
+             "peak_gib": 70.0},
+            {"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "loss": "auto", "attn": "flex", "compiled": True,
+             "tok_per_s": 50000, "mfu": 0.51, "peak_gib": 40.0},
+            {"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "attn": "sdpa", "compiled": True,
+             "tok_per_s": 44000, "mfu": 0.45, "peak_gib": 60.0}]
     (tmp_path / "benchmark.json").write_text(json.dumps(bench.train_history(rows, "2026-12-05T10:00", "h200-kimi-draft",
                                                                             gpus=2)))
     md = bench.report([tmp_path / "benchmark.json"], tmp_path / "r")[0].read_text()
     assert "| h200-kimi-draft | train_llama_bf16-mixed/8192 | 40,000 | 20,000 | - | - | no | - |" in md
     assert "train_mla_bf16-mixed/8192: 15,000 tok/s per GPU, MFU 33.0%, peak 55.0 GiB" in md
     assert "train_llama_bf16-mixed_eager/8192: 19,000 tok/s per GPU, MFU 39.0%, peak 70.0 GiB" in md  # its own key
+    assert "train_llama_bf16-mixed_flex_compiled/8192: 25,000 tok/s per GPU, MFU 51.0%, peak 40.0 GiB" in md
+    assert "train_llama_bf16-mixed_compiled/8192: 22,000 tok/s per GPU, MFU 45.0%" in md
     assert "32768" not in md
 
 
