@@ -211,10 +211,15 @@ class FakeLLM:
         return types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=self.shutdown))
 
     def shutdown(self) -> None:
+        """As vLLM's ends its worker processes: each capture's thread ends and its buffers are let go (reserved, not
+        touched: GBs of address space that a later fork in the same test process must be able to commit)."""
         for w in self.workers:
             cap = (getattr(w, "_e3", None) or {}).get("capturer")
-            if cap is not None and cap.thread.is_alive():
-                cap.close()
+            if cap is not None:
+                if cap.thread.is_alive():
+                    cap.close()
+                cap.shard_buffers.clear()
+                cap.pool.free.clear()
 
 
     @contextmanager

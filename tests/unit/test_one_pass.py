@@ -297,3 +297,20 @@ def test_the_command_line_regenerates_records_its_settings_and_resumes(tiny_kimi
     assert cli.main(["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(tmp_path / "x"),
                      "--regenerate", "--backend", "vllm", "--capture", "aux"]) == 2
     assert "--capture direct or hooks" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def _reserved_bytes() -> int:
+    """This process's address space (VmSize): what a fork must be able to commit under the kernel's overcommit
+    heuristic, touched or not."""
+    status = open("/proc/self/status").read()
+    return int(status.split("VmSize:")[1].split()[0]) * 1024
+
+
+def test_an_engine_shut_down_gives_its_shard_buffers_back(fake, tiny_kimi, tmp_path):  # noqa: F811
+    """As vLLM's shutdown ends its workers: the fake's capture buffers (pinned in store mode: GBs reserved, untouched)
+    are let go. Kept, they added up in one test process until a later test's fork failed with ENOMEM."""
+    data = _write(tmp_path / "c.jsonl", CONVS[:2])
+    before = _reserved_bytes()
+    extract.run(_regen_cfg(tiny_kimi, data, tmp_path / "s", backend="vllm", capture="hooks", tp=2, selfcheck=2),
+                progress=False)  # the self-check's prefill fills store-mode buffers on both ranks: 6.8 GB reserved
+    assert _reserved_bytes() - before < 2**30, (before, _reserved_bytes())
