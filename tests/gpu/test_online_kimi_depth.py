@@ -9,7 +9,7 @@ bf16-mixed) with the rest. The same N_SAMPLES samples of 512 tokens, three ways,
 Reported: the three rates, online against min(extract alone, train alone) (issue 42's goal: >= 0.8), the side that
 waits (the spool's waits), peak GPU memory of the trainer. Asserted: the online run trains every sample once in the
 same steps as the offline one, with finite losses (dummy weights: the losses mean nothing else).
-NOT YET RUN ON A GPU.
+NOT YET RUN ON A GPU; its code runs on CPU against the fake vLLM in tests/unit/test_e2e_rehearsal.py.
 """
 
 from __future__ import annotations
@@ -35,56 +35,68 @@ ONLINE_GOAL = 0.8
 
 
 def test_online_at_kimi_depth_against_extract_alone_and_train_alone(tmp_path_factory, tmp_path, report):
-    from eagle3.extract.vllm_backend import VLLMBackend
-
     prof = presets.from_name("kimi-depth")
     folder = tiny.build_model(prof, tmp_path_factory.mktemp("kimi-depth"), dtype="bfloat16")
+    summary = online_beside_the_engine(folder, prof, tmp_path, report)
+    report("online_kd_summary", summary)
+    assert summary["same_steps_and_samples"] and summary["losses_finite"], summary
+    assert summary["spool"]["peak"] <= summary["spool"]["capacity"], summary
+
+
+def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_SAMPLES, seq: int = SEQ,
+                             device: str = "cuda", draft_vocab: int = 32000, batch_samples: int = 16,
+                             pack_tokens: int = 8192, extract_batch: int = 32) -> dict:
+    """Extract alone, train alone, then online, on one engine (dummy weights, unit decoder norms, the verifier's
+    head written from the engine's own): the three rates, the waits, the trainer's peak memory. On CPU with the fake
+    vLLM and tiny-kimi in tests/unit/test_e2e_rehearsal.py."""
+    from eagle3.extract.vllm_backend import VLLMBackend
+
     spec = extract.store_spec(folder, None, "bfloat16")
     t0 = time.perf_counter()
     backend = VLLMBackend(str(folder), spec, gpu_memory_utilization=0.55, max_model_len=4096,
                           max_num_batched_tokens=MAX_BATCHED_TOKENS, load_format="dummy", log_level="INFO",
                           extra_engine_args={"enforce_eager": True})
     seconds = {"engine_start": round(time.perf_counter() - t0, 1)}
-    samples = random_samples(N_SAMPLES, SEQ, prof.vocab_size, seed=91)
-    tokens = N_SAMPLES * SEQ
+    samples = random_samples(n_samples, seq, prof.vocab_size, seed=91)
+    tokens = n_samples * seq
+    cuda = device == "cuda"
 
     def cfg(store, out):
-        return TrainConfig(store=str(store), out=str(out), device="cuda", batch_samples=16, pack_tokens=8192,
-                           epochs=1, lr=1e-4, warmup_steps=1, draft_vocab_size=32000, ttt_steps=3, seed=0,
-                           checkpoint_minutes=0)
+        return TrainConfig(store=str(store), out=str(out), device=device, batch_samples=batch_samples,
+                           pack_tokens=pack_tokens, epochs=1, lr=1e-4, warmup_steps=1, draft_vocab_size=draft_vocab,
+                           ttt_steps=3, seed=0, checkpoint_minutes=0)
 
     try:
         backend.unit_norms()
         write_verifier_weights(folder, backend.dump_head(tmp_path), prefix="")
-        ex = extract.ExtractConfig(model=str(folder), out=str(tmp_path / "store"), backend="vllm", batch_size=32,
-                                   selfcheck=0)
+        ex = extract.ExtractConfig(model=str(folder), out=str(tmp_path / "store"), backend="vllm",
+                                   batch_size=extract_batch, selfcheck=0)
         t0 = time.perf_counter()
         extract.run(ex, samples=samples, backend=backend, progress=False)
         seconds["extract_alone"] = round(time.perf_counter() - t0, 1)
         report("online_kd_seconds", seconds)
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         off = train(cfg(tmp_path / "store", tmp_path / "offline"), progress=False)
         seconds["train_alone"] = round(time.perf_counter() - t0, 1)
-        peak_train = torch.cuda.max_memory_allocated()
+        peak_train = torch.cuda.max_memory_allocated() if cuda else 0
         report("online_kd_seconds", seconds)
         store_bytes = sum(p.stat().st_size for p in (tmp_path / "store" / "shards").iterdir())
         capacity = store_bytes // 4
         t0 = time.perf_counter()
         on = online.run(cfg(tmp_path / "spool", tmp_path / "online"), ex, samples, capacity, backend=backend,
-                        extract_batch=32, progress=False)
+                        extract_batch=extract_batch, progress=False)
         seconds["online"] = round(time.perf_counter() - t0, 1)
     finally:
         backend.close()
-    rate = {k: round(tokens / seconds[k]) for k in ("extract_alone", "train_alone", "online")}
+    rate = {k: round(tokens / max(seconds[k], 0.05)) for k in ("extract_alone", "train_alone", "online")}
     ratio = rate["online"] / min(rate["extract_alone"], rate["train_alone"])
-    summary = {"seconds": seconds, "tok_per_s": rate, "online_vs_min_alone": round(ratio, 3),
-               "goal_0.8_met": ratio >= ONLINE_GOAL, "lines": on.lines(),
-               "waits_s": {"extraction_for_room": round(on.producer_wait_s, 1),
-                           "training_for_states": round(on.trainer_wait_s, 1)},
-               "trainer_peak_gib": round(peak_train / 2**30, 1), "spool": {"capacity": capacity,
-                                                                            "peak": on.peak_bytes}}
-    report("online_kd_summary", summary)
-    assert on.train.steps == off.steps and on.train.samples_seen == off.samples_seen == N_SAMPLES, summary
-    assert all(math.isfinite(x) for x in off.losses + on.train.losses), summary
-    assert on.peak_bytes <= capacity, summary
+    return {"seconds": seconds, "tok_per_s": rate, "online_vs_min_alone": round(ratio, 3),
+            "goal_0.8_met": ratio >= ONLINE_GOAL, "lines": on.lines(),
+            "waits_s": {"extraction_for_room": round(on.producer_wait_s, 1),
+                        "training_for_states": round(on.trainer_wait_s, 1)},
+            "trainer_peak_gib": round(peak_train / 2**30, 1), "spool": {"capacity": capacity, "peak": on.peak_bytes},
+            "same_steps_and_samples": on.train.steps == off.steps and on.train.samples_seen == off.samples_seen
+            == n_samples, "steps": on.train.steps,
+            "losses_finite": all(math.isfinite(x) for x in off.losses + on.train.losses)}

@@ -69,16 +69,33 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
 
+class FakeRMSNorm(torch.nn.Module):
+    """A norm's weight, as vLLM's RMSNorm holds it (eagle3_unit_norms finds norms by this class name)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((hidden,), 1e-3))  # the dummy loader's scale
+
+
 class _Layer(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = FakeRMSNorm(hidden), FakeRMSNorm(hidden)
+
     def forward(self, positions, hidden, residual):
         return self.next_out  # (hidden, residual) set by the engine for this step
 
 
 class _Model(torch.nn.Module):
-    def __init__(self, n_layers, hidden):
+    """The decoder layers the capture hooks, and the final norm and lm_head that eagle3_dump_head writes out (the
+    states themselves are the reference's: the weights do not compute them)."""
+
+    def __init__(self, n_layers, hidden, vocab):
         super().__init__()
         self.model = torch.nn.Module()
-        self.model.layers = torch.nn.ModuleList([_Layer() for _ in range(n_layers)])
+        self.model.layers = torch.nn.ModuleList([_Layer(hidden) for _ in range(n_layers)])
+        self.model.norm = FakeRMSNorm(hidden)
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
         self.config = types.SimpleNamespace(hidden_size=hidden)
         self.aux_hidden_state_layers: tuple[int, ...] = ()
 
@@ -186,7 +203,7 @@ class FakeLLM:
         for rank in range(self.tp):
             w = worker_cls()
             w.rank = rank
-            w.model_runner = self.runner_cls(_Model(n_layers, FakeLLM.hidden),
+            w.model_runner = self.runner_cls(_Model(n_layers, FakeLLM.hidden, FakeLLM.vocab),
                                              types.SimpleNamespace(**(kw.get("hf_overrides") or {})),
                                              kw.get("speculative_config"))
             w.model_runner.load_model()
@@ -393,12 +410,14 @@ class FakeLLM:
                                            target_hidden_states=[h[: starts[-1]] for h in out[1]],
                                            common_attn_metadata=None)
 
-def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits) -> type[FakeLLM]:
+def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits, vocab: int = 1024
+            ) -> type[FakeLLM]:
     """Put fake `vllm` modules in sys.modules for the duration of a test. ``reference(prompt)`` gives the states
     of every layer id [L + 1, T, H]; ``reference_logits(prompt)`` the next-token logits [V] after the prompt."""
     shutdown_all()  # an earlier test's engines that nothing closed
     FakeLLM.instances = []  # this test's engines, for shutdown_all
     FakeLLM.n_layers, FakeLLM.hidden, FakeLLM.reference = n_layers, hidden, staticmethod(reference)
+    FakeLLM.vocab = vocab
     FakeLLM.reference_logits = staticmethod(reference_logits)
     vllm = types.ModuleType("vllm")
     vllm.LLM, vllm.SamplingParams, vllm.__version__ = FakeLLM, SamplingParams, "0.26.0"

@@ -42,3 +42,30 @@ def test_regenerate_with_vllm_over_held_out_conversations(fake, tiny_kimi, tmp_p
     assert 0 <= got["same_as_data"] <= 1 and set(got["same_per_traffic"]) == {"chat"}, got
     assert got["finish"] == ["length"] and got["turns_with_reasoning"] == 0, got
     json.dumps(got)
+
+
+def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path):  # noqa: F811
+    """tests/gpu/test_online_kimi_depth.py's measurement (issue 42) with tiny-kimi for kimi-depth and a small draft on
+    the CPU: the engine's unit norms and head, extraction alone, training alone, online through a spool a quarter of
+    the store, and the summary the GPU run judges."""
+    import shutil
+
+    from eagle3.targets import presets
+    from tests.gpu import test_online_kimi_depth as kd
+
+    folder = tmp_path / "target"
+    shutil.copytree(tiny_kimi, folder)
+    reported = {}
+
+    def report(key, value):  # as the GPU suite's report: what the value was then, written out
+        reported[key] = json.loads(json.dumps(value))
+
+    got = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, report,
+                                      n_samples=32, seq=64, device="cpu", draft_vocab=128, batch_samples=4,
+                                      pack_tokens=0, extract_batch=2)  # a quarter of the store holds two batches
+    assert got["same_steps_and_samples"] and got["steps"] == 8 and got["losses_finite"], got
+    assert 0 < got["spool"]["peak"] <= got["spool"]["capacity"], got
+    assert set(got["tok_per_s"]) == {"extract_alone", "train_alone", "online"} and got["online_vs_min_alone"] > 0
+    assert any(line.startswith("limits") for line in got["lines"]), got["lines"]
+    assert set(reported["online_kd_seconds"]) == {"engine_start", "extract_alone", "train_alone"}
+    json.dumps(got)

@@ -570,27 +570,22 @@ def test_unit_norms_sets_every_rank_s_layer_rmsnorms_to_one_and_nothing_else(fak
     from eagle3.extract.extract import store_spec
     from eagle3.extract.vllm_backend import VLLMBackend
 
-    class RMSNorm(torch.nn.Module):  # named as vLLM's vllm.model_executor.layers.layernorm.RMSNorm
-        def __init__(self):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.full((8,), 1e-3))
-
     backend = VLLMBackend(str(tiny_kimi), store_spec(tiny_kimi, IDS, "float32"), tp=2, capture="hooks")
-    for w in fake_vllm.FakeLLM.last.workers:
-        model = w.model_runner.model
-        model.model.norm = RMSNorm()
-        for layer in model.model.layers[:3]:
-            layer.input_layernorm, layer.proj = RMSNorm(), torch.nn.Linear(8, 8)
+    for w in fake_vllm.FakeLLM.last.workers:  # the fake's layers: two norms each (fake_vllm.FakeRMSNorm, as vLLM's
+        # RMSNorm by name), the final norm, and here a projection beside them
+        for layer in w.model_runner.model.model.layers[:3]:
+            layer.proj = torch.nn.Linear(8, 8)
             torch.nn.init.constant_(layer.proj.weight, 1e-3)
-    assert backend.unit_norms() == 3
+    assert backend.unit_norms() == 16
     for w in fake_vllm.FakeLLM.last.workers:
         params = dict(w.model_runner.model.named_parameters())
-        norms = {k: v for k, v in params.items() if k.endswith("input_layernorm.weight")}
-        assert len(norms) == 3 and all(bool((v == 1).all()) for v in norms.values())
+        norms = {k: v for k, v in params.items() if k.endswith("layernorm.weight")}
+        assert len(norms) == 16 and all(bool((v == 1).all()) for v in norms.values())
         assert bool((params["model.norm.weight"] == 1e-3).all())
         assert all(bool((v == 1e-3).all()) for k, v in params.items() if k.endswith("proj.weight"))
+        assert not bool((params["lm_head.weight"] == 1).any())
     fake_vllm.FakeLLM.last.workers[1].model_runner.model.model.layers[0].input_layernorm = torch.nn.Identity()
-    with pytest.raises(RuntimeError, match=r"ranks set \[2, 3\] RMSNorm weights"):
+    with pytest.raises(RuntimeError, match=r"ranks set \[15, 16\] RMSNorm weights"):
         backend.unit_norms()
 
 
@@ -942,7 +937,7 @@ def test_the_direct_capture_takes_only_an_engine_started_for_it(fake):
     ok.collective_rpc("eagle3_setup", args=({"layer_ids": list(IDS), "strategy": "direct"},))
     assert ok.workers[0].model_runner.model.aux_hidden_state_layers == IDS
     no_aux = type("Model", (fake_vllm._Model,), {"set_aux_hidden_state_layers": None})
-    runner = fake.runner_cls(no_aux(8, 128), type("Config", (), {"eagle3_direct_capture_layer_ids": list(IDS)}), None)
+    runner = fake.runner_cls(no_aux(8, 128, 1024), type("Config", (), {"eagle3_direct_capture_layer_ids": list(IDS)}), None)
     with pytest.raises(RuntimeError, match="Model has no EAGLE-3 aux outputs .* use --capture hooks"):
         runner.load_model()  # at engine start, with the model's name, not at the first step
 
