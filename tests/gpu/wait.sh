@@ -3,13 +3,14 @@
 # It returns at once where there is nothing to wait for: a host without the campaign (the lent one was taken back
 # between two polls and this call started a fresh one: the 288d049 run waited 560 s there), or a campaign no longer running.
 limit=${1:-540}; C=${CAMPAIGN:-/tmp/campaign}; t=0
-for _ in 1 2 3 4 5; do [ -d "$C" ] && break; sleep 1; done  # a campaign started a moment ago makes it at once
+POLL=${WAIT_POLL:-2}  # seconds between looks (the CPU tests look faster)
+for _ in $(seq "${WAIT_GRACE:-5}"); do [ -d "$C" ] && break; sleep 1; done  # a campaign started a moment ago makes it at once
 if [ ! -d "$C" ]; then
   echo "no campaign on this host ($C is missing): the host that ran it was given back and this is a fresh one;"
   echo "install vLLM again and start it again"; exit 3
 fi
 running() { [ ! -s "$C/pid" ] || kill -0 "$(cat "$C/pid")" 2>/dev/null; }  # campaign.sh writes its pid
-while [ ! -f "$C/DONE" ] && [ "$t" -lt "$limit" ] && running; do sleep 2; t=$((t + 2)); done
+n=0; while [ ! -f "$C/DONE" ] && [ "$t" -lt "$limit" ] && running; do sleep "$POLL"; n=$((n + 1)); t=$(awk "BEGIN {print int($n * $POLL)}"); done
 echo "waited ${t}s; finished: $([ -f "$C/DONE" ] && echo yes || { running && echo no || echo "no (the campaign is not running)"; })"
 cat "$C/steps.txt" 2>/dev/null
 for f in "$C"/*.log; do echo "== $f"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error" "$f" | tail -30 | cut -c1-400; done

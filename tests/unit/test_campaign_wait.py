@@ -16,7 +16,8 @@ def _wait(tmp_path, campaign: Path, limit: int = 30):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     t0 = time.monotonic()
     out = subprocess.run(["bash", str(WAIT), str(limit)], capture_output=True, text=True, timeout=limit + 30,
-                         env=dict(env, CAMPAIGN=str(campaign)), cwd=tmp_path, check=False)
+                         env=dict(env, CAMPAIGN=str(campaign), WAIT_GRACE="2", WAIT_POLL="0.2"), cwd=tmp_path,
+                         check=False)  # looks every 0.2 s, a campaign 2 s to appear (the GPU host: 2 s, 5 s)
     return out, time.monotonic() - t0
 
 
@@ -44,22 +45,36 @@ def test_a_campaign_that_died_without_finishing_ends_the_wait(tmp_path):
 def test_a_running_campaign_is_waited_for_until_it_writes_done(tmp_path):
     c = tmp_path / "campaign"
     c.mkdir()
-    live = subprocess.Popen(["bash", "-c", f"sleep 5; echo DONE > {c}/DONE"])
+    live = subprocess.Popen(["bash", "-c", f"sleep 2; echo DONE > {c}/DONE"])
     (c / "pid").write_text(f"{live.pid}\n")
     try:
         out, seconds = _wait(tmp_path, c)
     finally:
         live.kill()
-    assert 4 <= seconds < 20, f"returned after {seconds:.0f}s: the campaign wrote DONE after 5 s"
+    assert 2 <= seconds < 10, f"returned after {seconds:.1f}s: the campaign wrote DONE after 2 s"
     assert "finished: yes" in out.stdout, out.stdout
 
 
 def test_a_campaign_started_a_moment_before_the_poll_is_waited_for(tmp_path):
     """`campaign.sh ... & wait.sh 420` in one command: the poll may look before campaign.sh has made its folder."""
     c = tmp_path / "campaign"
-    late = subprocess.Popen(["bash", "-c", f"sleep 2; mkdir {c}; echo $$ > {c}/pid; sleep 2; echo DONE > {c}/DONE"])
+    late = subprocess.Popen(["bash", "-c", f"sleep 1; mkdir {c}; echo $$ > {c}/pid; sleep 1; echo DONE > {c}/DONE"])
     try:
         out, _ = _wait(tmp_path, c)
     finally:
         late.kill()
     assert out.returncode == 0 and "finished: yes" in out.stdout, out
+
+
+def test_a_campaign_still_running_at_the_limit_ends_the_wait_there(tmp_path):
+    """The lease's call has its own limit (600 s): the poll must come back at its own, with what ran so far."""
+    c = tmp_path / "campaign"
+    c.mkdir()
+    live = subprocess.Popen(["sleep", "60"])
+    (c / "pid").write_text(f"{live.pid}\n")
+    try:
+        out, seconds = _wait(tmp_path, c, limit=1)
+    finally:
+        live.kill()
+    assert 1 <= seconds < 8, f"returned after {seconds:.1f}s with a limit of 1 s"
+    assert "waited 1s; finished: no" in out.stdout, out.stdout
