@@ -145,6 +145,15 @@ def _stored(out):
     return {s["sample_id"]: s for s in Store.open(out).iter_samples()}
 
 
+def _reserved_bytes() -> int:
+    """This process's address space (VmSize): what a fork must be able to commit under the kernel's overcommit
+    heuristic, touched or not."""
+    from pathlib import Path
+
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmSize:")[1].split()[0]) * 1024
+
+
 @pytest.mark.parametrize("capture,tp", [("direct", 1), ("hooks", 2)])
 def test_one_pass_stores_every_row_of_the_final_tokens(fake, tiny_kimi, tmp_path, reference_states, capture, tp,  # noqa: F811
                                                        monkeypatch):
@@ -157,8 +166,13 @@ def test_one_pass_stores_every_row_of_the_final_tokens(fake, tiny_kimi, tmp_path
     turns = {sid: s["input_ids"][s["loss_mask"].bool()].tolist() for sid, s in _stored(tmp_path / "a").items()}
     stop = turns["c.jsonl:1~regen"][4]  # a stop token the target draws 5th in line 1's turn
     monkeypatch.setattr(masks, "stop_ids", lambda tok: {stop})
+    before = _reserved_bytes()
     s = extract.run(_regen_cfg(tiny_kimi, data, tmp_path / "b", backend="vllm", capture=capture, tp=tp, selfcheck=2),
                     progress=False)
+    # the engine shut down gives its buffers back, as vLLM's ends its workers: the self-check's prefill fills
+    # store-mode shard buffers on every rank (3.4 GB reserved a rank here); kept, they added up in one test process
+    # until a later test's fork failed with ENOMEM
+    assert _reserved_bytes() - before < 2**30, (before, _reserved_bytes())
     got = _stored(tmp_path / "b")
     assert first.samples_written == s.samples_written == len(got) == 4
     for sid, sample in got.items():
@@ -298,19 +312,3 @@ def test_the_command_line_regenerates_records_its_settings_and_resumes(tiny_kimi
                      "--regenerate", "--backend", "vllm", "--capture", "aux"]) == 2
     assert "--capture direct or hooks" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
-
-def _reserved_bytes() -> int:
-    """This process's address space (VmSize): what a fork must be able to commit under the kernel's overcommit
-    heuristic, touched or not."""
-    status = open("/proc/self/status").read()
-    return int(status.split("VmSize:")[1].split()[0]) * 1024
-
-
-def test_an_engine_shut_down_gives_its_shard_buffers_back(fake, tiny_kimi, tmp_path):  # noqa: F811
-    """As vLLM's shutdown ends its workers: the fake's capture buffers (pinned in store mode: GBs reserved, untouched)
-    are let go. Kept, they added up in one test process until a later test's fork failed with ENOMEM."""
-    data = _write(tmp_path / "c.jsonl", CONVS[:2])
-    before = _reserved_bytes()
-    extract.run(_regen_cfg(tiny_kimi, data, tmp_path / "s", backend="vllm", capture="hooks", tp=2, selfcheck=2),
-                progress=False)  # the self-check's prefill fills store-mode buffers on both ranks: 6.8 GB reserved
-    assert _reserved_bytes() - before < 2**30, (before, _reserved_bytes())
