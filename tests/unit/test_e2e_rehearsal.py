@@ -1,19 +1,56 @@
-"""The e2e GPU tests of issue 40 (tests/gpu/test_draft_acceptance.py) run on CPU against the fake vLLM
-(tests/unit/fake_vllm.py) with tiny-kimi in place of the learnable target: the same code, a handful of conversations
+"""The e2e GPU tests of issue 40 (tests/gpu/test_draft_acceptance.py; its one-pass measurement on the templated
+dialogues and on Kimi-style traffic in Kimi-K2's format, as EAGLE3_E2E_ARCH=deepseek runs it) and the kimi-depth
+online test of issue 42, run on CPU against the fake vLLM (tests/unit/fake_vllm.py) with tiny-kimi in place of the
+target: the same code, a handful of conversations
 and short turns, so a lease measures instead of finding a wrong argument. The figures the GPU run judges (rows
 within bf16 noise of a prefill; turns the learnable target gets right) are checked here only where the fake decides
 them: its states are exact, so one pass and a prefill agree to one bf16 step, and greedy regeneration then extraction
 stores the very tokens one pass stores."""
 
 import json
+import shutil
 
+import pytest
 from transformers import AutoTokenizer
 
 from eagle3.data import masks
 from eagle3.store.folder import Store
+from eagle3.targets import tiny
 from tests.gpu import test_draft_acceptance as e2e
 
 from .test_vllm_backend import fake, reference_logits, reference_states  # noqa: F401 - fixtures
+
+
+@pytest.fixture(scope="module")
+def kimi_format_target(tiny_kimi, tmp_path_factory):
+    """tiny-kimi's weights with a Kimi-K2-format tokenizer (role, thinking and tool-call tokens), as the learnable
+    DeepseekV3 target the GPU run uses (EAGLE3_E2E_ARCH=deepseek: Kimi-style traffic with tools and thinking)."""
+    folder = tmp_path_factory.mktemp("kimi-format") / "t"
+    shutil.copytree(tiny_kimi, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).unlink(missing_ok=True)
+    tiny.build_tokenizer(folder, 1024, chat_format="kimi")
+    return folder
+
+
+def test_one_pass_on_kimi_style_traffic(fake, kimi_format_target, tmp_path, monkeypatch):  # noqa: F811
+    """The GPU run's own case: Kimi-style conversations (chat, thinking, tool use) in Kimi-K2's chat format."""
+    monkeypatch.setattr(e2e, "ARCH", "deepseek")
+    got = e2e.one_pass_against_prefill(tmp_path, str(kimi_format_target), 3, max_tokens=6, batch_size=2)
+    assert got["samples"] == got["prefill_samples"] == 3, got
+    assert got["per_row_rel_err_worst"] <= 2 ** -7 and got["neighbour_row_rel_err_median_min"] > 0.12, got
+    assert got["two_step_tokens"] > 0 and got["one_pass_tokens"] > 0, got
+    _the_cut_turns_learn_no_end_token(tmp_path / "onepass-two", kimi_format_target, at_least=1)
+
+
+def _the_cut_turns_learn_no_end_token(store, target, at_least: int) -> None:
+    """Each sample's last learned run is its regenerated turn, cut at max_tokens: no end-of-turn token in it."""
+    stops = masks.stop_ids(AutoTokenizer.from_pretrained(str(target)))
+    for s in Store.open(store).iter_samples():
+        mask, ids = s["loss_mask"].tolist(), s["input_ids"].tolist()
+        end = max(t for t, m in enumerate(mask) if m) + 1
+        start = max((t + 1 for t in range(end) if not mask[t]), default=0)
+        assert end - start >= at_least and not set(ids[start:end]) & stops, (s["sample_id"], ids[start:end + 1])
 
 
 def test_one_pass_against_a_prefill_and_regenerate_then_extract(fake, tiny_kimi, tmp_path):  # noqa: F811
@@ -25,12 +62,7 @@ def test_one_pass_against_a_prefill_and_regenerate_then_extract(fake, tiny_kimi,
     # store re-tokenizes the turn's text (a random model's broken UTF-8 re-encodes longer) and has the template's
     # end-of-turn after it, which it must not learn: the target never generated it there
     assert got["two_step_tokens"] > got["one_pass_tokens"] > 0, got
-    stops = masks.stop_ids(AutoTokenizer.from_pretrained(str(tiny_kimi)))
-    for s in Store.open(tmp_path / "onepass-two").iter_samples():  # the last learned run: the regenerated turn
-        mask, ids = s["loss_mask"].tolist(), s["input_ids"].tolist()
-        end = max(t for t, m in enumerate(mask) if m) + 1
-        start = max((t + 1 for t in range(end) if not mask[t]), default=0)
-        assert end - start >= 6 and not set(ids[start:end]) & stops, (s["sample_id"], ids[start:end + 1])
+    _the_cut_turns_learn_no_end_token(tmp_path / "onepass-two", tiny_kimi, at_least=6)
     assert got["generation"].startswith("18 tokens generated"), got  # 3 turns of max_tokens=6
     assert got["one_pass_tok_per_s"] > 0 and got["regenerate_then_extract_tok_per_s"] > 0, got
     json.dumps(got)  # what report() writes
@@ -48,8 +80,6 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path):  #
     """tests/gpu/test_online_kimi_depth.py's measurement (issue 42) with tiny-kimi for kimi-depth and a small draft on
     the CPU: the engine's unit norms and head, extraction alone, training alone, online through a spool a quarter of
     the store, and the summary the GPU run judges."""
-    import shutil
-
     from eagle3.targets import presets
     from tests.gpu import test_online_kimi_depth as kd
 
