@@ -1,11 +1,10 @@
 """The e2e GPU tests of issue 40 (tests/gpu/test_draft_acceptance.py; its one-pass measurement on the templated
 dialogues and on Kimi-style traffic in Kimi-K2's format, as EAGLE3_E2E_ARCH=deepseek runs it) and the kimi-depth
 online test of issue 42, run on CPU against the fake vLLM (tests/unit/fake_vllm.py) with tiny-kimi in place of the
-target: the same code, a handful of conversations
-and short turns, so a lease measures instead of finding a wrong argument. The figures the GPU run judges (rows
-within bf16 noise of a prefill; turns the learnable target gets right) are checked here only where the fake decides
-them: its states are exact, so one pass and a prefill agree to one bf16 step, and greedy regeneration then extraction
-stores the very tokens one pass stores."""
+target: the same code, a handful of conversations and short turns, so a lease measures instead of finding a wrong
+argument. The figures the GPU run judges (rows within bf16 noise of a prefill; turns the learnable target gets right)
+are checked here only where the fake decides them: its states are exact, so one pass and a prefill agree to one bf16
+step; and where regenerate then extract stores a turn cut at max_tokens, it learns no end-of-turn token there."""
 
 import json
 import shutil
