@@ -4,7 +4,7 @@ prompt and of what it wrote are stored, in one engine pass: no second prefill of
 - The prompt: a conversation's messages up to its last assistant turn of weight 1 (the turn the target writes;
   messages after it are dropped), or all of them when it has none (a prompt-only dataset), through the target's
   chat template with its generation prompt. The same prompt `regenerate --mode last` builds, and the same seed
-  (``seed * 1_000_003 + line``), so the two draw the same turn.
+  (regenerate.turn_seed), so the two draw the same turn.
 - The sample: the prompt's tokens and the generated ones, up to and including the end-of-turn token (or cut at
   --max-tokens, or where the sample reaches --max-len). Its loss mask covers exactly the generated tokens: what the
   target wrote (thinking, text, tool-call markup, the end token); the prompt's earlier assistant turns are the
@@ -36,7 +36,6 @@ from eagle3.store.format import ShardInfo, StoreError, shard_tokens
 
 log = logging.getLogger(__name__)
 
-SEED_STRIDE = 1_000_003  # regenerate's: line n draws with seed * SEED_STRIDE + n
 # a regenerated sample's id: FILE:LINE~regen, never the data's own FILE:LINE, so a rerun with or without
 # --regenerate into the other's store is refused (its plan holds other ids) instead of mixing the two
 ID_SUFFIX = "~regen"
@@ -81,6 +80,7 @@ def load_prompts(cfg: DataConfig, tokenizer, gen: Generation) -> tuple[list[Prom
     """Each conversation's prompt (module docstring), in file then line order; bad lines and prompts of max_len
     tokens or more are rejected (counted, and written to cfg.rejects_path with the reason)."""
     from eagle3.data.conversations import check_tokenizer, reject, unique_conversations
+    from eagle3.extract.regenerate import turn_seed
 
     check_tokenizer(tokenizer, "tokenizer")
     report, prompts, rejects = DataReport(), [], []
@@ -96,7 +96,7 @@ def load_prompts(cfg: DataConfig, tokenizer, gen: Generation) -> tuple[list[Prom
                 raise e
             reject(report, rejects, path, line, text, e)
             continue
-        prompts.append(Prompt(f"{path.name}:{line}{ID_SUFFIX}", tuple(ids), gen.seed * SEED_STRIDE + line,
+        prompts.append(Prompt(f"{path.name}:{line}{ID_SUFFIX}", tuple(ids), turn_seed(gen.seed, line),
                               min(gen.max_tokens, cfg.max_len - len(ids))))
         if cfg.max_samples and len(prompts) >= cfg.max_samples:
             break

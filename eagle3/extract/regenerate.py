@@ -42,6 +42,11 @@ MODES = ("all", "last")
 SEED_STRIDE = 1_000_003
 
 
+def turn_seed(seed: int, line: int, k: int = 0) -> int:
+    """The seed of input line ``line``'s k-th regenerated turn (extract --regenerate draws turn 0 with it too)."""
+    return seed * SEED_STRIDE + line + k * 7919
+
+
 @dataclass
 class RegenConfig:
     target: str
@@ -341,7 +346,7 @@ def regenerate_batch(items: list[tuple[int, schema.Conversation]], cfg: RegenCon
             i = st["turns"][st["k"]]
             prompts.append(tok(masks.chat(tok, st["msgs"][:i], st["conv"].tools, gen=True),
                                add_special_tokens=False)["input_ids"])
-            seeds.append(cfg.seed * SEED_STRIDE + st["n"] + st["k"] * 7919)
+            seeds.append(turn_seed(cfg.seed, st["n"], st["k"]))
         for st, ids in zip(active, gen(prompts, seeds, cfg, stops)):
             _take(st, ids, tok, stops, kimi, summary)
     return [{"messages": st["msgs"], "regenerated": {"line": st["n"], "turns": st["done"], "tokens": st["tokens"],

@@ -142,8 +142,7 @@ def _tried(b: Bench, model, opt, seq: int, amp: bool, steps: int = 5, mla=None, 
         opt.zero_grad(set_to_none=True)
         return dict(_row(seq, amp, mla, loss_impl), out_of_memory=True)
     finally:
-        if b.device == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op where CUDA never ran
 
 
 def _longest(fits, lo: int, hi: int, step: int = 4096) -> int:
@@ -199,16 +198,14 @@ def run_bench(b: Bench, report, gpu_out) -> None:
         (gpu_out / "profile_8k.txt").write_text(step_profile.table(prof, top=40) + "\n")
         report("bench_train_profile_8k", step_profile.shares(prof))
     model = opt = None
-    if b.device == "cuda":
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
     model = _model(b, mla=b.mla)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     mla_rows = [_tried(b, model, opt, seq, amp=True, mla=b.mla) for seq in (short, mid)]
     report("bench_train_kimi_mla_draft", mla_rows)
     _write_history(gpu_out, rows + mla_rows)
     model = opt = None  # the memory back before the compiled model is built
-    if b.device == "cuda":
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
     # last: a compile that takes minutes costs no other row. sdpa at 8k beside the eager row; then flex attention
     # (speculators' default: a block mask, not sdpa's dense [T, T x steps] one), which runs fused only compiled, at
     # 8k and 32k: whether it pays in speed, and in the memory of long sequences
@@ -247,8 +244,7 @@ def _compiled_row(b: Bench, seq: int, attn: str = "sdpa") -> dict:
                 "seconds": round(time.perf_counter() - t0, 1)}
     finally:
         del model, opt
-        if b.device == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
 
 
 def reader_rate(root, n: int, seq: int, hidden: int = 7168) -> dict:

@@ -42,6 +42,7 @@ import time
 
 import pytest
 
+from eagle3.data import corpus
 from eagle3.data.conversations import DataConfig
 from eagle3.extract import extract
 from eagle3.serve import evaluate
@@ -93,7 +94,7 @@ def chain(request, tmp_path_factory, gpu_out, report):
     report("e2e_target", info)
     assert info["final_loss"] < 0.6 * info["first_loss"]
     data = tmp / "train.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in learnable.conversations(ARCH, N_TRAIN, seed=7)))
+    corpus.write_jsonl(data, learnable.conversations(ARCH, N_TRAIN, seed=7))
     store = tmp / "store"
     ex = extract.run(extract.ExtractConfig(
         model=str(target), out=str(store), backend="vllm", batch_size=512, shard_tokens=1 << 16,
@@ -204,7 +205,7 @@ def regenerate_held_out(tmp, target, n: int, max_tokens: int = 384) -> dict:
 
     convs = learnable.conversations(ARCH, n, seed=learnable.HELD_OUT_SEED + 2)
     data = tmp / "regen-in.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    corpus.write_jsonl(data, convs)
     out = tmp / "regen-out.jsonl"
     s = regenerate.run(regenerate.RegenConfig(target=str(target), data=str(data), out=str(out),
                                               backend="vllm", mode="last", temperature=0.0, max_tokens=max_tokens,
@@ -250,7 +251,7 @@ def one_pass_against_prefill(tmp, target: str, n: int, max_tokens: int = 384, ba
 
     convs = learnable.conversations(ARCH, n, seed=learnable.HELD_OUT_SEED + 3)
     data = tmp / "onepass-in.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    corpus.write_jsonl(data, convs)
     kw = {"gpu_memory_utilization": 0.2}
     gen = one_pass.Generation(max_tokens=max_tokens)
     one = extract.run(extract.ExtractConfig(model=target, out=str(tmp / "onepass"), backend="vllm",

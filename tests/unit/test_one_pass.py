@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from eagle3.data import masks
+from eagle3.data import corpus, masks
 from eagle3.data.conversations import DataConfig
-from eagle3.extract import extract, one_pass
+from eagle3.extract import extract, one_pass, regenerate
 from eagle3.extract.capture import CaptureError, StepLayout
 from eagle3.extract.decode_capture import RowCollector, external_id
 from eagle3.store.folder import Store
@@ -87,11 +87,6 @@ def test_vllm_internal_ids_map_to_the_callers():
 # ------------------------------------------------------------------------------------------ the prompts
 
 
-def _write(path, convs):
-    path.write_text("".join(json.dumps(c) + "\n" for c in convs))
-    return path
-
-
 CONVS = [
     {"messages": [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4."},
                   {"role": "user", "content": "And times 3?"}, {"role": "assistant", "content": "12."}]},
@@ -107,7 +102,7 @@ CONVS = [
 def test_the_prompt_is_the_conversation_up_to_its_last_learned_turn(tokenizer, tmp_path):
     """The turn the target writes is the last assistant turn of weight 1 (regenerate --mode last's prompt), or the
     next turn of a prompt-only conversation; a prompt with no room under max_len is rejected with its reason."""
-    data = _write(tmp_path / "c.jsonl", CONVS)
+    data = corpus.write_jsonl(tmp_path / "c.jsonl", CONVS)
     gen = one_pass.Generation(max_tokens=64, seed=5)
     prompts, report = one_pass.load_prompts(DataConfig([str(data)], max_len=256, rejects_path=str(tmp_path / "r.jsonl")),
                                             tokenizer, gen)
@@ -118,7 +113,7 @@ def test_the_prompt_is_the_conversation_up_to_its_last_learned_turn(tokenizer, t
     m = [c["messages"] for c in CONVS]
     assert [p.sample_id for p in prompts] == ["c.jsonl:1~regen", "c.jsonl:2~regen", "c.jsonl:3~regen", "c.jsonl:5~regen"]
     assert prompts[0].ids == enc(m[0][:3]) and prompts[1].ids == enc(m[1]) and prompts[2].ids == enc(m[2][:1])
-    assert [p.seed for p in prompts] == [5 * one_pass.SEED_STRIDE + n for n in (1, 2, 3, 5)]
+    assert [p.seed for p in prompts] == [5 * regenerate.SEED_STRIDE + n for n in (1, 2, 3, 5)]
     assert all(p.max_tokens == min(64, 256 - len(p)) for p in prompts)
     assert report.duplicates == 1 and report.rejected == {"too_long": 1}
     assert json.loads((tmp_path / "r.jsonl").read_text())["line"] == 4
@@ -160,7 +155,7 @@ def test_one_pass_stores_every_row_of_the_final_tokens(fake, tiny_kimi, tmp_path
     """With vLLM (the fake): every stored row of every layer id, the last one included, equals a prefill of the
     sample's final tokens; the ids are the prompt and the turn; the loss mask is exactly the turn. One turn ends on
     a stop token (its last row: the tail request's, over async scheduling's NaN row), the others at max_tokens."""
-    data = _write(tmp_path / "c.jsonl", [c for c in CONVS if len(json.dumps(c)) < 400][:4])
+    data = corpus.write_jsonl(tmp_path / "c.jsonl", [c for c in CONVS if len(json.dumps(c)) < 400][:4])
     first = extract.run(_regen_cfg(tiny_kimi, data, tmp_path / "a", backend="vllm", capture="direct", selfcheck=0),
                         progress=False)
     turns = {sid: s["input_ids"][s["loss_mask"].bool()].tolist() for sid, s in _stored(tmp_path / "a").items()}
@@ -197,7 +192,7 @@ def test_a_first_request_that_reads_the_prefix_cache_loses_rows_and_is_caught(fa
                                                                               monkeypatch):
     """Prompts sharing their first block, one a batch: were the turn's request to read the cache, the second
     prompt's first rows would never be computed."""
-    data = _write(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "Shared opening words of the "
+    data = corpus.write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "Shared opening words of the "
                                                       f"prompt for every line here, then {k}"}]} for k in range(3)])
     real = one_pass.sampling_params
     monkeypatch.setattr(one_pass, "sampling_params", lambda *a: __import__("dataclasses").replace(
@@ -212,14 +207,14 @@ def test_a_first_request_that_reads_the_prefix_cache_loses_rows_and_is_caught(fa
 
 
 def test_the_aux_capture_is_refused_for_one_pass(fake, tiny_kimi, tmp_path):  # noqa: F811
-    data = _write(tmp_path / "c.jsonl", CONVS[:1])
+    data = corpus.write_jsonl(tmp_path / "c.jsonl", CONVS[:1])
     with pytest.raises(StoreError, match="needs the direct or hooks capture"):
         extract.run(_regen_cfg(tiny_kimi, data, tmp_path / "s", backend="vllm", capture="aux", selfcheck=0),
                     progress=False)
 
 
 def test_the_turn_is_drawn_with_the_lines_seed(fake, tiny_kimi, tmp_path):  # noqa: F811
-    data = _write(tmp_path / "c.jsonl", CONVS[:2])
+    data = corpus.write_jsonl(tmp_path / "c.jsonl", CONVS[:2])
     turns = []
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
         extract.run(_regen_cfg(tiny_kimi, data, tmp_path / name, backend="vllm", selfcheck=0,
@@ -277,7 +272,7 @@ def test_a_store_of_the_datas_turns_is_not_continued_with_regenerated_ones(tiny_
 def test_the_self_check_computes_every_row_on_an_engine_whose_cache_holds_its_prompts(fake, tiny_kimi, tmp_path):  # noqa: F811
     """The one-pass engine caches prefixes; the self-check's prefill (the regular capture) must not read them. Here
     one engine serves two runs: the second's self-check prompts are in the cache the first left."""
-    data = _write(tmp_path / "c.jsonl", CONVS[:2])
+    data = corpus.write_jsonl(tmp_path / "c.jsonl", CONVS[:2])
     cfg = _regen_cfg(tiny_kimi, data, tmp_path / "a", backend="vllm", selfcheck=0)
     backend = extract.make_backend(cfg, extract.store_spec(cfg.model, cfg.layer_ids, cfg.dtype))
     try:
