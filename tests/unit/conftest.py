@@ -22,15 +22,42 @@ else:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def once_per_run(tmp_path_factory, name: str, build):
+    """``build(folder) -> value`` run once per test run, however many pytest-xdist workers ask: the first to ask
+    builds in a folder they share (under a file lock), the others wait for it and get the same folder and value
+    (pickled). A session fixture is otherwise built once in each worker: the same tiny target, store and reference
+    runs three times over on two cores. What it returns and what it writes are read-only to the tests."""
+    import fcntl
+    import pickle
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "once-per-run"
+    shared.mkdir(exist_ok=True)
+    folder, done = shared / name, shared / f"{name}.pickle"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, a worker's crash included
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a build that raised in another worker
+            folder.mkdir()
+            value = build(folder)
+            tmp = done.with_suffix(".tmp")
+            tmp.write_bytes(pickle.dumps(value))
+            os.replace(tmp, done)
+        return pickle.loads(done.read_bytes())
+
+
 @pytest.fixture(scope="session")
 def tiny_kimi(tmp_path_factory):
     """tiny-kimi (DeepseekV3: MLA + MoE, 8 layers, hidden 128) with random weights and the BPE tokenizer."""
-    return tiny.build_model(presets.from_name("tiny-kimi"), tmp_path_factory.mktemp("tiny-kimi"), seed=0)
+    return once_per_run(tmp_path_factory, "tiny-kimi",
+                        lambda d: tiny.build_model(presets.from_name("tiny-kimi"), d, seed=0))
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-    return tiny.build_model(presets.from_name("tiny-llama"), tmp_path_factory.mktemp("tiny-llama"), seed=0)
+    return once_per_run(tmp_path_factory, "tiny-llama",
+                        lambda d: tiny.build_model(presets.from_name("tiny-llama"), d, seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -52,11 +79,14 @@ def small_store(tiny_kimi, small_data, tmp_path_factory):
     """An hf-backend store of small_data on tiny-kimi, shards of 8 samples."""
     from eagle3.extract import extract
 
-    out = tmp_path_factory.mktemp("store") / "store"
-    cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(out), data=DataConfig([str(small_data)], max_len=192),
-                                batch_size=8, shard_samples=8, writer_threads=0)
-    extract.run(cfg, progress=False)
-    return out
+    def build(folder):
+        cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(folder / "store"),
+                                    data=DataConfig([str(small_data)], max_len=192), batch_size=8, shard_samples=8,
+                                    writer_threads=0)
+        extract.run(cfg, progress=False)
+        return folder / "store"
+
+    return once_per_run(tmp_path_factory, "small-store", build)
 
 
 @pytest.fixture(scope="session")
@@ -64,10 +94,12 @@ def trained_run(small_store, tmp_path_factory):
     """A short training run on small_store (12 steps, checkpoints every 4): (TrainResult, out folder)."""
     from eagle3.train.train import TrainConfig, train
 
-    out = tmp_path_factory.mktemp("train")
-    cfg = TrainConfig(store=str(small_store), out=str(out), draft_vocab_size=256, batch_samples=4, lr=3e-3, seed=0,
-                      max_steps=12, checkpoint_every=4)
-    return train(cfg, progress=False), out
+    def build(out):
+        cfg = TrainConfig(store=str(small_store), out=str(out), draft_vocab_size=256, batch_samples=4, lr=3e-3,
+                          seed=0, max_steps=12, checkpoint_every=4)
+        return train(cfg, progress=False), out
+
+    return once_per_run(tmp_path_factory, "trained-run", build)
 
 
 @pytest.fixture(scope="session")
@@ -187,31 +219,51 @@ def run_command(argv, env: dict | None = None, timeout: float = 240):
     tqdm lock another thread held at the fork). A fresh interpreter would spend ~9 s importing speculators each time.
     ``env``: variables set in the child (EAGLE3_FAULT: a kill point). Returns (an object with returncode, stdout
     and stderr as subprocess.run's, seconds); killed by a signal, the returncode is minus its number."""
-    import multiprocessing
-    import subprocess
-    import tempfile
-    import time
-    import types
+    return start_command(argv, env).wait(timeout)
 
-    global _commands
-    if _commands is None:
-        _commands = multiprocessing.get_context("forkserver")
-        _commands.set_forkserver_preload(COMMAND_PRELOAD)
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        for f in (out, err):
+
+class Command:
+    """A command started by start_command; ``wait(timeout)`` gives what run_command returns (killed at the timeout,
+    then subprocess.TimeoutExpired)."""
+
+    def __init__(self, argv, env: dict | None):
+        import multiprocessing
+        import tempfile
+        import time
+
+        global _commands
+        if _commands is None:
+            _commands = multiprocessing.get_context("forkserver")
+            _commands.set_forkserver_preload(COMMAND_PRELOAD)
+        self.argv, self._tmp = list(argv), tempfile.TemporaryDirectory()
+        self.out, self.err = os.path.join(self._tmp.name, "out"), os.path.join(self._tmp.name, "err")
+        for f in (self.out, self.err):
             open(f, "w").close()
-        t0 = time.perf_counter()
-        child = _commands.Process(target=_command_child, args=(list(argv), dict(env or {}), out, err))
-        child.start()
-        child.join(timeout)
-        if child.is_alive():
-            child.kill()
-            child.join()
-            raise subprocess.TimeoutExpired(argv, timeout)
-        with open(out) as f_out, open(err) as f_err:
-            return types.SimpleNamespace(returncode=child.exitcode, stdout=f_out.read(), stderr=f_err.read()), \
-                time.perf_counter() - t0
+        self.t0 = time.perf_counter()
+        self.child = _commands.Process(target=_command_child, args=(self.argv, dict(env or {}), self.out, self.err))
+        self.child.start()
+
+    def wait(self, timeout: float = 240):
+        import subprocess
+        import time
+        import types
+
+        try:
+            self.child.join(timeout)
+            if self.child.is_alive():
+                self.child.kill()
+                self.child.join()
+                raise subprocess.TimeoutExpired(self.argv, timeout)
+            with open(self.out) as f_out, open(self.err) as f_err:
+                return types.SimpleNamespace(returncode=self.child.exitcode, stdout=f_out.read(),
+                                             stderr=f_err.read()), time.perf_counter() - self.t0
+        finally:
+            self._tmp.cleanup()
+
+
+def start_command(argv, env: dict | None = None) -> Command:
+    """run_command's child, started and not waited for (commands that run side by side: DDP ranks)."""
+    return Command(argv, env)
 
 
 def hold_back_capture_consumer(monkeypatch):

@@ -29,7 +29,7 @@ from eagle3.store.format import StoreError
 from eagle3.train import online
 from eagle3.train.train import TrainConfig, train
 
-from .conftest import run_forked
+from .conftest import once_per_run, run_forked
 
 IDS = (2, 4, 5, 8)
 
@@ -145,10 +145,13 @@ def _kill_cfg(root):
 @pytest.fixture(scope="module")
 def uninterrupted(setup, tiny_kimi, tmp_path_factory):
     samples, backend, ex = setup
-    root = tmp_path_factory.mktemp("online-ref")
-    res = online.run(_kill_cfg(root), ex, samples[:KILL_SAMPLES], _capacity(tiny_kimi, 2), backend=backend,
-                     extract_batch=2, progress=False)
-    return res, load_file(str(root / "run" / "draft" / "model.safetensors"))
+
+    def build(root):
+        res = online.run(_kill_cfg(root), ex, samples[:KILL_SAMPLES], _capacity(tiny_kimi, 2), backend=backend,
+                         extract_batch=2, progress=False)
+        return res, load_file(str(root / "run" / "draft" / "model.safetensors"))
+
+    return once_per_run(tmp_path_factory, "online-uninterrupted", build)  # one reference for every worker's kills
 
 
 @pytest.mark.parametrize("point,k", POINTS)
