@@ -350,7 +350,8 @@ def _eval_config(a):
 
     return evaluate.EvalConfig(target=a.target, draft=a.draft, prompts=a.prompts, out=a.out, k=a.k,
                                max_tokens=a.max_tokens, num_prompts=a.num_prompts, gpu_memory_utilization=a.gpu_mem,
-                               shifted=not a.no_shifted, baseline=not a.no_baseline, cuda_graphs=a.cuda_graphs)
+                               shifted=not a.no_shifted, baseline=not a.no_baseline, cuda_graphs=a.cuda_graphs,
+                               long_prompts=a.long_prompts, long_context=a.long_context)
 
 
 def cmd_regenerate(a) -> int:
@@ -450,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-baseline", action="store_true", help="skip the target-only run")
     e.add_argument("--cuda-graphs", action="store_true",
                    help="serve as production does (torch.compile and CUDA graphs); default eager")
+    e.add_argument("--long-prompts", type=NON_NEGATIVE, default=0,
+                   help="then, in the same engine, this many of a learnable target's held-out prompts after "
+                        "--long-context tokens of earlier conversations (acceptance reported apart)")
+    e.add_argument("--long-context", type=POSITIVE, default=4096, help="tokens of context before each long prompt")
     m = sub.add_parser("make-target", formatter_class=_Help,
                        help="train a learnable tiny target, Llama or DeepseekV3 (a minute or a few on a GPU)")
     m.add_argument("--arch", choices=["llama", "deepseek"], default="llama",

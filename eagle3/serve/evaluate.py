@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from eagle3.extract.rpc import Expect, Record, normalize_reply
@@ -42,10 +42,17 @@ class EvalConfig:
     max_model_len: int | None = None  # None: 2048, or room for the long-context prompts and their answers
     context_tokens: int = 0  # the learnable target's prompts after this many tokens of earlier conversations (0: none)
     cuda_graphs: bool = False  # serve as production does (torch.compile + CUDA graphs); eager by default
+    long_prompts: int = 0    # then, in the same engine, this many of the learnable target's held-out prompts after
+    long_context: int = 4096  # this many tokens of earlier conversations (learnable.LONG_CONTEXT): report.long
 
     def __post_init__(self):
+        if self.long_prompts and (self.prompts is not None or self.prompt_ids is not None):
+            raise ValueError("long_prompts makes long-context prompts from the learnable target's held-out "
+                             "conversations; prompts from a file or token ids carry their own context: put the long "
+                             "ones in a file of their own and evaluate it apart")
         if self.max_model_len is None:
-            self.max_model_len = max(2048, self.context_tokens + self.max_tokens)
+            self.max_model_len = max(2048, self.context_tokens + self.max_tokens,
+                                     (self.long_context + self.max_tokens) if self.long_prompts else 0)
 
 
 @dataclass
@@ -100,6 +107,8 @@ class EvalReport:
     drafter: dict = field(default_factory=dict)  # what vLLM loaded (eagle3_drafter_info)
     per_traffic: dict = field(default_factory=dict)  # traffic type (chat / thinking / tool) -> SpecRun of its prompts
     notes: list = field(default_factory=list)        # what the evaluation could not measure, and why
+    long: SpecRun | None = None                      # the long_prompts, served after the others by the same engine
+    long_per_traffic: dict = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         d = self.draft
@@ -110,6 +119,12 @@ class EvalReport:
         for name, r in self.per_traffic.items():
             out.append(f"  {name:<12} acceptance length {r.acceptance_length:.3f} +- {r.acceptance_se:.3f} over "
                        f"{r.drafts} drafts")
+        if self.long:
+            r = self.long
+            out.append(f"after {self.config['long_context']} tokens acceptance length {r.acceptance_length:.3f} +- "
+                       f"{r.acceptance_se:.3f} over {r.drafts} drafts ({self.config['long_prompts']} prompts)")
+            out += [f"  {name:<12} acceptance length {x.acceptance_length:.3f} over {x.drafts} drafts"
+                    for name, x in self.long_per_traffic.items()]
         if self.shifted:
             s = self.shifted
             out.append(f"layers +1     acceptance length {s.acceptance_length:.3f} with ids {self.shifted_layer_ids} "
@@ -235,11 +250,16 @@ def run(cfg: EvalConfig) -> EvalReport:
     import vllm
     from transformers import AutoTokenizer
 
+    long: list = []
     if cfg.prompt_ids is not None:
         prompts = [list(p) for p in cfg.prompt_ids[: cfg.num_prompts]]
         groups = {"chat": list(range(len(prompts)))}
     else:
-        prompts, groups = load_prompts(cfg, AutoTokenizer.from_pretrained(cfg.target))
+        tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+        prompts, groups = load_prompts(cfg, tokenizer)
+        if cfg.long_prompts:
+            long, long_groups = load_prompts(replace(cfg, num_prompts=cfg.long_prompts, context_tokens=cfg.long_context,
+                                                     long_prompts=0), tokenizer)
     prepare_environment()  # the V1 runner (V2 has no drafter) and spawned workers, as the capture's engines
     draft_cfg = json.loads((Path(cfg.draft) / "config.json").read_text())
     ids = list(draft_cfg["eagle_aux_hidden_state_layer_ids"])
@@ -269,6 +289,9 @@ def run(cfg: EvalConfig) -> EvalReport:
     report = EvalReport({k: v for k, v in asdict(cfg).items() if k != "prompt_ids"}, ids, draft_run,
                         engine_start_s=round(start, 1), drafter=drafter, per_traffic=per if len(per) > 1 else {},
                         notes=notes)
+    if long:  # the same engine: no second start for the long-context figure
+        _, report.long, counters, per_long = _run_by_traffic(llm, long, long_groups, cfg.max_tokens, counters)
+        report.long_per_traffic = per_long if len(per_long) > 1 else {}
     if cfg.shifted:
         shifted = [i + 1 for i in ids]
         llm.collective_rpc("eagle3_set_aux_layers", args=(shifted,))

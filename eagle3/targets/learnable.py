@@ -89,8 +89,8 @@ def make_target(out: str | Path, steps: int = 1500, batch: int | None = None, se
                 lr: float = 2e-3, device: str | None = None, seed: int = 0, n_conversations: int = 30000,
                 arch: str = "llama") -> dict:
     """Build, train and save the learnable target (``arch``: llama or deepseek) in ``out``; returns {final_loss,
-    first_loss, steps, seconds, tokens, arch}. Windows of the profile's seq_len (llama 256, deepseek 1024), batches of
-    16,384 tokens, unless given."""
+    first_loss, steps, seconds, tokens, arch}. Windows of the profile's seq_len (llama 256, deepseek 4608), as many a
+    step as fit in 16,384 tokens (deepseek: 3, 13,824 tokens), unless given."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if arch not in ARCHES:

@@ -84,9 +84,13 @@ VLLM_KW = {"gpu_memory_utilization": 0.12, "max_model_len": 2048}
 def chain(request, tmp_path_factory, gpu_out, report):
     """What both tests share: the learnable target, its dialogues extracted with vLLM into a bf16 store, the seed-0
     draft trained on it and served. The layer-ids + 1 control and the no-draft baseline (one more engine, ~40 s on
-    the H200) only where the test that reads them runs: `-k fp8` runs this and the fp8 test."""
-    controls = any(item.originalname == test_trained_draft_is_served_by_vllm_and_predicts_the_target.__name__
-                   for item in request.session.items)
+    the H200) only where the test that reads them runs: `-k fp8` runs this and the fp8 test; the long-context prompts
+    only where the variants' test runs."""
+    selected = {item.originalname for item in request.session.items}
+    controls = test_trained_draft_is_served_by_vllm_and_predicts_the_target.__name__ in selected
+    # the variants' table has the seed-0 draft's long-context figure too: its engine serves those prompts as well
+    long = {"long_prompts": LONG_PROMPTS} if test_draft_variants_are_served_on_the_deepseek_target.__name__ in selected \
+        else {}
     t0 = time.perf_counter()
     tmp = tmp_path_factory.mktemp("e2e")
     target = tmp / "target"
@@ -119,7 +123,7 @@ def chain(request, tmp_path_factory, gpu_out, report):
         return r
 
     seed0_draft = fit("seed0", store, 0)
-    seed0 = serve("seed0", seed0_draft, first=controls)
+    seed0 = serve("seed0", seed0_draft, first=controls, **long)
     seed1: list = []
 
     def seed1_run():
@@ -303,9 +307,10 @@ def test_draft_variants_are_served_on_the_deepseek_target(chain, report):
     """Issue 41: the Llama-layer draft (the chain's seed 0), the MLA draft (Eagle3DeepseekV3ForCausalLM) and each with
     EAGLE-3.1's toggles, trained on the same store with seed 0 and served by vLLM at k=3: acceptance per variant and
     traffic type, beside the llama draft's two-seed spread (seed 1 trained and served here, or by the draft test, on
-    the same prompts: a variant's difference from llama means something only beyond it), on the short held-out prompts and
-    on LONG_PROMPTS of them after 4,096 tokens of earlier conversations (the target trains on 4608-token windows;
-    the drafts on single conversations of <= 512 tokens, so the long prompts ask how they hold up past that). The
+    the same prompts: a variant's difference from llama means something only beyond it), on the short held-out prompts and,
+    by the same engine, on LONG_PROMPTS of them after 4,096 tokens of earlier conversations (no engine start of their
+    own: ~45-70 s each on the H200); the target trains on 4608-token windows,
+    the drafts on single conversations of <= 512 tokens, so the long prompts ask how they hold up past that. The
     llama and mla drafts are also served under CUDA graphs, as production serves them (every other figure: eager)."""
     table: dict[str, dict] = {}
     errors: list[str] = []
@@ -319,20 +324,30 @@ def test_draft_variants_are_served_on_the_deepseek_target(chain, report):
             errors.append(f"{name} {what}")
             return None
 
-    def figures(name, what, r):
-        if r is not None:
-            row = table.setdefault(name, {})
-            row[what] = round(r.draft.acceptance_length, 3)
-            row[f"{what}_se"] = round(r.draft.acceptance_se, 4)
-            if what == "short":
-                row.update({t: round(x.acceptance_length, 3) for t, x in r.per_traffic.items()},
-                           drafter=r.drafter.get("draft_class"))
+    def figures(name, r):
+        """The short prompts' figures of an evaluation (acceptance, its error, per traffic type, the drafter vLLM
+        loaded) and, where it served them, the long-context prompts' ("long_4k": the same engine)."""
+        if r is None:
+            return
+        row = table.setdefault(name, {})
+        for what, run, per in (("short", r.draft, r.per_traffic), ("long_4k", r.long, r.long_per_traffic)):
+            if run is not None:
+                row.update({what: round(run.acceptance_length, 3), f"{what}_se": round(run.acceptance_se, 4)})
+                row.update({f"{what}_{t}" if what != "short" else t: round(x.acceptance_length, 3)
+                            for t, x in per.items()})
+        row["drafter"] = r.drafter.get("draft_class")
         report("e2e_variants", table)  # as it goes
 
+    def cuda_graphs(name, r):
+        if r is not None:
+            table.setdefault(name, {}).update(cuda_graphs=round(r.draft.acceptance_length, 3),
+                                              cuda_graphs_se=round(r.draft.acceptance_se, 4))
+            report("e2e_variants", table)
+
     drafts = {"llama": chain["seed0_draft"]}
-    figures("llama", "short", chain["seed0"])
+    figures("llama", chain["seed0"])
     s1 = attempt("llama seed 1", "short", chain["seed1"])
-    figures("llama seed 1", "short", s1)
+    figures("llama seed 1", s1)
     if s1 is not None:
         a = {k: r.draft for k, r in (("seed0", chain["seed0"]), ("seed1", s1))}
         table["spread_two_seeds"] = {"short": round(max(abs(a["seed0"].acceptance_length - a["seed1"].acceptance_length),
@@ -341,15 +356,12 @@ def test_draft_variants_are_served_on_the_deepseek_target(chain, report):
         tag = name.replace(" + ", "-")
         drafts[name] = attempt(name, "train", lambda tag=tag, kw=kw: chain["fit"](tag, chain["store"], 0, **kw))
         if drafts[name]:
-            figures(name, "short", attempt(name, "short", lambda tag=tag, d=drafts[name]: chain["serve"](tag, d)))
-    for name, d in drafts.items():
-        if d:
-            figures(name, "long_4k", attempt(name, "long_4k", lambda name=name, d=d: chain["serve"](
-                name.replace(" + ", "-") + "-long", d, context_tokens=learnable.LONG_CONTEXT, num_prompts=LONG_PROMPTS)))
+            figures(name, attempt(name, "short", lambda tag=tag, d=drafts[name]: chain["serve"](
+                tag, d, long_prompts=LONG_PROMPTS)))
     # as production serves them (torch.compile + CUDA graphs: other attention-metadata paths than eager's)
     for name in ("llama", "mla"):
         if drafts.get(name):
-            figures(name, "cuda_graphs", attempt(name, "cuda_graphs", lambda name=name: chain["serve"](
+            cuda_graphs(name, attempt(name, "cuda_graphs", lambda name=name: chain["serve"](
                 name + "-graphs", drafts[name], cuda_graphs=True, num_prompts=GRAPH_PROMPTS)))
     assert not errors, (errors, table)
     assert all(row.get(w, 0) > 1.0 or w not in row for n, row in table.items() if n != "spread_two_seeds"

@@ -193,3 +193,69 @@ def test_long_context_prompts_put_earlier_conversations_before_the_held_out_prom
     assert prompts == [ids for _, ids in long] and groups == {"chat": [0, 3], "thinking": [1, 4], "tool": [2, 5]}
     assert cfg.max_model_len >= learnable.LONG_CONTEXT + cfg.max_tokens  # the engine takes them
 
+
+
+def test_long_prompts_are_served_by_the_short_prompts_engine_and_counted_apart(deepseek_target, monkeypatch):
+    """Issue 41's long-context figures without an engine start of their own (~45-70 s each on the H200, one per draft):
+    ``long_prompts`` serves that many held-out prompts after ``long_context`` tokens in the same engine, after the short
+    ones. A stand-in engine accepts every draft token on prompts of long_context tokens and none on the others: each
+    figure counts only its own prompts' drafts; the engine was started once, long enough for them."""
+    import sys
+    import types
+
+    from transformers import AutoTokenizer
+
+    from eagle3.serve import evaluate
+
+    from .test_evaluate import CountingEngine
+
+    out, _ = deepseek_target
+    k, long_context = 3, 1024  # a non-default context: the option reaches the prompts
+    made, served = [], []
+
+    class LLM(CountingEngine):
+        def __init__(self, **kw):
+            made.append(kw)
+            self.c = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * k}
+            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=lambda: None))
+
+        def collective_rpc(self, method, args=()):
+            return [{key: None for key in evaluate.DRAFTER_KEYS}]
+
+        def generate(self, prompts, params, use_tqdm=False):
+            for p in prompts:
+                n = len(p["prompt_token_ids"])
+                assert n <= made[-1]["max_model_len"] - params["max_tokens"]
+                served.append(n)
+                full = n == long_context
+                self.c = {"drafts": self.c["drafts"] + 4, "draft_tokens": self.c["draft_tokens"] + 4 * k,
+                          "accepted": self.c["accepted"] + (4 * k if full else 0),
+                          "per_pos": [x + (4 if full else 0) for x in self.c["per_pos"]]}
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5] * params["max_tokens"],
+                                                                         logprobs=None)]) for _ in prompts]
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: kw))
+    draft = out / "draft"
+    draft.mkdir(exist_ok=True)
+    (draft / "config.json").write_text('{"eagle_aux_hidden_state_layer_ids": [1, 4, 6]}')
+    cfg = evaluate.EvalConfig(target=str(out), draft=str(draft), out=str(out / "eval"), k=k, max_tokens=8,
+                              num_prompts=6, long_prompts=3, long_context=long_context, shifted=False, baseline=False)
+    assert cfg.max_model_len == 2048  # the short prompts' floor covers 1024 + 8
+    r = evaluate.run(cfg)
+    assert len(made) == 1
+    tok = AutoTokenizer.from_pretrained(out)
+    short = [len(ids) for _, ids in learnable.eval_prompts(tok, 6, arch="deepseek")]
+    warm = min(8, len(short))  # the engine's warm-up: its first 8 prompts
+    assert sorted(served[warm:-3]) == sorted(short) and served[-3:] == [long_context] * 3  # short, then long
+    assert r.draft.acceptance_length == 1.0 and r.draft.drafts == 6 * 4
+    assert r.long.acceptance_length == 1.0 + k and r.long.drafts == 3 * 4
+    assert set(r.long_per_traffic) == {"chat", "thinking", "tool"}
+    assert any(f"after {long_context} tokens" in line for line in r.lines())
+    assert json.loads((out / "eval" / "eval.json").read_text())["long"]["drafts"] == 12
+    # the default context is the learnable targets' LONG_CONTEXT, and the engine's length grows for it
+    assert evaluate.EvalConfig(target="t", draft="d", long_prompts=1).max_model_len == learnable.LONG_CONTEXT + 128
+    with pytest.raises(ValueError, match="long_prompts"):  # prompts from a file carry their own context
+        evaluate.EvalConfig(target="t", draft="d", prompts="p.jsonl", long_prompts=4)
+    argv = ["eval", "--target", "t", "--draft", "d", "--out", "o", "--long-prompts", "5", "--long-context", "2000"]
+    got = cli._eval_config(cli.build_parser().parse_args(argv))
+    assert (got.long_prompts, got.long_context) == (5, 2000)

@@ -98,3 +98,58 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path):  #
     assert any(line.startswith("limits") for line in got["lines"]), got["lines"]
     assert set(reported["online_kd_seconds"]) == {"engine_start", "extract_alone", "train_alone"}
     json.dumps(got)
+
+
+@pytest.mark.parametrize("fails", [None, "mla-3.1"])
+def test_the_variants_table_serves_each_draft_in_one_engine_and_one_failure_loses_no_other_figure(fails):
+    """Issue 41's variants test (tests/gpu/test_draft_acceptance.py) with the chain's training and serving stood in
+    for: every keyword it serves with is EvalConfig's; each draft is served once eagerly with the long-context prompts
+    in the same engine (the llama draft by the chain, seed 1 without them), then llama and mla under CUDA graphs;
+    the table holds short, long and CUDA-graph figures per variant, and a variant whose engine fails is an error in
+    its row and a failed test, the others' figures kept."""
+    from eagle3.serve import evaluate
+
+    served, reported = [], {}
+
+    def run_of(acc):
+        return evaluate.SpecRun(acc, [0.5, 0.4, 0.3], 10, 30, round((acc - 1) * 10), 100, 1.0)
+
+    def serve(name, draft, first=False, **kw):
+        cfg = evaluate.EvalConfig(target="t", draft=draft, **kw)  # a keyword EvalConfig lacks fails here
+        served.append((name, draft, cfg.long_prompts, cfg.cuda_graphs, cfg.num_prompts))
+        if name == fails:
+            raise RuntimeError("the engine died")
+        acc = 2.0 + len(served) / 10
+        cls = "Eagle3DeepseekV3ForCausalLM" if name.startswith("mla") else "Eagle3LlamaForCausalLM"
+        return evaluate.EvalReport({}, [1, 4, 6], run_of(acc), drafter={"draft_class": cls},
+                                   per_traffic={"chat": run_of(acc), "tool": run_of(acc - 0.2)},
+                                   long=run_of(acc - 0.5) if cfg.long_prompts else None,
+                                   long_per_traffic={"chat": run_of(acc - 0.5)} if cfg.long_prompts else {})
+
+    chain = {"seed0": serve("seed0", "d-seed0", long_prompts=e2e.LONG_PROMPTS), "seed0_draft": "d-seed0",
+             "seed1": lambda: serve("seed1", "d-seed1"), "store": "store", "serve": serve,
+             "fit": lambda tag, store, seed, **kw: f"d-{tag}"}
+    test = e2e.test_draft_variants_are_served_on_the_deepseek_target
+    def report(key, value):  # as the GPU run writes it: JSON
+        reported[key] = json.loads(json.dumps(value))
+
+    if fails:
+        with pytest.raises(AssertionError, match="mla \\+ 3.1 short"):
+            test(chain, report)
+    else:
+        test(chain, report)
+    table, long = reported["e2e_variants"], e2e.LONG_PROMPTS
+    assert served == [("seed0", "d-seed0", long, False, 64), ("seed1", "d-seed1", 0, False, 64),
+                      ("llama-3.1", "d-llama-3.1", long, False, 64), ("mla", "d-mla", long, False, 64),
+                      ("mla-3.1", "d-mla-3.1", long, False, 64), ("llama-graphs", "d-seed0", 0, True, e2e.GRAPH_PROMPTS),
+                      ("mla-graphs", "d-mla", 0, True, e2e.GRAPH_PROMPTS)]
+    served_ok = [n for n in ("llama", "llama + 3.1", "mla", "mla + 3.1") if n.replace(" + ", "-") != fails]
+    for name in served_ok:
+        row = table[name]
+        assert row["short"] > row["long_4k"] > 1 and row["long_4k_chat"] == row["long_4k"], (name, row)
+        assert row["chat"] == row["short"] and row["tool"] < row["short"], (name, row)
+    assert table["llama"]["cuda_graphs"] > 1 and table["mla"]["cuda_graphs"] > 1
+    assert table["mla"]["drafter"] == "Eagle3DeepseekV3ForCausalLM" and table["llama"]["drafter"] == "Eagle3LlamaForCausalLM"
+    assert "long_4k" not in table["llama seed 1"] and table["spread_two_seeds"]["short"] > 0
+    if fails:
+        assert table["mla + 3.1"] == {"short_error": "RuntimeError: the engine died"}
