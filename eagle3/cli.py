@@ -571,6 +571,10 @@ def preflight(a) -> None:
     elif a.cmd == "demo":
         checks.output_store(Path(a.out) / "store", "demo")
     elif a.cmd == "eval":
+        if a.long_prompts and a.prompts:
+            raise pf.UsageError(f"--long-prompts makes long-context prompts from a learnable target's (make-target) "
+                                f"held-out conversations; with --prompts {a.prompts}, put the context in the file's "
+                                "conversations and leave --long-prompts out")
         pf.vllm_installed("eval")
         pf.model_folder(a.target, weights=True, tokenizer=True, what="--target")
         pf.model_folder(a.draft, weights=True, what="--draft")

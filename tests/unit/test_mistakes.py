@@ -77,6 +77,8 @@ MISTAKES = [
     ("data given as a folder", "extract --model {model} --data {tmp} --out {tmp}/out", r"is a directory; give the JSONL"),
     ("train on a store whose extraction stopped", "train --store {partial} --out {tmp}/out",
      r"holds 40 of the 48 samples its plan names \(8 missing\).*extract --resume.*--allow-incomplete"),
+    ("eval's long prompts with a prompts file", "eval --target {model} --draft {model} --out {tmp}/out --prompts {data} "
+     "--long-prompts 8", r"--long-prompts makes .* held-out conversations.*put the context in the file"),
 ]
 if not _has_vllm():
     MISTAKES += [
