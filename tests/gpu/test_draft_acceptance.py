@@ -81,7 +81,19 @@ VLLM_KW = {"gpu_memory_utilization": 0.12, "max_model_len": 2048}
 
 
 @pytest.fixture(scope="module")
-def chain(request, tmp_path_factory, gpu_out, report):
+def learnable_target(tmp_path_factory, report):
+    """The learnable target, trained here: (its folder's parent for the tests' files, the target folder). What the
+    regenerate tests need, before (and without) the drafts' chain."""
+    tmp = tmp_path_factory.mktemp("e2e")
+    target = tmp / "target"
+    info = learnable.make_target(target, steps=1500, arch=ARCH)
+    report("e2e_target", info)
+    assert info["final_loss"] < 0.6 * info["first_loss"]
+    return tmp, target
+
+
+@pytest.fixture(scope="module")
+def chain(request, learnable_target, gpu_out, report):
     """What both tests share: the learnable target, its dialogues extracted with vLLM into a bf16 store, the seed-0
     draft trained on it and served. The layer-ids + 1 control and the no-draft baseline (one more engine, ~40 s on
     the H200) only where the test that reads them runs: `-k fp8` runs this and the fp8 test; the long-context prompts
@@ -92,11 +104,7 @@ def chain(request, tmp_path_factory, gpu_out, report):
     long = {"long_prompts": LONG_PROMPTS} if test_draft_variants_are_served_on_the_deepseek_target.__name__ in selected \
         else {}
     t0 = time.perf_counter()
-    tmp = tmp_path_factory.mktemp("e2e")
-    target = tmp / "target"
-    info = learnable.make_target(target, steps=1500, arch=ARCH)
-    report("e2e_target", info)
-    assert info["final_loss"] < 0.6 * info["first_loss"]
+    tmp, target = learnable_target
     data = tmp / "train.jsonl"
     corpus.write_jsonl(data, learnable.conversations(ARCH, N_TRAIN, seed=7))
     store = tmp / "store"
@@ -190,12 +198,12 @@ def _turn_key(m: dict) -> tuple:
     return (m.get("content") or "").strip(), (m.get("reasoning_content") or "").strip(), calls
 
 
-def test_the_target_regenerates_held_out_conversations_with_vllm(chain, report):
+def test_the_target_regenerates_held_out_conversations_with_vllm(learnable_target, report):
     """Issue 40 on the GPU: `regenerate --backend vllm`, mode last, greedy, on held-out conversations of the learnable
     target: every line written, in order; its last turns come back as the data's structured fields (deepseek: Kimi's
     <think> and tool-call section parsed into reasoning_content and tool_calls); and, since its answers follow from
     the prompt by rules, most regenerated turns say what the data's say (reported per traffic type)."""
-    summary = regenerate_held_out(chain["tmp"], chain["target"], REGEN_CONVERSATIONS)
+    summary = regenerate_held_out(*learnable_target, REGEN_CONVERSATIONS)
     report("e2e_regenerate_vllm", summary)
     if ARCH == "deepseek":
         assert summary["turns_with_reasoning"] > 0, summary
@@ -232,13 +240,13 @@ ONE_PASS_CONVERSATIONS = 256
 ONE_PASS_REL_TOL = 0.04  # tests/gpu/test_extract_vllm.py's REL_TOL (bf16 kernels at other batch shapes), per row here
 
 
-def test_extract_regenerate_stores_in_one_pass_what_a_prefill_of_its_final_tokens_stores(chain, report):
+def test_extract_regenerate_stores_in_one_pass_what_a_prefill_of_its_final_tokens_stores(learnable_target, report):
     """Issue 40 on the GPU: `extract --regenerate` (greedy, the last turn) generates and captures in one engine pass;
     every stored row of every layer id, the last row included, equals within bf16 noise a separate prefill extraction
     of the same final tokens (and a row's neighbour does not: the control). Beside it, the same conversations through
     `regenerate --mode last` then `extract`: stored tokens a second of generation + capture (engine starts apart),
     both measured here."""
-    summary = one_pass_against_prefill(chain["tmp"], str(chain["target"]), ONE_PASS_CONVERSATIONS)
+    summary = one_pass_against_prefill(learnable_target[0], str(learnable_target[1]), ONE_PASS_CONVERSATIONS)
     report("e2e_extract_regenerate_one_pass", summary)
     assert summary["samples"] == summary["prefill_samples"] == ONE_PASS_CONVERSATIONS, summary
     assert summary["per_row_rel_err_worst"] <= ONE_PASS_REL_TOL, summary
