@@ -452,9 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cuda-graphs", action="store_true",
                    help="serve as production does (torch.compile and CUDA graphs); default eager")
     e.add_argument("--long-prompts", type=NON_NEGATIVE, default=0,
-                   help="then, in the same engine, this many of a learnable target's held-out prompts after "
-                        "--long-context tokens of earlier conversations (acceptance reported apart)")
-    e.add_argument("--long-context", type=POSITIVE, default=4096, help="tokens of context before each long prompt")
+                   help="then, in the same engine, this many of a learnable target's held-out prompts, each made "
+                        "--long-context tokens long by earlier conversations before it (acceptance reported apart)")
+    e.add_argument("--long-context", type=POSITIVE, default=4096,
+                   help="tokens of a long prompt in all: earlier conversations, then the held-out prompt")
     m = sub.add_parser("make-target", formatter_class=_Help,
                        help="train a learnable tiny target, Llama or DeepseekV3 (a minute or a few on a GPU)")
     m.add_argument("--arch", choices=["llama", "deepseek"], default="llama",

@@ -40,10 +40,11 @@ class EvalConfig:
     tp: int = 1
     load_format: str = "auto"       # "dummy": a config-only target (no weights; acceptance means nothing there)
     max_model_len: int | None = None  # None: 2048, or room for the long-context prompts and their answers
-    context_tokens: int = 0  # the learnable target's prompts after this many tokens of earlier conversations (0: none)
+    context_tokens: int = 0  # the learnable target's prompts made this many tokens long by earlier conversations before
+    # them (0: none)
     cuda_graphs: bool = False  # serve as production does (torch.compile + CUDA graphs); eager by default
-    long_prompts: int = 0    # then, in the same engine, this many of the learnable target's held-out prompts after
-    long_context: int = 4096  # this many tokens of earlier conversations (learnable.LONG_CONTEXT): report.long
+    long_prompts: int = 0    # then, in the same engine, this many of the learnable target's held-out prompts made
+    long_context: int = 4096  # this many tokens long by earlier conversations (learnable.LONG_CONTEXT): report.long
 
     def __post_init__(self):
         if self.long_prompts and (self.prompts is not None or self.prompt_ids is not None):

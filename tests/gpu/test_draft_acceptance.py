@@ -316,7 +316,7 @@ def test_draft_variants_are_served_on_the_deepseek_target(chain, report):
     EAGLE-3.1's toggles, trained on the same store with seed 0 and served by vLLM at k=3: acceptance per variant and
     traffic type, beside the llama draft's two-seed spread (seed 1 trained and served here, or by the draft test, on
     the same prompts: a variant's difference from llama means something only beyond it), on the short held-out prompts and,
-    by the same engine, on LONG_PROMPTS of them after 4,096 tokens of earlier conversations (no engine start of their
+    by the same engine, on LONG_PROMPTS of them made 4,096 tokens long by earlier conversations (no engine start of their
     own: ~45-70 s each on the H200); the target trains on 4608-token windows,
     the drafts on single conversations of <= 512 tokens, so the long prompts ask how they hold up past that. The
     llama and mla drafts are also served under CUDA graphs, as production serves them (every other figure: eager)."""
