@@ -122,8 +122,9 @@ class EvalReport:
                        f"{r.drafts} drafts")
         if self.long:
             r = self.long
-            out.append(f"after {self.config['long_context']} tokens acceptance length {r.acceptance_length:.3f} +- "
-                       f"{r.acceptance_se:.3f} over {r.drafts} drafts ({self.config['long_prompts']} prompts)")
+            out.append(f"long prompts   acceptance length {r.acceptance_length:.3f} +- {r.acceptance_se:.3f} over "
+                       f"{r.drafts} drafts ({self.config['long_prompts']} prompts of {self.config['long_context']} "
+                       "tokens: earlier conversations, then the prompt)")
             out += [f"  {name:<12} acceptance length {x.acceptance_length:.3f} over {x.drafts} drafts"
                     for name, x in self.long_per_traffic.items()]
         if self.shifted:

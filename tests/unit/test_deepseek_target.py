@@ -250,7 +250,7 @@ def test_long_prompts_are_served_by_the_short_prompts_engine_and_counted_apart(d
     assert r.draft.acceptance_length == 1.0 and r.draft.drafts == 6 * 4
     assert r.long.acceptance_length == 1.0 + k and r.long.drafts == 3 * 4
     assert set(r.long_per_traffic) == {"chat", "thinking", "tool"}
-    assert any(f"after {long_context} tokens" in line for line in r.lines())
+    assert any(f"3 prompts of {long_context} tokens" in line for line in r.lines())
     assert json.loads((out / "eval" / "eval.json").read_text())["long"]["drafts"] == 12
     # the default context is the learnable targets' LONG_CONTEXT, and the engine's length grows for it
     assert evaluate.EvalConfig(target="t", draft="d", long_prompts=1).max_model_len == learnable.LONG_CONTEXT + 128
