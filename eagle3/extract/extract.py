@@ -12,15 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-import torch
-
 from eagle3 import faults
 from eagle3.data.conversations import DataConfig, Sample, load_samples
+from eagle3.extract.local_session import LocalSession
 from eagle3.store.committer import BackgroundCommitter
 from eagle3.store import lock as store_lock
 from eagle3.store import status as store_status
 from eagle3.store.folder import Store, read_manifest, refuse_foreign
-from eagle3.store.format import MANIFEST, StoreError, StoreSpec, shard_tokens
+from eagle3.store.format import MANIFEST, StoreError, StoreSpec
 from eagle3.targets.layers import default_layer_ids, validate_layer_ids
 from eagle3.targets.presets import config_hash, read_model_config
 
@@ -194,7 +193,8 @@ def _run_locked(cfg: ExtractConfig, samples, backend, progress: bool, store: Sto
     if cfg.selfcheck and todo:
         try:
             check = todo[: cfg.selfcheck]  # --regenerate: the prompts (the check needs no generated turn)
-            check_line = require_final_state(backend, store, cfg, [getattr(s, "as_sample", lambda: s)() for s in check])
+            check_line = require_final_state(backend, store, cfg,
+                                             [s.as_sample() if hasattr(s, "as_sample") else s for s in check])
         except BaseException:
             if own_backend:
                 backend.close()
@@ -338,40 +338,7 @@ def open_session(backend, store: Store, cfg: ExtractConfig, fault=None, seal_eac
     with ``seal_each_batch`` it cuts the open shard and waits for it: every sample of the batch is in them."""
     if hasattr(backend, "open_session"):
         return backend.open_session(store, cfg, fault, seal_each_batch=seal_each_batch)
-    return _LocalSession(backend, store, cfg, fault, seal_each_batch)
-
-
-class _LocalSession:
-    """In-process capture (hf backend): states come back here and go to a ShardWriter."""
-
-    def __init__(self, backend, store: Store, cfg: ExtractConfig, fault, seal_each_batch: bool = False):
-        from eagle3.store.writer import ShardWriter
-
-        self.backend, self.fault, self.seal_each_batch = backend, fault, seal_each_batch
-        self.writer = ShardWriter(store.root, store.spec, store.next_shard_index,
-                                  shard_tokens(store.spec, cfg.shard_tokens),
-                                  cfg.shard_samples, cfg.fsync, threads=cfg.writer_threads, fault=fault)
-
-    def submit(self, batch: Sequence[Sample], ahead: Sequence[Sequence[Sample]] = ()):
-        """``ahead`` (the batches that come next) is the vLLM session's to announce; here nothing needs it."""
-        states = self.backend.capture(batch)
-        if self.fault:
-            self.fault("after_batch")
-        for s, st in zip(batch, states):
-            self.writer.add(s.sample_id, torch.tensor(s.input_ids), torch.tensor(s.loss_mask), st)
-        return self.writer.flush() if self.seal_each_batch else self.writer.take_done()
-
-    def finish(self):
-        try:
-            return self.writer.flush()
-        finally:
-            self.writer.close()
-
-    def close(self) -> None:
-        """End the writer's threads (after the shard each is writing) without sealing the open shard: a loop that
-        failed or was interrupted. A thread left running as the interpreter exits aborted it ("terminate called
-        without an active exception", exit -6, seen after Ctrl-C). Again, or after finish: nothing more happens."""
-        self.writer.close()
+    return LocalSession(backend, store, cfg, fault, seal_each_batch)
 
 
 def _progress(enabled: bool, **kw):

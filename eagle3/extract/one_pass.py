@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from eagle3.data import masks
 from eagle3.data.conversations import DataConfig, DataReport, Sample, write_rejects
 from eagle3.data.schema import DataError
+from eagle3.extract.local_session import LocalSession
 from eagle3.store.format import ShardInfo, StoreError, shard_tokens
 
 log = logging.getLogger(__name__)
@@ -123,28 +123,21 @@ def sampling_params(vllm, p: Prompt, gen: Generation, stops: set[int]):
 
 
 class LocalOnePass:
-    """hf backend: transformers generates each turn with its own seed, then the final tokens are captured."""
+    """hf backend: transformers generates each turn with its own seed, then the final tokens are captured and
+    written as any hf extraction's (local_session.LocalSession, each batch sealed in its shards)."""
 
     def __init__(self, backend, store, cfg, gen: Generation, stops: set[int], fault=None):
-        from eagle3.store.writer import ShardWriter
-
-        self.backend, self.gen, self.stops, self.fault = backend, gen, stops, fault
-        self.writer = ShardWriter(store.root, store.spec, store.next_shard_index,
-                                  shard_tokens(store.spec, cfg.shard_tokens), cfg.shard_samples, cfg.fsync,
-                                  threads=cfg.writer_threads, fault=fault)
+        self.backend, self.gen, self.stops = backend, gen, stops
+        self.capture = LocalSession(backend, store, cfg, fault, seal_each_batch=True)
 
     def submit(self, batch: Sequence[Prompt]) -> Written:
         generated = self.backend.generate(batch, self.gen, self.stops)
         pairs = [sample_of(p, g, self.stops) for p, g in zip(batch, generated)]
         samples = [s for s, _ in pairs]
-        for s, st in zip(samples, self.backend.capture(samples)):
-            self.writer.add(s.sample_id, torch.tensor(s.input_ids), torch.tensor(s.loss_mask), st)
-        if self.fault:
-            self.fault("after_batch")
-        return Written(self.writer.flush(), samples, [f for _, f in pairs])
+        return Written(self.capture.submit(samples), samples, [f for _, f in pairs])
 
     def close(self) -> None:
-        self.writer.close()
+        self.capture.close()
 
 
 REGEN_KEYS = frozenset({"rank", "owner", "steps", "rows", "shards", "errors"})
