@@ -65,10 +65,11 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   online)   step online $PT -m e2e tests/gpu -k online --gpu-out "$OUT/online" ;;
   e2e)      step e2e $PT -m e2e tests/gpu -k "${E2E_K:-not online}" --gpu-out "$OUT/e2e" ;;
   e2eds)    EAGLE3_E2E_ARCH=deepseek step e2eds $PT -m e2e tests/gpu -k "${E2EDS_K:-trained_draft or variants or regenerates or one_pass}" \
-                 --gpu-out "$OUT/e2eds" ;;  # the chain on the learnable DeepseekV3 target, Kimi-style traffic (~13 min),
-            # then the draft variants: llama + 3.1, mla, mla + 3.1, short and long prompts (~8 min more), then
-            # regenerate with vLLM on 96 held-out conversations (~2 min), extract --regenerate in one pass against
-            # a prefill of its tokens and against regenerate then extract (256 conversations, four engines: ~3 min)
+                 --gpu-out "$OUT/e2eds" ;;  # in file order: the chain on the learnable DeepseekV3 target, Kimi-style
+            # traffic (~13 min with trained_draft's controls); regenerate with vLLM on 96 held-out conversations (~2
+            # min) and extract --regenerate in one pass against a prefill of its tokens and against regenerate then
+            # extract (256 conversations, four engines: ~3 min), these two on the trained target alone; then the
+            # draft variants: llama + 3.1, mla, mla + 3.1, short and long prompts in one engine each (~8 min more)
   wrapper)  step wrapper $PT -m kimi_depth tests/gpu/test_kimi_k25_wrapper.py --gpu-out "$OUT/wrapper" ;;  # Kimi-K2.5's
             # class, kimi-depth text model: capture, self-check, a served draft (two engine starts of 2-4 min)
   onlinekd) step onlinekd $PT -m kimi_depth tests/gpu/test_online_kimi_depth.py --gpu-out "$OUT/onlinekd" ;;  # online

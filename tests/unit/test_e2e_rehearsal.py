@@ -20,6 +20,14 @@ from tests.gpu import test_draft_acceptance as e2e
 from .test_vllm_backend import fake, reference_logits, reference_states  # noqa: F401 - fixtures
 
 
+class Reported(dict):
+    """The GPU suite's ``report`` fixture for a rehearsal: each value as it was when reported, through JSON (a value
+    JSON cannot hold fails here; the GPU run's report.json would hold it as a string)."""
+
+    def __call__(self, key, value):
+        self[key] = json.loads(json.dumps(value))
+
+
 @pytest.fixture(scope="module")
 def kimi_format_target(tiny_kimi, tmp_path_factory):
     """tiny-kimi's weights with a Kimi-K2-format tokenizer (role, thinking and tool-call tokens), as the learnable
@@ -84,12 +92,8 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path):  #
 
     folder = tmp_path / "target"
     shutil.copytree(tiny_kimi, folder)
-    reported = {}
-
-    def report(key, value):  # as the GPU suite's report: what the value was then, written out
-        reported[key] = json.loads(json.dumps(value))
-
-    got = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, report,
+    reported = Reported()
+    got = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, reported,
                                       n_samples=32, seq=64, device="cpu", draft_vocab=128, batch_samples=4,
                                       pack_tokens=0, extract_batch=2)  # a quarter of the store holds two batches
     assert got["same_steps_and_samples"] and got["steps"] == 8 and got["losses_finite"], got
@@ -109,7 +113,7 @@ def test_the_variants_table_serves_each_draft_in_one_engine_and_one_failure_lose
     its row and a failed test, the others' figures kept."""
     from eagle3.serve import evaluate
 
-    served, reported = [], {}
+    served, reported = [], Reported()
 
     def run_of(acc):
         return evaluate.SpecRun(acc, [0.5, 0.4, 0.3], 10, 30, round((acc - 1) * 10), 100, 1.0)
@@ -130,14 +134,11 @@ def test_the_variants_table_serves_each_draft_in_one_engine_and_one_failure_lose
              "seed1": lambda: serve("seed1", "d-seed1"), "store": "store", "serve": serve,
              "fit": lambda tag, store, seed, **kw: f"d-{tag}"}
     test = e2e.test_draft_variants_are_served_on_the_deepseek_target
-    def report(key, value):  # as the GPU run writes it: JSON
-        reported[key] = json.loads(json.dumps(value))
-
     if fails:
         with pytest.raises(AssertionError, match="mla \\+ 3.1 short"):
-            test(chain, report)
+            test(chain, reported)
     else:
-        test(chain, report)
+        test(chain, reported)
     table, long = reported["e2e_variants"], e2e.LONG_PROMPTS
     assert served == [("seed0", "d-seed0", long, False, 64), ("seed1", "d-seed1", 0, False, 64),
                       ("llama-3.1", "d-llama-3.1", long, False, 64), ("mla", "d-mla", long, False, 64),
