@@ -473,7 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="hf backend device")
     g.add_argument("--tp", type=POSITIVE, default=1, help="vllm backend tensor parallel size")
     g.add_argument("--mode", choices=["all", "last"], default="all",
-                   help="all: every assistant turn, each on the regenerated history; last: the last turn only")
+                   help="all: every assistant turn, each on the regenerated history; last: the last turn only, the "
+                        "earlier ones written with weight 0 (the data's words: context, not learned)")
     g.add_argument("--temperature", type=NON_NEGATIVE_FLOAT, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=FRACTION, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
     g.add_argument("--max-tokens", type=POSITIVE, default=512, help="tokens a turn may run to")

@@ -3,7 +3,9 @@
 In: JSONL conversations (data/schema.py). Out: the same conversations, OpenAI schema, with assistant turns written by
 the target, in input order, one output line per input line.
 - mode "all" (default): every assistant turn of weight 1, in order, each conditioned on the regenerated history:
-  what the target says in that conversation. "last": only the last assistant turn; earlier ones as the data has them.
+  what the target says in that conversation. "last": only the last assistant turn; the earlier ones as the data has
+  them but written with ``weight: 0`` (context only: not the target's words, so extract learns only the target's turn,
+  as `extract --regenerate` does). A turn of weight 0 is never regenerated and keeps its ``weight: 0``.
 - A regenerated turn that calls other tools than the data's (another name or other arguments) ends the conversation
   there: the data's tool reply answers a different call (``regenerated.cut_after``).
 - Thinking and tool calls are kept as structured fields (``reasoning_content``, ``tool_calls``), parsed from the
@@ -334,9 +336,9 @@ def regenerate_batch(items: list[tuple[int, schema.Conversation]], cfg: RegenCon
     state = []
     for n, conv in items:
         turns = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant" and conv.weights[i]]
-        state.append({"n": n, "conv": conv, "msgs": [dict(m) for m in conv.messages],
-                      "turns": turns[-1:] if cfg.mode == "last" else turns, "k": 0, "done": [], "tokens": [],
-                      "finish": [], "cut": None})
+        turns = turns[-1:] if cfg.mode == "last" else turns
+        state.append({"n": n, "conv": conv, "msgs": context_only(conv, turns), "turns": turns, "k": 0, "done": [],
+                      "tokens": [], "finish": [], "cut": None})
     while True:
         active = [st for st in state if st["cut"] is None and st["k"] < len(st["turns"])]
         if not active:
@@ -351,6 +353,15 @@ def regenerate_batch(items: list[tuple[int, schema.Conversation]], cfg: RegenCon
             _take(st, ids, tok, stops, kimi, summary)
     return [{"messages": st["msgs"], "regenerated": {"line": st["n"], "turns": st["done"], "tokens": st["tokens"],
                                                      "finish": st["finish"], "cut_after": st["cut"]}} for st in state]
+
+
+def context_only(conv: schema.Conversation, turns: list[int]) -> list[dict]:
+    """The conversation's messages as written out, before any turn is regenerated: ``weight: 0`` on every turn the
+    data keeps out of the loss, and on every assistant turn before the first of ``turns`` (mode last: the data's
+    words, not the target's; extract learns only what the target wrote)."""
+    first = turns[0] if turns else len(conv.messages)
+    return [dict(m, weight=0) if not w or (m["role"] == "assistant" and i < first) else dict(m)
+            for i, (m, w) in enumerate(zip(conv.messages, conv.weights))]
 
 
 def _take(st: dict, ids: list[int], tok, stops: set[int], kimi: bool, summary: RegenSummary) -> None:

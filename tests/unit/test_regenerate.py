@@ -110,7 +110,50 @@ def test_another_call_ends_the_conversation_and_last_mode_writes_only_the_last_t
     turns = [i for i, m in enumerate(chat["messages"]) if m["role"] == "assistant"]
     assert row["regenerated"]["turns"] == turns[-1:] and row["messages"][turns[-1]]["content"] == "Fine."
     assert [m for i, m in enumerate(row["messages"]) if i != turns[-1]] == [
-        m for i, m in enumerate(chat["messages"]) if i != turns[-1]]
+        dict(m, weight=0) if i in turns else m for i, m in enumerate(chat["messages"]) if i != turns[-1]]
+
+
+def _learned(tok, path):
+    """The text of each sample's loss-masked tokens, as extract learns the file."""
+    from eagle3.data.conversations import DataConfig, load_samples
+
+    samples, _ = load_samples(DataConfig([str(path)]), tok)
+    return [tok.decode([t for t, k in zip(s.input_ids, s.loss_mask) if k]) for s in samples]
+
+
+def test_a_turn_of_weight_0_stays_out_of_the_loss_after_regeneration(tmp_path, kimi_target):
+    """A turn the data keeps out of the loss (weight 0) is not regenerated, and the output says weight 0 again: a
+    line without it would put the data's excluded words back into the loss."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(kimi_target)
+    chat = kimi_traffic.generate(1, seed=0)[0]  # five assistant turns
+    turns = [i for i, m in enumerate(chat["messages"]) if m["role"] == "assistant"]
+    chat["messages"][turns[1]] = dict(chat["messages"][turns[1]], content="EXCLUDED words", weight=0)
+    cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, [chat])), out=str(tmp_path / "o.jsonl"))
+    regenerate.run(cfg, generator=Scripted(tok, [f"Said {k}." for k in range(len(turns) - 1)]))
+    row = json.loads(Path(cfg.out).read_text())
+    assert row["regenerated"]["turns"] == [i for i in turns if i != turns[1]]
+    assert row["messages"][turns[1]] == {"role": "assistant", "content": "EXCLUDED words", "weight": 0}
+    (learned,) = _learned(tok, cfg.out)
+    assert "EXCLUDED" not in learned and all(f"Said {k}." in learned for k in range(len(turns) - 1))
+
+
+def test_last_mode_keeps_the_datas_earlier_turns_as_context_only(tmp_path, kimi_target):
+    """--mode last: the earlier assistant turns are the data's words, not the target's, so they are written with
+    weight 0 and extract learns only what the target wrote (as extract --regenerate stores it in one pass)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(kimi_target)
+    chat = kimi_traffic.generate(1, seed=0)[0]
+    turns = [i for i, m in enumerate(chat["messages"]) if m["role"] == "assistant"]
+    cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, [chat])), out=str(tmp_path / "o.jsonl"),
+                      mode="last")
+    regenerate.run(cfg, generator=Scripted(tok, ["Only mine."]))
+    row = json.loads(Path(cfg.out).read_text())
+    assert [row["messages"][i].get("weight", 1) for i in turns] == [0] * (len(turns) - 1) + [1]
+    (learned,) = _learned(tok, cfg.out)
+    assert learned == "<think></think>Only mine.<|im_end|>"  # the target's turn as the template closes it, alone
 
 
 def test_never_overwrites_and_refuses_other_settings(tmp_path, kimi_target):
