@@ -236,6 +236,8 @@ class RegenSummary:
     lines: int = 0          # input lines read this run (after the resumed ones)
     written: int = 0
     skipped: int = 0        # bad input lines (schema errors)
+    blank_lines: int = 0
+    duplicates: int = 0     # lines equal to an earlier line of the file (regenerated too)
     resumed_after: int = 0  # input lines already in OUT
     tokens: int = 0         # generated this run
     cut: int = 0            # conversations ended early: a regenerated tool call differed from the data's
@@ -245,20 +247,36 @@ class RegenSummary:
         rate = self.tokens / self.seconds if self.seconds else 0.0
         return (f"regenerated {self.written} conversations ({self.tokens:,} tokens, {rate:,.0f} tok/s)"
                 + (f" after the {self.resumed_after} lines already written" if self.resumed_after else "")
-                + f"; skipped {self.skipped} bad lines; {self.cut} cut at a differing tool call")
+                + f"; skipped {_n(self.skipped, 'bad line')}, {_n(self.blank_lines, 'blank line')}; "
+                + f"{_n(self.duplicates, 'duplicate')} of an earlier line (regenerated each); "
+                + f"{self.cut} cut at a differing tool call")
+
+
+def _n(k: int, what: str) -> str:
+    return f"{k} {what}" + ("" if k == 1 else "s")
 
 
 def _read(cfg: RegenConfig, done: int, summary: RegenSummary):
-    """(input line number, Conversation) for each line after ``done``; bad lines skipped with a warning, counted."""
-    for n, _, conv in read_conversations(cfg.data, DataReport()):
+    """(input line number, Conversation) for each line after ``done``; bad lines skipped with a warning, counted; blank
+    lines and duplicates of earlier lines (the resumed ones included) counted."""
+    report, seen, resumed_blanks = DataReport(), set(), 0
+    for n, _, conv in read_conversations(cfg.data, report):
         if n <= done:
+            resumed_blanks = report.blank_lines  # the blank lines before line n
+            if not isinstance(conv, DataError):
+                seen.add(conv.key())
             continue
         summary.lines += 1
+        summary.blank_lines = report.blank_lines - resumed_blanks
         if isinstance(conv, DataError):
             log.warning("%s; skipped", conv)
             summary.skipped += 1
             continue
+        if conv.key() in seen:
+            summary.duplicates += 1
+        seen.add(conv.key())
         yield n, conv
+    summary.blank_lines = report.blank_lines - resumed_blanks  # those after the last line too
 
 
 def run(cfg: RegenConfig, generator: Callable | None = None, fault: Callable[[str], None] | None = None,
@@ -364,18 +382,31 @@ def context_only(conv: schema.Conversation, turns: list[int]) -> list[dict]:
             for i, (m, w) in enumerate(zip(conv.messages, conv.weights))]
 
 
+def whole_characters(ids: list[int], tok) -> list[int]:
+    """A turn cut by max_tokens, less the tokens of a character it cut inside (a byte-level tokenizer writes a CJK
+    character or an emoji in up to 4 byte tokens). Decoded, those bytes are U+FFFD, which re-encodes to tokens the
+    target never wrote. At most 3 tokens go (a character has at most 4 bytes); a text that still ends in U+FFFD after
+    that wrote the character itself, and is kept whole."""
+    for drop in range(min(3, len(ids)) + 1):
+        head = ids[: len(ids) - drop]
+        if not tok.decode(head).endswith("\ufffd"):
+            return head
+    return ids
+
+
 def _take(st: dict, ids: list[int], tok, stops: set[int], kimi: bool, summary: RegenSummary) -> None:
     """Put the generated turn into the conversation; a call other than the data's (or a turn cut off by max_tokens
     before a tool reply) ends it there."""
     i = st["turns"][st["k"]]
     st["k"] += 1
-    ended = bool(ids) and ids[-1] in stops
-    new = parse_turn(tok.decode(ids[:-1] if ended else ids, skip_special_tokens=not kimi), kimi)
     summary.tokens += len(ids)
+    ended = bool(ids) and ids[-1] in stops
+    kept = ids if ended else whole_characters(ids, tok)
+    new = parse_turn(tok.decode(kept[:-1] if ended else kept, skip_special_tokens=not kimi), kimi)
     msgs, old = st["msgs"], st["msgs"][i]
     msgs[i] = new
     st["done"].append(i)
-    st["tokens"].append(len(ids))
+    st["tokens"].append(len(kept))
     st["finish"].append("stop" if ended else "length")
     follows_tool = i + 1 < len(msgs) and msgs[i + 1]["role"] == "tool"
     same = _same_calls(old.get("tool_calls"), new.get("tool_calls"))

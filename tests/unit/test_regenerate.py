@@ -156,6 +156,46 @@ def test_last_mode_keeps_the_datas_earlier_turns_as_context_only(tmp_path, kimi_
     assert learned == "<think></think>Only mine.<|im_end|>"  # the target's turn as the template closes it, alone
 
 
+def test_a_turn_cut_inside_a_character_keeps_only_the_whole_characters(tmp_path, kimi_target):
+    """max_tokens can end a turn inside a character's bytes (a byte-level tokenizer: CJK text, emoji). Decoded, the
+    partial bytes are U+FFFD, which re-encodes to other tokens than the target's: the turn keeps its whole
+    characters only, and the record counts the tokens kept, so extract learns exactly tokens the target wrote."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(kimi_target)
+    ids = tok("<think></think>Fine 日本", add_special_tokens=False)["input_ids"][:-1]  # 本's last byte not written
+    assert tok.decode(ids).endswith("\ufffd") and not tok.decode(ids[:-2]).endswith("\ufffd")
+
+    def cut(prompts, seeds, cfg, stops):
+        return [list(ids) for _ in prompts]
+
+    chat = kimi_traffic.generate(3, seed=2)[0]  # one assistant turn
+    cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, [chat])), out=str(tmp_path / "o.jsonl"),
+                      max_tokens=len(ids))
+    regenerate.run(cfg, generator=cut)
+    row = json.loads(Path(cfg.out).read_text())
+    (i,) = row["regenerated"]["turns"]
+    assert row["messages"][i]["content"] == "Fine 日"
+    assert row["regenerated"]["finish"] == ["length"] and row["regenerated"]["tokens"] == [len(ids) - 2]
+    (learned,) = _learned(tok, cfg.out)
+    assert learned == "<think></think>Fine 日"  # no end-of-turn token (cut), no U+FFFD's bytes
+
+
+def test_blank_lines_and_duplicates_are_counted(tmp_path, kimi_target):
+    """Every input line is accounted for: a blank line is counted, and a duplicate of an earlier line is counted
+    (and regenerated: sampled, its turns differ; `extract --dedup` drops equal results)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(kimi_target)
+    a, b = kimi_traffic.generate(3, seed=2)[:2]
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps(a) + "\n\n" + json.dumps(a) + "\n" + json.dumps(b) + "\n   \n")
+    cfg = RegenConfig(target=str(kimi_target), data=str(data), out=str(tmp_path / "o.jsonl"), mode="last")
+    s = regenerate.run(cfg, generator=Scripted(tok, ["One.", "Two.", "Three."]))
+    assert (s.written, s.blank_lines, s.duplicates, s.skipped) == (3, 2, 1, 0)
+    assert "2 blank lines" in s.line() and "1 duplicate of an earlier line" in s.line(), s.line()
+
+
 def test_never_overwrites_and_refuses_other_settings(tmp_path, kimi_target):
     data = _data(tmp_path, kimi_traffic.generate(2, seed=1))
     mine = tmp_path / "notes.jsonl"
@@ -191,7 +231,8 @@ def regen_args(tiny_llama, tmp_path_factory):
             "--max-tokens", "12"]
     whole = _cli(args + ["--out", str(tmp / "whole.jsonl")])
     assert whole.returncode == 0, whole.stderr
-    assert "regenerated 5 conversations" in whole.stdout and "skipped 1 bad lines" in whole.stdout, whole.stdout
+    assert "regenerated 5 conversations" in whole.stdout and "skipped 1 bad line," in whole.stdout, whole.stdout
+    assert "1 blank line" in whole.stdout, whole.stdout
     return args, (tmp / "whole.jsonl").read_text()
 
 
