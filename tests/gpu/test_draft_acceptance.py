@@ -237,28 +237,86 @@ def regenerate_held_out(tmp, target, n: int, max_tokens: int = 384) -> dict:
 
 
 ONE_PASS_CONVERSATIONS = 256
-ONE_PASS_REL_TOL = 0.04  # tests/gpu/test_extract_vllm.py's REL_TOL (bf16 kernels at other batch shapes), per row here
+ONE_PASS_REL_TOL = 0.04  # tests/gpu/test_extract_vllm.py's REL_TOL: per sample and layer, the suite's bf16 tolerance
+ONE_PASS_ROW_FACTOR = 2.0  # a row of one pass no further from the fp32 truth than this x a prefill's (worst, p99)
 
 
 def test_extract_regenerate_stores_in_one_pass_what_a_prefill_of_its_final_tokens_stores(learnable_target, report):
-    """Issue 40 on the GPU: `extract --regenerate` (greedy, the last turn) generates and captures in one engine pass;
-    every stored row of every layer id, the last row included, equals within bf16 noise a separate prefill extraction
-    of the same final tokens (and a row's neighbour does not: the control). Beside it, the same conversations through
-    `regenerate --mode last` then `extract`: stored tokens a second of generation + capture (engine starts apart),
-    both measured here."""
+    """Issue 40 on the GPU: `extract --regenerate` (greedy, the last turn) generates and captures in one engine pass.
+    Against a separate prefill extraction of the same final tokens, every sample's every layer id within the suite's
+    bf16 tolerance (its metric: the relative L2 error of the sample's [T, H] states); and row by row, the last row
+    included, one pass is as close to the fp32 truth (transformers in float32 on the same weights) as the prefill is,
+    by kind of row: the prompt's (prefill), the generated ones (decode steps) and the last (the second request's tail).
+    A row's neighbour is far (the control: a misaligned row is ~1). Per row against the prefill alone is no bar: in
+    the first run (2026-12-05, H200, vLLM 0.26.0) the worst of ~59k rows was 0.095 while samples were within 0.04;
+    decode steps run MLA's absorbed (latent) attention where prefill decompresses K and V, and an expert-routing
+    near-tie of the MoE turns a small difference into a large one for a row; the fp32 reference measures how far each
+    bf16 path is from the truth, in the same run. Beside it, the same conversations through `regenerate --mode last`
+    then `extract`: stored tokens a second of generation + capture (engine starts apart), both measured here."""
     summary = one_pass_against_prefill(learnable_target[0], str(learnable_target[1]), ONE_PASS_CONVERSATIONS)
     report("e2e_extract_regenerate_one_pass", summary)
     assert summary["samples"] == summary["prefill_samples"] == ONE_PASS_CONVERSATIONS, summary
-    assert summary["per_row_rel_err_worst"] <= ONE_PASS_REL_TOL, summary
+    assert summary["per_sample_rel_err_worst"] <= ONE_PASS_REL_TOL, summary
     assert summary["neighbour_row_rel_err_median_min"] > 3 * ONE_PASS_REL_TOL, summary
+    for kind, r in summary["rows_vs_fp32"].items():
+        assert r["one_pass"]["rows"] > 0, (kind, summary)  # 256 turns: every kind of row is there
+        for stat in ("worst", "p99"):
+            bar = ONE_PASS_ROW_FACTOR * max(r["prefill"][stat], ONE_PASS_REL_TOL / 4)
+            assert r["one_pass"][stat] <= bar, (kind, stat, r)
 
 
-def one_pass_against_prefill(tmp, target: str, n: int, max_tokens: int = 384, batch_size: int = 256) -> dict:
-    """extract --regenerate over n held-out conversations; a prefill extraction of its stored tokens; regenerate then
-    extract of the same conversations: the per-row errors and the rates. On CPU with the fake vLLM in
-    tests/unit/test_e2e_rehearsal.py."""
+def _quantiles(errs) -> dict:
+    """Per-row relative errors [n] -> median, p99, worst and how many rows (and how many past ONE_PASS_REL_TOL)."""
+    import torch
+
+    e = torch.as_tensor(errs, dtype=torch.float64)
+    if not len(e):
+        return {"rows": 0}
+    return {"rows": len(e), "median": round(float(e.median()), 5), "p99": round(float(e.quantile(0.99)), 5),
+            "worst": round(float(e.max()), 5), "past_tol": int((e > ONE_PASS_REL_TOL).sum())}
+
+
+def row_errors(stored: dict, prefill: dict, reference: dict, ids) -> dict:
+    """Per sample id: stored/prefill {sample_id: Store sample}, reference {sample_id: [n_layers, T, H] float32}. The
+    per-sample errors (the suite's metric), the per-row errors by kind of row (prompt, generated, last), each
+    against the prefill and against the fp32 reference for both, and the neighbour control."""
+    import torch
+
+    def rel(a, b):  # rows [T, H] -> [T]
+        return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)
+
+    kinds = ("prompt", "generated", "last")
+    vs_prefill = {k: [] for k in kinds}
+    vs_ref = {k: {"one_pass": [], "prefill": []} for k in kinds}
+    per_sample, closest_wrong = 0.0, float("inf")
+    for sid, s in stored.items():
+        mask = s["loss_mask"].bool()
+        last = torch.zeros_like(mask)
+        last[-1] = True
+        which = {"prompt": ~mask, "generated": mask & ~last, "last": last}
+        for j, i in enumerate(ids):
+            a, b, r = s["states"][i].float(), prefill[sid]["states"][i].float(), reference[sid][j].float()
+            per_sample = max(per_sample, float((a - b).norm() / b.norm().clamp_min(1e-12)))
+            e_ab, e_ar, e_br = rel(a, b), rel(a, r), rel(b, r)
+            for k in kinds:
+                vs_prefill[k] += e_ab[which[k]].tolist()
+                vs_ref[k]["one_pass"] += e_ar[which[k]].tolist()
+                vs_ref[k]["prefill"] += e_br[which[k]].tolist()
+            closest_wrong = min(closest_wrong, float(rel(a[1:], b[:-1]).median()))
+    return {"per_sample_rel_err_worst": round(per_sample, 5),
+            "rows_vs_prefill": {k: _quantiles(v) for k, v in vs_prefill.items()},
+            "rows_vs_fp32": {k: {w: _quantiles(v) for w, v in d.items()} for k, d in vs_ref.items()},
+            "neighbour_row_rel_err_median_min": round(closest_wrong, 4)}
+
+
+def one_pass_against_prefill(tmp, target: str, n: int, max_tokens: int = 384, batch_size: int = 256,
+                             device: str = "cuda") -> dict:
+    """extract --regenerate over n held-out conversations; a prefill extraction of its stored tokens; the fp32
+    reference of them (transformers on ``device``); regenerate then extract of the same conversations: the errors
+    (row_errors) and the rates. On CPU with the fake vLLM in tests/unit/test_e2e_rehearsal.py."""
     from eagle3.data.conversations import Sample
     from eagle3.extract import one_pass, regenerate
+    from eagle3.extract.hf_backend import HFBackend
     from eagle3.store.folder import Store
 
     convs = learnable.conversations(ARCH, n, seed=learnable.HELD_OUT_SEED + 3)
@@ -276,15 +334,10 @@ def one_pass_against_prefill(tmp, target: str, n: int, max_tokens: int = 384, ba
                 samples=samples, progress=False)
     prefill = {s["sample_id"]: s for s in Store.open(tmp / "onepass-prefill").iter_samples()}
     ids = Store.open(tmp / "onepass").spec.layer_ids
-    worst = worst_last = 0.0
-    closest_wrong = float("inf")
-    for sid, s in stored.items():
-        for i in ids:
-            a, b = s["states"][i].float(), prefill[sid]["states"][i].float()
-            err = ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12))  # [T] per row
-            worst, worst_last = max(worst, float(err.max())), max(worst_last, float(err[-1]))
-            shifted = ((a[1:] - b[:-1]).norm(dim=-1) / b[:-1].norm(dim=-1).clamp_min(1e-12))
-            closest_wrong = min(closest_wrong, float(shifted.median()))
+    hf = HFBackend(target, ids, device=device, compute_dtype="float32", out_dtype="float32")
+    reference = {s.sample_id: r for s, r in zip(samples, hf.capture(samples))}
+    hf.close()
+    errors = row_errors(stored, prefill, reference, ids)
     # the two-step way, timed the same way: generation and capture, not the engines' starts
     regen = regenerate.run(regenerate.RegenConfig(target=target, data=str(data), out=str(tmp / "onepass-regen.jsonl"),
                                                   backend="vllm", mode="last", max_tokens=gen.max_tokens,
@@ -294,9 +347,7 @@ def one_pass_against_prefill(tmp, target: str, n: int, max_tokens: int = 384, ba
                                             batch_size=batch_size,
                                             data=DataConfig([str(tmp / "onepass-regen.jsonl")], max_len=2048),
                                             vllm_kwargs=dict(kw, max_model_len=2048)), progress=False)
-    return {"samples": len(stored), "prefill_samples": len(prefill), "generation": one.generation,
-            "per_row_rel_err_worst": round(worst, 5), "last_row_rel_err_worst": round(worst_last, 5),
-            "neighbour_row_rel_err_median_min": round(closest_wrong, 4),
+    return {"samples": len(stored), "prefill_samples": len(prefill), "generation": one.generation, **errors,
             "one_pass_tok_per_s": round(one.tokens_per_s), "one_pass_seconds": round(one.seconds, 1),
             "regenerate_then_extract_tok_per_s": round(two.tokens_written / (regen.seconds + two.seconds)),
             "regenerate_seconds": round(regen.seconds, 1), "extract_seconds": round(two.seconds, 1),
