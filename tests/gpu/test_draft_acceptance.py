@@ -238,7 +238,7 @@ def regenerate_held_out(tmp, target, n: int, max_tokens: int = 384) -> dict:
 
 ONE_PASS_CONVERSATIONS = 256
 ONE_PASS_REL_TOL = 0.04  # tests/gpu/test_extract_vllm.py's REL_TOL: per sample and layer, the suite's bf16 tolerance
-ONE_PASS_ROW_FACTOR = 2.0  # a row of one pass no further from the fp32 truth than this x a prefill's (worst, p99)
+ONE_PASS_ROW_FACTOR = 2.0  # a row of one pass within 0.04 of the fp32 truth, or no further than 2x a prefill's
 
 
 def test_extract_regenerate_stores_in_one_pass_what_a_prefill_of_its_final_tokens_stores(learnable_target, report):
@@ -261,7 +261,8 @@ def test_extract_regenerate_stores_in_one_pass_what_a_prefill_of_its_final_token
     for kind, r in summary["rows_vs_fp32"].items():
         assert r["one_pass"]["rows"] > 0, (kind, summary)  # 256 turns: every kind of row is there
         for stat in ("worst", "p99"):
-            bar = ONE_PASS_ROW_FACTOR * max(r["prefill"][stat], ONE_PASS_REL_TOL / 4)
+            # a row within the suite's tolerance of the truth passes; past it, only as far as 2x the prefill's
+            bar = ONE_PASS_ROW_FACTOR * max(r["prefill"][stat], ONE_PASS_REL_TOL / ONE_PASS_ROW_FACTOR)
             assert r["one_pass"][stat] <= bar, (kind, stat, r)
 
 
