@@ -370,6 +370,26 @@ def _lr_lambda(cfg: TrainConfig, total: int):
 _clock = time.monotonic  # tests replace it to simulate long runs
 
 
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
+
+
+def optimizer_kwargs(device_type: str, impl: str = "auto") -> dict:
+    """AdamW's implementation: fused on CUDA by default (one kernel over weights, gradients and both moments; the
+    multi-tensor default makes several passes over the draft's float32 state, 16 B a parameter), torch's default
+    elsewhere (the CPU path unchanged)."""
+    if impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer implementation {impl!r}: use auto, fused or foreach")
+    if impl == "auto":
+        return {"fused": True} if device_type == "cuda" else {}
+    return {impl: True}
+
+
+def make_optimizer(params, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0, device_type: str = "cpu",
+                   impl: str = "auto") -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
+                             **optimizer_kwargs(device_type, impl))
+
+
 def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     """Train on the store cfg.store; ``source`` (online.py's spool) replaces the store's samples and order."""
     from tqdm import tqdm
@@ -397,7 +417,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     model = build_draft(cfg, store, samples, shape, tcfg, target)
     dtype = getattr(torch, cfg.dtype)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(params, cfg.lr, cfg.betas, cfg.weight_decay, cfg.device.split(":")[0])
     steps_per_epoch = len(samples) // cfg.batch_samples
     if steps_per_epoch == 0:
         raise ValueError(f"store has {len(samples)} samples, fewer than one batch of {cfg.batch_samples}")

@@ -149,3 +149,21 @@ def test_each_step_runs_at_the_schedule_s_rate_for_that_step(small_store, tmp_pa
     lr = _lr_lambda(cfg, total=6)
     assert used == pytest.approx([1e-3 * lr(s) for s in range(6)], rel=1e-12)
     assert used[:3] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])
+
+
+def test_the_optimizer_is_fused_adamw_on_cuda_and_torch_s_default_elsewhere():
+    """On CUDA the trainer steps AdamW's fused kernel (one pass over weights, gradients and both moments: at Kimi-K2.5's
+    0.99 B-parameter draft the multi-tensor default makes several); on the CPU the path is unchanged. The trainer
+    benchmark measures the two beside each other (tests/gpu/test_bench_train.py)."""
+    from eagle3.train.train import make_optimizer, optimizer_kwargs
+
+    assert optimizer_kwargs("cuda") == {"fused": True}
+    assert optimizer_kwargs("cuda", "foreach") == {"foreach": True}
+    assert optimizer_kwargs("cpu") == {}
+    with pytest.raises(ValueError, match="fused or foreach"):
+        optimizer_kwargs("cuda", "loop")
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = make_optimizer([w], lr=0.1, betas=(0.9, 0.95), weight_decay=0.0)
+    g = opt.param_groups[0]
+    assert isinstance(opt, torch.optim.AdamW) and not g["fused"] and g["foreach"] is None and g["lr"] == 0.1
+    assert g["betas"] == (0.9, 0.95)
