@@ -78,9 +78,13 @@ class DataReport:
     unended: int = 0               # regenerated turns cut at max_tokens: learned without an end-of-turn token
     rejected: Counter = field(default_factory=Counter)
     template_dropped: Counter = field(default_factory=Counter)  # "role.field" -> turns whose data the template left out
+    prompts_only: bool = False     # extract --regenerate: samples are prompts, the target writes the turns
 
     def summary(self) -> str:
         rej = ", ".join(f"{k}: {v}" for k, v in sorted(self.rejected.items())) or "none"
+        if self.prompts_only:
+            return (f"{self.lines} lines ({self.blank_lines} blank) -> {self.samples} prompts, {self.tokens} tokens "
+                    f"(the target writes each turn); duplicates {self.duplicates}; rejected: {rej}")
         out = (f"{self.lines} lines ({self.blank_lines} blank) -> {self.samples} samples, {self.tokens} tokens "
                f"({self.assistant_tokens} assistant); truncated {self.truncated}, split parts {self.split_parts}; "
                f"duplicates {self.duplicates}; rejected: {rej}")

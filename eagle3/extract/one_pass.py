@@ -83,7 +83,7 @@ def load_prompts(cfg: DataConfig, tokenizer, gen: Generation) -> tuple[list[Prom
     from eagle3.extract.regenerate import turn_seed
 
     check_tokenizer(tokenizer, "tokenizer")
-    report, prompts, rejects = DataReport(), [], []
+    report, prompts, rejects = DataReport(prompts_only=True), [], []
     for path, line, text, parsed in unique_conversations(cfg, report, rejects, need_assistant=False):
         msgs = parsed.messages
         turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and parsed.weights[i]]

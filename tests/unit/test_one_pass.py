@@ -297,6 +297,8 @@ def test_the_command_line_regenerates_records_its_settings_and_resumes(tiny_kimi
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
     assert "generated  " in printed and "tokens generated" in printed
+    data_line = next(x for x in printed.splitlines() if x.startswith("data "))
+    assert "-> 2 prompts, " in data_line and "assistant" not in data_line, data_line  # the target writes the turns
     rec = recipe.load(out)
     assert (rec["regenerate"], rec["temperature"], rec["max_tokens"], rec["seed"]) == (True, 0.7, 5, 3)
     assert all(s["sample_id"].endswith("~regen") and 0 < int(s["loss_mask"].sum()) <= 5 for s in
