@@ -40,6 +40,78 @@ def kimi_format_target(tiny_kimi, tmp_path_factory):
     return folder
 
 
+def _stand_in_chain(served: list, fails: str | None = None) -> dict:
+    """The e2e chain fixture with training and serving stood in for: serve() checks its keywords against EvalConfig,
+    records (name, draft, long prompts, CUDA graphs, prompts) and returns figures that grow with each engine; fit()
+    records (tag, seed, variant keywords)."""
+    from eagle3.serve import evaluate
+
+    def run_of(acc):
+        return evaluate.SpecRun(acc, [0.5, 0.4, 0.3], 10, 30, round((acc - 1) * 10), 100, 1.0)
+
+    def serve(name, draft, first=False, **kw):
+        cfg = evaluate.EvalConfig(target="t", draft=draft, **kw)  # a keyword EvalConfig lacks fails here
+        served.append((name, draft, cfg.long_prompts, cfg.cuda_graphs, cfg.num_prompts))
+        if name == fails:
+            raise RuntimeError("the engine died")
+        acc = 2.0 + len(served) / 10
+        cls = "Eagle3DeepseekV3ForCausalLM" if name.startswith("mla") else "Eagle3LlamaForCausalLM"
+        return evaluate.EvalReport({}, [1, 4, 6], run_of(acc), drafter={"draft_class": cls},
+                                   per_traffic={"chat": run_of(acc), "tool": run_of(acc - 0.2)},
+                                   long=run_of(acc - 0.5) if cfg.long_prompts else None,
+                                   long_per_traffic={"chat": run_of(acc - 0.5)} if cfg.long_prompts else {})
+
+    fitted: list = []
+
+    def fit(tag, store, seed, **kw):
+        fitted.append((tag, seed, kw))
+        return f"d-{tag}"
+
+    seed1: list = []
+
+    def seed1_run():  # served once, whichever test asks first (as the chain's)
+        if not seed1:
+            seed1.append(serve("seed1", "d-seed1"))
+        return seed1[0]
+
+    return {"seed0": serve("seed0", "d-seed0", long_prompts=e2e.LONG_PROMPTS), "seed0_draft": "d-seed0",
+            "seed1": seed1_run, "store": "store", "serve": serve, "fit": fit, "fitted": fitted}
+
+
+@pytest.mark.parametrize("after_the_table", [True, False])
+def test_each_variant_s_seed_spread_reuses_the_table_s_seed_0(after_the_table):
+    """The seed-spread test after the variants' table serves seed 1 of each variant only (seed 0's engines are the
+    table's); alone, it trains and serves seed 0 too. Every variant gets its two seeds' figures and spread."""
+    served, reported = [], Reported()
+    chain = _stand_in_chain(served)
+    if after_the_table:
+        e2e.test_draft_variants_are_served_on_the_deepseek_target(chain, reported)
+    before = len(served)
+    chain["fitted"].clear()
+    e2e.test_draft_variants_seed_spread(chain, reported)
+    spreads = reported["e2e_variant_spreads"]
+    assert set(spreads) == {"llama", "llama + 3.1", "mla", "mla + 3.1"}
+    for v in spreads.values():
+        assert v["spread"] >= abs(v["seed0"] - v["seed1"]) > 0, v
+    seed1s = [(t, s, kw) for t, s, kw in chain["fitted"] if s == 1]
+    assert seed1s == [(f"{k.replace(' + ', '-')}-seed1", 1, kw) for k, kw in e2e.VARIANTS.items()]
+    names = [n for n, *_ in served[before:]]
+    if after_the_table:
+        assert names == ["llama-3.1-seed1", "mla-seed1", "mla-3.1-seed1"], names
+    else:
+        assert names == ["seed1", "llama-3.1", "llama-3.1-seed1", "mla", "mla-seed1", "mla-3.1", "mla-3.1-seed1"]
+
+
+def test_a_variant_that_fails_its_seed_spread_loses_no_other():
+    served, reported = [], Reported()
+    chain = _stand_in_chain(served, fails="mla-seed1")
+    with pytest.raises(AssertionError, match="'mla'"):
+        e2e.test_draft_variants_seed_spread(chain, reported)
+    spreads = reported["e2e_variant_spreads"]
+    assert spreads["mla"] == {"error": "RuntimeError: the engine died"}
+    assert all("spread" in spreads[n] for n in ("llama", "llama + 3.1", "mla + 3.1")), spreads
+
+
 def test_one_pass_on_kimi_style_traffic(fake, kimi_format_target, tmp_path, monkeypatch):  # noqa: F811
     """The GPU run's own case: Kimi-style conversations (chat, thinking, tool use) in Kimi-K2's chat format."""
     monkeypatch.setattr(e2e, "ARCH", "deepseek")
@@ -126,28 +198,8 @@ def test_the_variants_table_serves_each_draft_in_one_engine_and_one_failure_lose
     in the same engine (the llama draft by the chain, seed 1 without them), then llama and mla under CUDA graphs;
     the table holds short, long and CUDA-graph figures per variant, and a variant whose engine fails is an error in
     its row and a failed test, the others' figures kept."""
-    from eagle3.serve import evaluate
-
     served, reported = [], Reported()
-
-    def run_of(acc):
-        return evaluate.SpecRun(acc, [0.5, 0.4, 0.3], 10, 30, round((acc - 1) * 10), 100, 1.0)
-
-    def serve(name, draft, first=False, **kw):
-        cfg = evaluate.EvalConfig(target="t", draft=draft, **kw)  # a keyword EvalConfig lacks fails here
-        served.append((name, draft, cfg.long_prompts, cfg.cuda_graphs, cfg.num_prompts))
-        if name == fails:
-            raise RuntimeError("the engine died")
-        acc = 2.0 + len(served) / 10
-        cls = "Eagle3DeepseekV3ForCausalLM" if name.startswith("mla") else "Eagle3LlamaForCausalLM"
-        return evaluate.EvalReport({}, [1, 4, 6], run_of(acc), drafter={"draft_class": cls},
-                                   per_traffic={"chat": run_of(acc), "tool": run_of(acc - 0.2)},
-                                   long=run_of(acc - 0.5) if cfg.long_prompts else None,
-                                   long_per_traffic={"chat": run_of(acc - 0.5)} if cfg.long_prompts else {})
-
-    chain = {"seed0": serve("seed0", "d-seed0", long_prompts=e2e.LONG_PROMPTS), "seed0_draft": "d-seed0",
-             "seed1": lambda: serve("seed1", "d-seed1"), "store": "store", "serve": serve,
-             "fit": lambda tag, store, seed, **kw: f"d-{tag}"}
+    chain = _stand_in_chain(served, fails)
     test = e2e.test_draft_variants_are_served_on_the_deepseek_target
     if fails:
         with pytest.raises(AssertionError, match="mla \\+ 3.1 short"):
