@@ -104,7 +104,8 @@ def parse_turn(text: str, kimi: bool) -> dict:
         for m in re.finditer(re.escape(call) + r"(.*?)" + re.escape(arg) + r"(.*?)(?:" + re.escape(call_end) + r"|$)",
                              section, re.S):
             call_id, args = m.group(1).strip(), m.group(2)
-            name = call_id.rsplit(":", 1)[0].split(".")[-1]  # functions.NAME:I -> NAME, as vLLM's kimi_k2 parser
+            name = call_id.split(":")[0].removeprefix("functions.")  # functions.NAME:I -> NAME, as vLLM's kimi_k2
+            # parser (vllm/parser/kimi_k2.py): a dotted name ("server.tool") stays whole
             calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
         msg["tool_calls"] = calls
     msg["content"] = rest

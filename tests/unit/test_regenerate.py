@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eagle3 import cli
 from eagle3.data import kimi_traffic
@@ -34,12 +36,53 @@ def test_a_turn_cut_inside_its_thinking_keeps_the_thinking_as_thinking():
                                                          "content": ""}
 
 
+TEXT = st.text(st.sampled_from("abc XYZ019 .,:;!?_-\n{}\"'日本"), max_size=24)
+NAMES = st.text(st.sampled_from("abcxyz_-.0123"), min_size=1, max_size=12).filter(lambda n: n[0].isalpha())
+
+
+@st.composite
+def assistant_turns(draw):
+    """An assistant message as the target's chat template renders it: thinking (or none), text, 0-3 tool calls with
+    names that may hold dots (an MCP server's "server.tool") and Kimi's ids functions.NAME:I."""
+    m = {"role": "assistant", "content": draw(TEXT)}
+    reasoning = draw(TEXT)
+    if reasoning:
+        m["reasoning_content"] = reasoning
+    calls = draw(st.lists(st.tuples(NAMES, st.dictionaries(st.sampled_from("abq"), st.integers(-9, 99))), max_size=3))
+    if calls:
+        m["tool_calls"] = [{"id": f"functions.{n}:{i}", "type": "function",
+                            "function": {"name": n, "arguments": json.dumps(a)}} for i, (n, a) in enumerate(calls)]
+    return m
+
+
+@settings(max_examples=60, deadline=None)
+@given(turn=assistant_turns())
+def test_a_turn_the_template_renders_parses_back_to_itself(kimi_tokenizer, turn):
+    """What the target writes in Kimi-K2's format (the template's rendering of a turn) parses back to the same
+    thinking, text and calls: regenerate's structured fields lose nothing and add nothing, so the data re-renders to
+    the target's words and a call equal to the data's is seen as equal (vLLM's kimi_k2 parser takes the name as the id
+    before ":", less "functions.": a dotted name stays whole)."""
+    from eagle3.data import masks
+
+    msgs = [{"role": "user", "content": "q"}, turn]
+    text = masks.chat(kimi_tokenizer, msgs)[len(masks.chat(kimi_tokenizer, msgs[:1], gen=True)):]
+    assert text.endswith("<|im_end|>")
+    assert parse_turn(text[: -len("<|im_end|>")], kimi=True) == turn
+
+
 @pytest.fixture(scope="module")
 def kimi_target(tmp_path_factory):
     """A config + Kimi-format tokenizer folder (the generator is scripted, so no weights are read)."""
     out = tmp_path_factory.mktemp("kimi-target")
     tiny.build_tokenizer(out, 1024, chat_format="kimi")
     return out
+
+
+@pytest.fixture(scope="module")
+def kimi_tokenizer(kimi_target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(kimi_target)
 
 
 class Scripted:
