@@ -13,15 +13,18 @@ matmuls).
   and tok/s against what the trainer consumes at 8k.
 Goals (issue 42): >= 35 % MFU at 8k; >= 32k tokens trainable; the reader >= 2x the trainer. Reported, asserted
 only where a measurement fails outright (a step that does not run). Where the 8k MFU misses its goal, a profile of
-two steps (GPU_OUT/profile_8k.txt; time by kind of work in the report: train/step_profile.py). Last, the 8k row
-under torch.compile (with its compile time), as the issue asks: measured with and without; and flex attention
-(a block mask instead of sdpa's dense one; fused only when compiled) compiled at 8k and 32k.
+two steps (GPU_OUT/profile_8k.txt; time by kind of work in the report: train/step_profile.py). Every row runs
+as the trainer does: speculators 0.9 compiles Eagle3DraftModel.forward itself wherever CUDA is, and the trainer
+runs it eagerly (torch.compiler.set_stance "force_eager") unless TrainConfig.compile. Last, compiled as
+TrainConfig(compile=True) runs it (with its compile time), as the issue asks: measured with and without; the 8k row
+with sdpa, and flex attention (a block mask instead of sdpa's dense one; fused only when compiled) at 8k and 32k.
 Order: the reader (seconds), the table, the profile, the MLA rows, the longest-sequence search, the compiled rows.
 Rows are reported as they are measured; a size that runs out of memory is a row saying so. The rows also go to
 GPU_OUT/benchmark.json for `eagle3 bench report` (tok/s per GPU, MFU, peak memory). Its code runs on CPU at a small
 shape in tests/unit/test_bench_train_rehearsal.py. On an H200 (results/2026-12-05-22765c4-h200-vllm0.26.0) its first
-five rows ran (2k, 8k, 32k; fp32 at 8k; the eager loss at 32k) before a 200 s step limit; the longest-sequence search,
-the reader, the profile, the MLA rows and the compiled rows have not run on a GPU.
+five rows ran (2k, 8k, 32k; fp32 at 8k; the eager loss at 32k) before a 200 s step limit, with speculators' compile
+on (nothing set the trainer's stance then); the trainer's eager rows, the longest-sequence search, the reader, the
+profile, the MLA rows and the compiled rows have not run on a GPU.
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ class Bench:
     seqs: tuple = (2048, 8192, 32768)  # short, the goal's (8k), long (32k): tokens a packed sequence
     longest_cap: int = 262144          # the longest-sequence search stops here
     longest_step: int = 4096           # and resolves to a multiple of this
-    compile_backend: str | None = "inductor"  # None: the compiled rows' code without torch.compile (the rehearsal)
     compiled: tuple = (("sdpa", 1), ("flex", 1), ("flex", 2))  # the compiled rows: attention, index into seqs
 
 
@@ -103,21 +105,25 @@ def _sync(device: str):
         torch.cuda.synchronize()
 
 
-def _steps(model, opt, inputs, n: int, amp: bool, loss_impl: str = "auto") -> float:
+def _steps(model, opt, inputs, n: int, amp: bool, loss_impl: str = "auto", compiled: bool = False) -> float:
+    """Seconds a training step, as the trainer steps: speculators compiles Eagle3DraftModel.forward wherever CUDA is
+    (conditional_torch_compile), and the trainer runs it eagerly (torch.compiler.set_stance "force_eager") unless
+    TrainConfig.compile, which the compiled rows measure."""
     from eagle3.train.chunked_loss import loss_config as make_loss_config
 
     device = inputs["input_ids"].device.type
     loss_config = make_loss_config("kl_div", loss_impl, device)  # the trainer's: chunked on CUDA
     _sync(device)
     t0 = time.perf_counter()
-    for _ in range(n):
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
-            _, loss, _ = model(**inputs, ttt_steps=TTT, loss_config=loss_config)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    _sync(device)
+    with torch.compiler.set_stance("default" if compiled else "force_eager"):
+        for _ in range(n):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
+                _, loss, _ = model(**inputs, ttt_steps=TTT, loss_config=loss_config)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        _sync(device)
     return (time.perf_counter() - t0) / n
 
 
@@ -134,12 +140,12 @@ def _optimizer(b: Bench, model, impl: str = "auto"):
 
 
 def _measure(b: Bench, model, opt, seq: int, amp: bool, steps: int = 5, mla=None, loss_impl: str = "auto",
-             optimizer: str = "auto") -> dict:
+             optimizer: str = "auto", compiled: bool = False) -> dict:
     inputs = _inputs(b, seq)
     if b.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    _steps(model, opt, inputs, 2, amp, loss_impl)  # warm-up: allocator, kernels
-    sec = _steps(model, opt, inputs, steps, amp, loss_impl)
+    _steps(model, opt, inputs, 2, amp, loss_impl, compiled)  # warm-up: allocator, kernels
+    sec = _steps(model, opt, inputs, steps, amp, loss_impl, compiled)
     per_token = flops.train_flops_per_token(b.shape, N_AUX, b.draft_vocab, TTT, seq) if mla is None else (
         sum(flops.mla_linear_flops(mla, N_AUX, b.draft_vocab, TTT).values()) + flops.mla_attention_flops(mla, TTT, seq))
     return dict(_row(seq, amp, mla, loss_impl, optimizer), s_per_step=round(sec, 4), tok_per_s=round(seq / sec),
@@ -265,17 +271,16 @@ def _write_history(gpu_out, rows: list[dict]) -> None:
 
 
 def _compiled_row(b: Bench, seq: int, attn: str = "sdpa") -> dict:
-    """The llama draft under torch.compile (the model's forward; the TTT loop and the loss inside it), beside the
-    eager rows: its tok/s and MFU, peak memory, and the compile's own seconds (the two warm-up steps). An error is
-    the row."""
+    """The llama draft compiled as TrainConfig(compile=True) runs it (speculators' own torch.compile of its forward:
+    the TTT loop and the loss inside it), beside the eager rows: its tok/s and MFU, peak memory, and the compile's
+    own seconds (the two warm-up steps). An error is the row."""
     model = _model(b, attn=attn)
     opt = _optimizer(b, model)
     t0 = time.perf_counter()
     try:
-        compiled = model if b.compile_backend is None else torch.compile(model, backend=b.compile_backend)
-        _steps(compiled, opt, _inputs(b, seq), 2, True)
+        _steps(model, opt, _inputs(b, seq), 2, True, compiled=True)
         warm = time.perf_counter() - t0
-        row = _measure(b, compiled, opt, seq, True)
+        row = _measure(b, model, opt, seq, True, compiled=True)
         return dict(row, attn=attn, compiled=True, compile_warmup_s=round(warm, 1))
     except Exception as e:  # noqa: BLE001 - reported (running out of memory too): whether compile pays is the question
         return {"seq": seq, "attn": attn, "compiled": True, "error": f"{type(e).__name__}: {str(e)[:300]}",
