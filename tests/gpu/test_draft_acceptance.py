@@ -145,14 +145,19 @@ def chain(request, learnable_target, gpu_out, report):
             "seed0_draft": seed0_draft, "seed1": seed1_run, "t0": t0}
 
 
+def seed_spread(a, b) -> float:
+    """Two seeds' run-to-run spread (SpecRuns): their difference in acceptance length, or the measurement's own
+    error on a difference of two, whichever is larger."""
+    return max(abs(a.acceptance_length - b.acceptance_length), math.hypot(a.acceptance_se, b.acceptance_se))
+
+
 def test_trained_draft_is_served_by_vllm_and_predicts_the_target(chain, report):
     fit, serve, store, tmp = chain["fit"], chain["serve"], chain["store"], chain["tmp"]
     runs = {"seed0": chain["seed0"], "seed1": chain["seed1"](),
             "misaligned": serve("misaligned", fit("misaligned", misaligned_copy(store, tmp / "store-misaligned"), 0))}
     acc = {k: r.draft.acceptance_length for k, r in runs.items()}
-    # the two seeds' difference, or the measurement's own error on a difference of two, whichever is larger
     se = {k: r.draft.acceptance_se for k, r in runs.items()}
-    spread = max(abs(acc["seed0"] - acc["seed1"]), math.hypot(se["seed0"], se["seed1"]))
+    spread = seed_spread(runs["seed0"].draft, runs["seed1"].draft)
     base = (acc["seed0"] + acc["seed1"]) / 2
     s0 = runs["seed0"]
     summary = {"acceptance": {k: round(v, 3) for k, v in acc.items()},
@@ -409,9 +414,7 @@ def test_draft_variants_are_served_on_the_deepseek_target(chain, report):
     s1 = attempt("llama seed 1", "short", chain["seed1"])
     figures("llama seed 1", s1)
     if s1 is not None:
-        a = {k: r.draft for k, r in (("seed0", chain["seed0"]), ("seed1", s1))}
-        table["spread_two_seeds"] = {"short": round(max(abs(a["seed0"].acceptance_length - a["seed1"].acceptance_length),
-                                                         math.hypot(a["seed0"].acceptance_se, a["seed1"].acceptance_se)), 3)}
+        table["spread_two_seeds"] = {"short": round(seed_spread(chain["seed0"].draft, s1.draft), 3)}
     for name, kw in VARIANTS.items():
         tag = name.replace(" + ", "-")
         drafts[name] = attempt(name, "train", lambda tag=tag, kw=kw: chain["fit"](tag, chain["store"], 0, **kw))
@@ -443,8 +446,7 @@ def test_draft_variants_seed_spread(chain, report):
     def put(name, runs):
         a = {s: r.draft for s, r in runs.items()}
         spreads[name] = {"seed0": round(a[0].acceptance_length, 3), "seed1": round(a[1].acceptance_length, 3),
-                         "spread": round(max(abs(a[0].acceptance_length - a[1].acceptance_length),
-                                             math.hypot(a[0].acceptance_se, a[1].acceptance_se)), 3)}
+                         "spread": round(seed_spread(a[0], a[1]), 3)}
         report("e2e_variant_spreads", spreads)
 
     put("llama", {0: chain["seed0"], 1: chain["seed1"]()})
