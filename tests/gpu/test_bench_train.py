@@ -230,9 +230,7 @@ def run_bench(b: Bench, report, gpu_out) -> None:
         prof = step_profile.profile(lambda: _steps(model, opt, inputs, 1, True), 2)
         (gpu_out / "profile_8k.txt").write_text(step_profile.table(prof, top=40) + "\n")
         report("bench_train_profile_8k", step_profile.shares(prof))
-    llama = (model, opt)
-    model = opt = None
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # the llama draft stays (the longest-sequence search below trains it)
     mla_model = _model(b, mla=b.mla)
     mla_opt = _optimizer(b, mla_model)
     mla_rows = [_tried(b, mla_model, mla_opt, seq, amp=True, mla=b.mla) for seq in (short, mid)]
@@ -240,7 +238,6 @@ def run_bench(b: Bench, report, gpu_out) -> None:
     _write_history(gpu_out, rows + mla_rows)
     mla_model = mla_opt = None
     torch.cuda.empty_cache()
-    model, opt = llama
 
     def fits(seq):
         return "out_of_memory" not in _tried(b, model, opt, seq, True, steps=1)
@@ -248,7 +245,7 @@ def run_bench(b: Bench, report, gpu_out) -> None:
     longest = longest_trainable(fits, rows, b)
     report("bench_train_longest_seq", longest)
     report("bench_train_goals", dict(goals, longest=longest, **{"32k_goal_met": (longest or 0) >= long}))
-    model = opt = llama = None  # the memory back before the compiled model is built
+    model = opt = None  # the memory back before the compiled model is built
     torch.cuda.empty_cache()
     # last: a compile that takes minutes costs no other row. sdpa at 8k beside the eager row; then flex attention
     # (speculators' default: a block mask, not sdpa's dense [T, T x steps] one), which runs fused only compiled, at
