@@ -103,10 +103,9 @@ def _data(tmp_path, lines):
     return p
 
 
-def test_each_turn_is_written_on_the_regenerated_history_and_a_same_call_keeps_the_tool_reply(tmp_path, kimi_target):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(kimi_target)
+def test_each_turn_is_written_on_the_regenerated_history_and_a_same_call_keeps_the_tool_reply(tmp_path, kimi_target,
+                                                                                            kimi_tokenizer):
+    tok = kimi_tokenizer
     conv = next(c for c in kimi_traffic.generate(3, seed=5) if c["traffic"] == "tool")
     call = conv["messages"][1]["tool_calls"][0]
     conv["messages"][1]["tool_calls"][0] = dict(call, id="call_7")  # the data's own id; its reply answers it
@@ -135,10 +134,9 @@ def test_each_turn_is_written_on_the_regenerated_history_and_a_same_call_keeps_t
     assert not rep.rejected
 
 
-def test_another_call_ends_the_conversation_and_last_mode_writes_only_the_last_turn(tmp_path, kimi_target):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(kimi_target)
+def test_another_call_ends_the_conversation_and_last_mode_writes_only_the_last_turn(tmp_path, kimi_target,
+                                                                                   kimi_tokenizer):
+    tok = kimi_tokenizer
     conv = next(c for c in kimi_traffic.generate(3, seed=5) if c["traffic"] == "tool")
     other = KIMI_CALL  # get_weather for Oslo, which the data did not ask
     cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, [conv])), out=str(tmp_path / "a.jsonl"))
@@ -164,12 +162,10 @@ def _learned(tok, path):
     return [tok.decode([t for t, k in zip(s.input_ids, s.loss_mask) if k]) for s in samples]
 
 
-def test_a_turn_of_weight_0_stays_out_of_the_loss_after_regeneration(tmp_path, kimi_target):
+def test_a_turn_of_weight_0_stays_out_of_the_loss_after_regeneration(tmp_path, kimi_target, kimi_tokenizer):
     """A turn the data keeps out of the loss (weight 0) is not regenerated, and the output says weight 0 again: a
     line without it would put the data's excluded words back into the loss."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(kimi_target)
+    tok = kimi_tokenizer
     chat = kimi_traffic.generate(1, seed=0)[0]  # five assistant turns
     turns = [i for i, m in enumerate(chat["messages"]) if m["role"] == "assistant"]
     chat["messages"][turns[1]] = dict(chat["messages"][turns[1]], content="EXCLUDED words", weight=0)
@@ -182,12 +178,10 @@ def test_a_turn_of_weight_0_stays_out_of_the_loss_after_regeneration(tmp_path, k
     assert "EXCLUDED" not in learned and all(f"Said {k}." in learned for k in range(len(turns) - 1))
 
 
-def test_last_mode_keeps_the_datas_earlier_turns_as_context_only(tmp_path, kimi_target):
+def test_last_mode_keeps_the_datas_earlier_turns_as_context_only(tmp_path, kimi_target, kimi_tokenizer):
     """--mode last: the earlier assistant turns are the data's words, not the target's, so they are written with
     weight 0 and extract learns only what the target wrote (as extract --regenerate stores it in one pass)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(kimi_target)
+    tok = kimi_tokenizer
     chat = kimi_traffic.generate(1, seed=0)[0]
     turns = [i for i, m in enumerate(chat["messages"]) if m["role"] == "assistant"]
     cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, [chat])), out=str(tmp_path / "o.jsonl"),
@@ -199,13 +193,11 @@ def test_last_mode_keeps_the_datas_earlier_turns_as_context_only(tmp_path, kimi_
     assert learned == "<think></think>Only mine.<|im_end|>"  # the target's turn as the template closes it, alone
 
 
-def test_a_turn_cut_inside_a_character_keeps_only_the_whole_characters(tmp_path, kimi_target):
+def test_a_turn_cut_inside_a_character_keeps_only_the_whole_characters(tmp_path, kimi_target, kimi_tokenizer):
     """max_tokens can end a turn inside a character's bytes (a byte-level tokenizer: CJK text, emoji). Decoded, the
     partial bytes are U+FFFD, which re-encodes to other tokens than the target's: the turn keeps its whole
     characters only, and the record counts the tokens kept, so extract learns exactly tokens the target wrote."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(kimi_target)
+    tok = kimi_tokenizer
     ids = tok("<think></think>Fine 日本", add_special_tokens=False)["input_ids"][:-1]  # 本's last byte not written
     assert tok.decode(ids).endswith("\ufffd") and not tok.decode(ids[:-2]).endswith("\ufffd")
 
@@ -224,12 +216,10 @@ def test_a_turn_cut_inside_a_character_keeps_only_the_whole_characters(tmp_path,
     assert learned == "<think></think>Fine 日"  # no end-of-turn token (cut), no U+FFFD's bytes
 
 
-def test_blank_lines_and_duplicates_are_counted(tmp_path, kimi_target):
+def test_blank_lines_and_duplicates_are_counted(tmp_path, kimi_target, kimi_tokenizer):
     """Every input line is accounted for: a blank line is counted, and a duplicate of an earlier line is counted
     (and regenerated: sampled, its turns differ; `extract --dedup` drops equal results)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(kimi_target)
+    tok = kimi_tokenizer
     a, b = kimi_traffic.generate(3, seed=2)[:2]
     data = tmp_path / "in.jsonl"
     data.write_text(json.dumps(a) + "\n\n" + json.dumps(a) + "\n" + json.dumps(b) + "\n   \n")
@@ -296,15 +286,13 @@ def test_kill_9_then_the_same_command_completes_the_file_with_no_line_lost_or_tw
 
 
 def test_the_vllm_backend_batches_conversations_with_a_seed_and_the_end_tokens_per_request(tmp_path, kimi_target,
-                                                                                          monkeypatch):
+                                                                                          kimi_tokenizer, monkeypatch):
     """No GPU here: a stand-in for vllm.LLM records what the backend asks. One generate per turn round over the batch,
     each request with its line's seed, the target's end-of-turn tokens as stops, the sampling settings."""
     import sys
     import types
 
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(kimi_target)
+    tok = kimi_tokenizer
     calls = []
 
     engines, shut = [], []
