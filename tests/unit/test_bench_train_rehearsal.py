@@ -33,10 +33,26 @@ def _out_of_memory_past(monkeypatch, limit: int) -> list[int]:
 
 
 def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
+    """Every row, in the order the goals need them, each trained as the trainer does: speculators 0.9 compiles
+    Eagle3DraftModel.forward itself wherever CUDA is (conditional_torch_compile), and the trainer runs it under
+    torch.compiler.set_stance("force_eager") unless TrainConfig.compile. So the table, the profile, the MLA rows and
+    the longest-sequence search step under the trainer's stance, the compiled rows under "default"
+    (TrainConfig(compile=True)). The H200 run at 22765c4 measured its table compiled, as nothing set the stance."""
+    import contextlib
+
+    stances = []
+
+    def set_stance(stance, **kw):
+        stances.append(stance)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.compiler, "set_stance", set_stance)
     limit, longest = 200, 192  # the long size (128) fits, 256 does not: bisected to a multiple of 16
     tried = _out_of_memory_past(monkeypatch, limit)
     got = {}
     gb.run_bench(SMALL, got.__setitem__, tmp_path)
+    n = 3 * len(SMALL.compiled)  # _steps calls of a compiled row: its compile's two steps, _measure's warm-up, timing
+    assert stances[:-n] and set(stances[:-n]) == {"force_eager"} and set(stances[-n:]) == {"default"}, stances
     rows = got["bench_train_kimi_draft"]
     assert [(r["seq"], r["precision"], r["loss"], r["optimizer"]) for r in rows] == [
         (32, "bf16-mixed", "auto", "auto"), (64, "bf16-mixed", "auto", "auto"), (128, "bf16-mixed", "auto", "auto"),
@@ -66,28 +82,6 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
     (sdpa,) = got["bench_train_compiled"]
     assert (sdpa["attn"], sdpa["seq"]) == ("sdpa", 64) and "error" not in sdpa and sdpa["tok_per_s"] > 0, sdpa
     assert "train_llama_bf16-mixed_compiled/64" in {r.key for r in bench.load_history([tmp_path / "benchmark.json"])}
-
-
-def test_every_row_trains_as_the_trainer_does_and_only_the_compiled_rows_compile(monkeypatch, tmp_path):
-    """speculators 0.9 compiles Eagle3DraftModel.forward itself wherever CUDA is (conditional_torch_compile); the
-    trainer runs it under torch.compiler.set_stance("force_eager") unless TrainConfig.compile. Every step of the
-    table, the profile, the MLA rows and the longest-sequence search runs under the trainer's stance; the compiled
-    rows under "default" (TrainConfig(compile=True)). The H200 run at 22765c4 measured its table compiled, as
-    nothing set the stance."""
-    import contextlib
-
-    stances = []
-
-    def set_stance(stance, **kw):
-        stances.append(stance)
-        return contextlib.nullcontext()
-
-    monkeypatch.setattr(torch.compiler, "set_stance", set_stance)
-    got = {}
-    gb.run_bench(SMALL, got.__setitem__, tmp_path)
-    compiled_steps = 3  # _steps calls of a compiled row: its compile's two steps, then _measure's warm-up and timing
-    n = compiled_steps * len(SMALL.compiled)
-    assert stances[:-n] and set(stances[:-n]) == {"force_eager"} and set(stances[-n:]) == {"default"}, stances
 
 
 @pytest.mark.parametrize("limit,longest", [(200, 192), (100, 96), (1000, 512), (127, 112), (60, None)])
