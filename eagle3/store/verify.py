@@ -29,6 +29,7 @@ import torch
 
 from eagle3.store import lock as store_lock
 from eagle3.store.files import checksum_matches, recorded_checksum
+from eagle3.store.finite import all_finite
 from eagle3.store.folder import Store, read_manifest
 from eagle3.store.format import QUARANTINE, SHARDS, ST_STATE_DTYPES, read_states
 
@@ -144,7 +145,7 @@ def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> No
         a, b = offsets[s], offsets[s + 1]
         rows = [hs[a:b, k] for k in range(len(spec.layer_ids))]
         for i, r in zip(spec.layer_ids, rows):
-            if not torch.isfinite(r).all():
+            if not all_finite(r):
                 bad("nonfinite", f"layer {i} has {int((~torch.isfinite(r)).sum())} NaN/Inf values", sid)
             if not r.any():
                 bad("zero_layer", f"layer {i} is all zeros", sid)

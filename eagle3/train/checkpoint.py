@@ -53,8 +53,10 @@ def draft_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch.Te
 
 
 def nonfinite_parameters(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    from eagle3.store.finite import all_finite
+
     return {k: int((~torch.isfinite(t)).sum()) for k, t in tensors.items()
-            if t.is_floating_point() and not torch.isfinite(t).all()}
+            if t.is_floating_point() and not all_finite(t)}
 
 
 def _fsync_tree(path: Path) -> None:

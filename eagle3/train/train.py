@@ -35,6 +35,7 @@ import torch
 from eagle3 import faults
 from eagle3.store.files import checksum_matches
 from eagle3.store.folder import Store
+from eagle3.store.finite import all_finite, nonfinite_layers
 from eagle3.store.format import FP8, StoreError, StoreMismatch, read_states
 from eagle3.targets.layers import aux_ids
 from eagle3.targets.presets import config_hash, read_model_config
@@ -86,6 +87,7 @@ class TrainConfig:
     fc_norm: bool = False                # EAGLE-3.1: an RMSNorm on each aux state before fc
     norm_output: bool = False            # EAGLE-3.1: the post-norm state feeds the next draft step
     allow_incomplete: bool = False       # train on a store that holds fewer samples than its plan names
+    read_ahead: bool = True              # read step s + 1's samples while step s trains (train/read_ahead.py)
     restart_hint: str = "--no-resume starts over"  # what the resume warning tells the user (demo: its own way)
 
 
@@ -111,6 +113,8 @@ class TrainResult:
     skipped: dict[str, str] = field(default_factory=dict)   # sample id -> why (on_bad_sample="skip")
     tokens_this_run: int = 0
     notes: list[str] = field(default_factory=list)            # what the run decided that the user should know
+    phases: dict[str, float] = field(default_factory=dict)    # seconds: setup (before the first step; not in
+    # ``seconds``), reading (the steps waited for their samples), steps, checkpoints (saved and published)
 
     @property
     def tokens_per_s(self) -> float:
@@ -128,6 +132,9 @@ class TrainResult:
                  f"steps      {self.steps} ({self.samples_seen} samples, {self.tokens_seen} tokens); this run: {run}",
                  f"loss       {a:.4f} -> {b:.4f}",
                  f"accuracy   {acc}"]
+        if self.phases:
+            lines.append("time       " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
+                         + " (reading: what the steps waited for their samples, read one step ahead)")
         lines += [f"note       {n}" for n in self.notes]
         if self.skipped:
             lines.append(f"skipped    {len(self.skipped)} bad samples, e.g. "
@@ -222,14 +229,18 @@ class StoreSamples:
             x = {"sample_id": sid, "shard": file, "input_ids": f.get_slice("input_ids")[a:b].long(),
                  "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
                  "aux": hs[:, :-1].reshape(hs.shape[0], -1), "last": hs[:, -1]}
-        bad = [lid for k, lid in enumerate(self.ids) if not torch.isfinite(hs[:, k]).all()]
-        if bad:
-            n = int((~torch.isfinite(hs)).sum())
-            raise self._bad(file, sid, f"{n} NaN/Inf values in the states of layer ids {bad}")
+        if not all_finite(hs):
+            layers, n = nonfinite_layers(hs)
+            raise self._bad(file, sid, f"{n} NaN/Inf values in the states of layer ids {[self.ids[k] for k in layers]}")
         return x
 
 
 def model_inputs(xs: list[dict], device: str, dtype: torch.dtype, guard: int = 0) -> dict:
+    """pack_inputs on the host, then to_device."""
+    return to_device(pack_inputs(xs, guard), device, dtype)
+
+
+def pack_inputs(xs: list[dict], guard: int = 0, pin: bool = False) -> dict:
     """Samples shifted as speculators expects (input_ids[1:], aux[:-1], last[1:], loss_mask[1:],
     positions 1..T-1), packed into one sequence of batch dim 1 with a document id per sample.
 
@@ -250,7 +261,14 @@ def model_inputs(xs: list[dict], device: str, dtype: torch.dtype, guard: int = 0
         parts["loss_mask"].append(mask)
         parts["position_ids"].append(torch.arange(1, t + 1))
         parts["document_ids"].append(torch.full((t,), d, dtype=torch.long))
-    out = {k: torch.cat(v)[None].to(device) for k, v in parts.items()}
+    out = {k: torch.cat(v)[None] for k, v in parts.items()}  # on the host, the store's dtype
+    return {k: v.pin_memory() for k, v in out.items()} if pin else out
+
+
+def to_device(inputs: dict, device: str, dtype: torch.dtype) -> dict:
+    """pack_inputs' tensors on ``device``, the states cast to the training dtype there (asynchronous copies from
+    pinned host memory)."""
+    out = {k: v.to(device, non_blocking=v.is_pinned()) for k, v in inputs.items()}
     for k in ("hidden_states", "verifier_last_hidden_states"):
         out[k] = out[k].to(dtype)
     return out
@@ -395,7 +413,9 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     from tqdm import tqdm
 
     from eagle3.train import chunked_loss
+    from eagle3.train.read_ahead import ReadAhead
 
+    entered = time.perf_counter()
     if cfg.on_bad_sample not in ("stop", "skip"):
         raise ValueError(f"on_bad_sample must be stop or skip, got {cfg.on_bad_sample!r}")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
@@ -454,22 +474,37 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     skipped = state["skipped"] if cfg.on_bad_sample == "skip" else None
     guard = max(0, cfg.ttt_steps - 1)
     accept_sums: dict[str, float] = {}
+    pin = cfg.device.startswith("cuda")
+
+    def read_step(step: int) -> tuple[list[tuple[list[str], dict]], dict | None]:
+        """This rank's part of step ``step``: (sample ids, host inputs) per pack, and the samples it skipped."""
+        mine = samples.batch(step, steps_per_epoch, cfg.batch_samples)[rank::world]
+        bad: dict | None = {} if skipped is not None else None
+        packs = micro_batches(samples, mine, cfg.pack_tokens, bad)
+        return [([x["sample_id"] for x in p], pack_inputs(p, guard, pin)) for p in packs], bad
+
+    ahead = ReadAhead(read_step, cfg.read_ahead)
     t0, tokens_this_run = time.perf_counter(), 0
+    phases = {"setup": t0 - entered, "reading": 0.0, "steps": 0.0, "checkpoints": 0.0}
     last_save = _clock()
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, desc="train", unit="step")
     with bar, torch.compiler.set_stance("default" if cfg.compile else "force_eager"):  # the bar ends its line
         while state["step"] < total:
             step = state["step"]
-            batch = samples.batch(step, steps_per_epoch, cfg.batch_samples)
-            mine = batch[rank::world]
+            began = time.perf_counter()
+            packs, bad = ahead.take(step)
+            if bad:
+                skipped.update(bad)
+            if step + 1 < total:
+                ahead.start(step + 1)
+            read_s = time.perf_counter() - began
             sums = torch.zeros(2, dtype=torch.float64)  # this rank's [sample-weighted loss, tokens]; summed over ranks
-            packs = micro_batches(samples, mine, cfg.pack_tokens, skipped)
-            ids = [x["sample_id"] for pack in packs for x in pack]
-            for j, pack in enumerate(packs):
-                inputs = model_inputs(pack, cfg.device, dtype, guard)
+            ids = [sid for pack_ids, _ in packs for sid in pack_ids]
+            for j, (pack_ids, host) in enumerate(packs):
+                inputs = to_device(host, cfg.device, dtype)
                 sync = j == len(packs) - 1 or world == 1
                 ctx = ddp.no_sync() if world > 1 and not sync else contextlib.nullcontext()
-                weight = len(pack)  # a pack's loss is a mean over its samples' tokens; weigh it by samples
+                weight = len(pack_ids)  # a pack's loss is a mean over its samples' tokens; weigh it by samples
                 with ctx:
                     with autocast():
                         _, loss, metrics = ddp(**inputs, ttt_steps=cfg.ttt_steps,
@@ -477,7 +512,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                     if not torch.isfinite(loss):
                         raise TrainingDiverged(
                             f"step {step + 1}: the loss is {float(loss.detach())} on samples "
-                            f"{[x['sample_id'] for x in pack]}; stopped before the optimizer step, nothing written. "
+                            f"{pack_ids}; stopped before the optimizer step, nothing written. "
                             "Lower --lr, or check those samples with `eagle3 verify`.")
                     (loss * weight * world / cfg.batch_samples).backward()
                 sums[0] += float(loss.detach()) * weight
@@ -511,6 +546,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
             due = (cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0) or (
                 cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes) or (
                 samples.wants_checkpoint())
+            saving = time.perf_counter()
             if rank == 0 and (last or due):
                 path = checkpoint.save(out, state["step"], model, optimizer, state, fault=fault)
                 last_save = _clock()
@@ -520,9 +556,13 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                 samples.checkpointed(state)
             if dist is not None:
                 dist.barrier()
+            done = time.perf_counter()
+            phases["reading"] += read_s
+            phases["checkpoints"] += done - saving
+            phases["steps"] += saving - began - read_s
     return TrainResult(str(out), str(out / "draft"), state["step"], state["samples_seen"], state["tokens_seen"],
                        time.perf_counter() - t0, state["losses"], state.get("accept", {}), resumed_from,
-                       dict(state["skipped"]), tokens_this_run, notes)
+                       dict(state["skipped"]), tokens_this_run, notes, {k: round(v, 3) for k, v in phases.items()})
 
 
 def _check_store_is_whole(cfg: TrainConfig) -> list[str]:

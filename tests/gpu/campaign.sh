@@ -69,11 +69,12 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
             # traffic (~13 min with trained_draft's controls); regenerate with vLLM on 96 held-out conversations (~2
             # min) and extract --regenerate in one pass against a prefill of its tokens and against regenerate then
             # extract (256 conversations, four engines: ~3 min), these two on the trained target alone; then the
-            # draft variants: llama + 3.1, mla, mla + 3.1, short and long prompts in one engine each (~8 min more)
+            # draft variants: llama + 3.1, mla, mla + 3.1, short and long prompts in one engine each (~6 min more),
+            # their seed spreads (~5 min), llama and mla under CUDA graphs (~4 min)
   wrapper)  step wrapper $PT -m kimi_depth tests/gpu/test_kimi_k25_wrapper.py --gpu-out "$OUT/wrapper" ;;  # Kimi-K2.5's
             # class, kimi-depth text model: capture, self-check, a served draft (two engine starts of 2-4 min)
   onlinekd) step onlinekd $PT -m kimi_depth tests/gpu/test_online_kimi_depth.py --gpu-out "$OUT/onlinekd" ;;  # online
-            # at Kimi's depth: kimi-depth's engine and the Kimi-size trainer on one H200 (~6 min, not yet run)
+            # at Kimi's depth: kimi-depth's engine and the Kimi-size trainer on one H200 (346 s at c5ebd37; ~7 min now)
   benchtrain) step benchtrain $PT -s -m benchmark tests/gpu/test_bench_train.py --gpu-out "$OUT/benchtrain" ;;  # the
             # trainer at Kimi-K2.5's draft size: tok/s, MFU, peak memory at 2k/8k/32k, the longest sequence, the reader,
             # the MLA draft; last, compiled rows (sdpa 8k, flex attention 8k and 32k)

@@ -185,9 +185,12 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path):  #
                                       pack_tokens=0, extract_batch=2)  # a quarter of the store holds two batches
     assert got["same_steps_and_samples"] and got["steps"] == 8 and got["losses_finite"], got
     assert 0 < got["spool"]["peak"] <= got["spool"]["capacity"], got
-    assert set(got["tok_per_s"]) == {"extract_alone", "train_alone", "online"} and got["online_vs_min_alone"] > 0
+    assert set(got["tok_per_s"]) == {"extract_alone", "train_alone", "online", "train_alone_reading_between_steps"}
+    assert got["online_vs_min_alone"] > 0 and got["read_ahead_same_losses"], got
+    assert all(set(p) == {"setup", "reading", "steps", "checkpoints"} for p in got["phases_s"].values()), got
     assert any(line.startswith("limits") for line in got["lines"]), got["lines"]
-    assert set(reported["online_kd_seconds"]) == {"engine_start", "extract_alone", "train_alone"}
+    assert set(reported["online_kd_seconds"]) == {"engine_start", "extract_alone", "train_alone",
+                                                  "train_alone_reading_between_steps"}
     json.dumps(got)
 
 
@@ -195,9 +198,9 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path):  #
 def test_the_variants_table_serves_each_draft_in_one_engine_and_one_failure_loses_no_other_figure(fails):
     """Issue 41's variants test (tests/gpu/test_draft_acceptance.py) with the chain's training and serving stood in
     for: every keyword it serves with is EvalConfig's; each draft is served once eagerly with the long-context prompts
-    in the same engine (the llama draft by the chain, seed 1 without them), then llama and mla under CUDA graphs;
-    the table holds short, long and CUDA-graph figures per variant, and a variant whose engine fails is an error in
-    its row and a failed test, the others' figures kept."""
+    in the same engine (the llama draft by the chain, seed 1 without them); the table holds short and long figures
+    per variant, and a variant whose engine fails is an error in its row and a failed test, the others' figures kept.
+    Then the CUDA-graph test serves the llama and mla drafts the table trained, under CUDA graphs, and nothing else."""
     served, reported = [], Reported()
     chain = _stand_in_chain(served, fails)
     test = e2e.test_draft_variants_are_served_on_the_deepseek_target
@@ -209,14 +212,19 @@ def test_the_variants_table_serves_each_draft_in_one_engine_and_one_failure_lose
     table, long = reported["e2e_variants"], e2e.LONG_PROMPTS
     assert served == [("seed0", "d-seed0", long, False, 64), ("seed1", "d-seed1", 0, False, 64),
                       ("llama-3.1", "d-llama-3.1", long, False, 64), ("mla", "d-mla", long, False, 64),
-                      ("mla-3.1", "d-mla-3.1", long, False, 64), ("llama-graphs", "d-seed0", 0, True, e2e.GRAPH_PROMPTS),
-                      ("mla-graphs", "d-mla", 0, True, e2e.GRAPH_PROMPTS)]
+                      ("mla-3.1", "d-mla-3.1", long, False, 64)]
     served_ok = [n for n in ("llama", "llama + 3.1", "mla", "mla + 3.1") if n.replace(" + ", "-") != fails]
     for name in served_ok:
         row = table[name]
         assert row["short"] > row["long_4k"] > 1 and row["long_4k_chat"] == row["long_4k"], (name, row)
         assert row["chat"] == row["short"] and row["tool"] < row["short"], (name, row)
-    assert table["llama"]["cuda_graphs"] > 1 and table["mla"]["cuda_graphs"] > 1
+    n_fitted = len(chain["fitted"])
+    e2e.test_draft_variants_under_cuda_graphs(chain, reported)
+    assert served[-2:] == [("llama-graphs", "d-seed0", 0, True, e2e.GRAPH_PROMPTS),
+                           ("mla-graphs", "d-mla", 0, True, e2e.GRAPH_PROMPTS)]
+    assert len(chain["fitted"]) == n_fitted  # the table's drafts, none trained again
+    graphs = reported["e2e_variants_cuda_graphs"]
+    assert graphs["llama"]["cuda_graphs"] > 1 and graphs["mla"]["drafter"] == "Eagle3DeepseekV3ForCausalLM"
     assert table["mla"]["drafter"] == "Eagle3DeepseekV3ForCausalLM" and table["llama"]["drafter"] == "Eagle3LlamaForCausalLM"
     assert "long_4k" not in table["llama seed 1"] and table["spread_two_seeds"]["short"] > 0
     if fails:
