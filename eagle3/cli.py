@@ -203,6 +203,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--norm-output", action="store_true", help="the post-norm state feeds the next draft step")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16-mixed"], default="auto",
                    help="auto: bf16 matmuls under autocast on CUDA (float32 weights and optimizer), fp32 on the CPU")
+    p.add_argument("--attn", choices=["sdpa", "varlen"], default="sdpa",
+                   help="the llama draft's training attention: sdpa over speculators' dense mask (default), or varlen: "
+                        "flash attention within each packed sample plus each TTT step's own key, no mask (the same "
+                        "loss and gradients; CUDA needs bf16-mixed)")
     p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the published draft OUT/draft (default bfloat16, what vLLM serves in)")
     p.add_argument("--serve-tp", type=_tp_list, default=None,
@@ -234,7 +238,7 @@ def _train_config(a):
                        batch_samples=a.batch, lr=a.lr, ttt_steps=a.ttt_steps, pack_tokens=a.pack_tokens,
                        draft_vocab_size=a.draft_vocab, device=a.device, dtype=a.dtype, precision=a.precision,
                        fc_norm=a.fc_norm or a.eagle31, norm_output=a.norm_output or a.eagle31, draft_arch=a.draft_arch,
-                       export_dtype=a.export_dtype,
+                       export_dtype=a.export_dtype, attn_impl=a.attn,
                        serve_tps=a.serve_tp or None, shape=shape, checkpoint_every=a.checkpoint_every,
                        checkpoint_minutes=a.checkpoint_minutes, keep_checkpoints=a.keep_checkpoints,
                        on_bad_sample=a.on_bad_sample, seed=a.seed, resume=not a.no_resume,

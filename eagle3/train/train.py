@@ -78,7 +78,8 @@ class TrainConfig:
     loss: str = "kl_div"
     loss_impl: str = "auto"              # chunked (train/chunked_loss.py) | eager | fused (Triton, GPU);
     # auto: chunked on CUDA (no float32 [T, V] kept per TTT step), eager on CPU
-    attn_impl: str = "sdpa"
+    attn_impl: str = "sdpa"              # sdpa (speculators' dense mask) | varlen (train/ttt_attention.py: no mask;
+                                         # the llama draft) | simple_flex_attention
     compile: bool = False
     resume: bool = True
     speculative_tokens: int | None = None  # written to the config; default ttt_steps
@@ -340,15 +341,22 @@ def draft_shape(cfg: TrainConfig, store: Store) -> tuple[DraftShape, dict, str]:
 def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples, shape: DraftShape, tcfg: dict, target: str):
     from speculators.models.eagle3 import Eagle3DraftModel
 
+    from eagle3.train import ttt_attention
+
     n_draft = min(cfg.draft_vocab_size, shape.vocab_size)
     t2d, d2t = draft_vocab(samples.token_counts(shape.vocab_size), n_draft)
+    varlen = cfg.attn_impl == "varlen"
+    if varlen:
+        ttt_attention.register()
     config = speculators_config(
         shape, aux_ids(store.spec.layer_ids), n_draft, cfg.speculative_tokens or cfg.ttt_steps, target,
-        list(tcfg.get("architectures") or []), attn_implementation=cfg.attn_impl, fc_norm=cfg.fc_norm,
-        norm_output=cfg.norm_output,
+        list(tcfg.get("architectures") or []), attn_implementation=ttt_attention.NAME if varlen else cfg.attn_impl,
+        fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
     )
     torch.manual_seed(cfg.seed)
     model = Eagle3DraftModel(config)
+    if varlen:
+        ttt_attention.install(model)
     if cfg.draft_arch == "mla":
         from eagle3.train import mla_draft
 
@@ -412,12 +420,14 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     """Train on the store cfg.store; ``source`` (online.py's spool) replaces the store's samples and order."""
     from tqdm import tqdm
 
-    from eagle3.train import chunked_loss
+    from eagle3.train import chunked_loss, ttt_attention
     from eagle3.train.read_ahead import ReadAhead
 
     entered = time.perf_counter()
     if cfg.on_bad_sample not in ("stop", "skip"):
         raise ValueError(f"on_bad_sample must be stop or skip, got {cfg.on_bad_sample!r}")
+    if cfg.attn_impl == "varlen" and cfg.draft_arch != "llama":
+        raise ValueError(f"--attn varlen trains the llama draft; the {cfg.draft_arch} draft trains with --attn sdpa")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise StoreError(f"--device {cfg.device}: torch {torch.__version__} sees no CUDA device here; "
                          "train with --device cpu or on a GPU host")
@@ -502,6 +512,8 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
             ids = [sid for pack_ids, _ in packs for sid in pack_ids]
             for j, (pack_ids, host) in enumerate(packs):
                 inputs = to_device(host, cfg.device, dtype)
+                if cfg.attn_impl == "varlen":  # the packed samples' boundaries, read on the host
+                    inputs.update(ttt_attention.forward_kwargs(host["document_ids"], cfg.device))
                 sync = j == len(packs) - 1 or world == 1
                 ctx = ddp.no_sync() if world > 1 and not sync else contextlib.nullcontext()
                 weight = len(pack_ids)  # a pack's loss is a mean over its samples' tokens; weigh it by samples

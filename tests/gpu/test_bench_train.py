@@ -18,7 +18,11 @@ as the trainer does: speculators 0.9 compiles Eagle3DraftModel.forward itself wh
 runs it eagerly (torch.compiler.set_stance "force_eager") unless TrainConfig.compile. Last, compiled as
 TrainConfig(compile=True) runs it (with its compile time), as the issue asks: measured with and without; the 8k row
 with sdpa, and flex attention (a block mask instead of sdpa's dense one; fused only when compiled) at 8k and 32k.
-Order: the reader (seconds), the table, the profile, the MLA rows, the longest-sequence search, the compiled rows.
+Then the same draft with the mask-free TTT attention (`--attn varlen`, eagle3/train/ttt_attention.py: flash attention
+within each sample plus each TTT step's own key, no [T, (s + 1) T] mask) at 2k, 8k and 32k, its longest sequence and,
+where its 8k MFU misses 35 %, its profile (profile_8k_varlen.txt); not yet run on a GPU.
+Order: the reader (seconds), the table, the profile, the MLA rows, the longest-sequence search, the varlen rows and
+their search, the compiled rows.
 Rows are reported as they are measured; a size that runs out of memory is a row saying so. The rows also go to
 GPU_OUT/benchmark.json for `eagle3 bench report` (tok/s per GPU, MFU, peak memory). Its code runs on CPU at a small
 shape in tests/unit/test_bench_train_rehearsal.py. On an H200 at c5ebd37 (results/2026-12-05-c5ebd37-h200-vllm0.26.0)
@@ -61,19 +65,24 @@ def kimi() -> Bench:
     return Bench(flops.kimi_k25_draft(), mla_draft.MLAShape.for_target(KIMI_K25_TEXT))
 
 
-ATTN = {"sdpa": "sdpa", "flex": "simple_flex_attention"}  # a row's attention -> speculators' attn_implementation
+ATTN = {"sdpa": "sdpa", "flex": "simple_flex_attention", "varlen": "eagle3_varlen"}  # a row's attention -> the
+# config's attn_implementation (varlen: eagle3/train/ttt_attention.py, no mask)
 
 
 def _model(b: Bench, mla=None, attn: str = "sdpa"):
     from speculators.models.eagle3 import Eagle3DraftModel
 
+    from eagle3.train import ttt_attention
     from eagle3.train.draft import speculators_config
 
+    ttt_attention.register()
     cfg = speculators_config(b.shape, [2, 30, 58], b.draft_vocab, TTT, "/nonexistent", ["DeepseekV3ForCausalLM"],
                              attn_implementation=ATTN[attn])
     torch.manual_seed(0)
     with torch.device(b.device):
         m = Eagle3DraftModel(cfg)
+    if attn == "varlen":
+        ttt_attention.install(m)
     if mla is not None:
         from eagle3.train import mla_draft
 
@@ -87,16 +96,21 @@ def _model(b: Bench, mla=None, attn: str = "sdpa"):
     return m.float().train()
 
 
-def _inputs(b: Bench, seq: int):
+def _inputs(b: Bench, seq: int, attn: str = "sdpa"):
+    """One packed sequence of seq tokens, one sample (the attention's worst case: causal over all of it)."""
+    from eagle3.train import ttt_attention
+
     h, device = b.shape.hidden_size, b.device
     g = torch.Generator(device=device).manual_seed(1)
-    return dict(input_ids=torch.randint(0, b.draft_vocab, (1, seq), device=device, generator=g),
+    docs = torch.zeros(1, seq, dtype=torch.long)
+    extra = ttt_attention.forward_kwargs(docs, device) if attn == "varlen" else {}
+    return dict(extra, input_ids=torch.randint(0, b.draft_vocab, (1, seq), device=device, generator=g),
                 hidden_states=torch.randn(1, seq, N_AUX * h, device=device, generator=g, dtype=torch.bfloat16).float(),
                 verifier_last_hidden_states=torch.randn(1, seq, h, device=device, generator=g,
                                                         dtype=torch.bfloat16).float(),
                 loss_mask=torch.ones(1, seq, dtype=torch.bool, device=device),
                 position_ids=torch.arange(1, seq + 1, device=device)[None],
-                document_ids=torch.zeros(1, seq, dtype=torch.long, device=device))
+                document_ids=docs.to(device))
 
 
 def _sync(device: str):
@@ -126,9 +140,9 @@ def _steps(model, opt, inputs, n: int, amp: bool, loss_impl: str = "auto", compi
     return (time.perf_counter() - t0) / n
 
 
-def _row(seq: int, amp: bool, mla, loss_impl: str, optimizer: str = "auto") -> dict:
+def _row(seq: int, amp: bool, mla, loss_impl: str, optimizer: str = "auto", attn: str = "sdpa") -> dict:
     return {"draft": "mla" if mla is not None else "llama", "seq": seq, "precision": "bf16-mixed" if amp else "fp32",
-            "loss": loss_impl, "optimizer": optimizer}
+            "loss": loss_impl, "optimizer": optimizer, **({"attn": attn} if attn != "sdpa" else {})}
 
 
 def _optimizer(b: Bench, model, impl: str = "auto"):
@@ -139,27 +153,27 @@ def _optimizer(b: Bench, model, impl: str = "auto"):
 
 
 def _measure(b: Bench, model, opt, seq: int, amp: bool, steps: int = 5, mla=None, loss_impl: str = "auto",
-             optimizer: str = "auto", compiled: bool = False) -> dict:
-    inputs = _inputs(b, seq)
+             optimizer: str = "auto", compiled: bool = False, attn: str = "sdpa") -> dict:
+    inputs = _inputs(b, seq, attn)
     if b.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     _steps(model, opt, inputs, 2, amp, loss_impl, compiled)  # warm-up: allocator, kernels
     sec = _steps(model, opt, inputs, steps, amp, loss_impl, compiled)
     per_token = flops.train_flops_per_token(b.shape, N_AUX, b.draft_vocab, TTT, seq) if mla is None else (
         sum(flops.mla_linear_flops(mla, N_AUX, b.draft_vocab, TTT).values()) + flops.mla_attention_flops(mla, TTT, seq))
-    return dict(_row(seq, amp, mla, loss_impl, optimizer), s_per_step=round(sec, 4), tok_per_s=round(seq / sec),
+    return dict(_row(seq, amp, mla, loss_impl, optimizer, attn), s_per_step=round(sec, 4), tok_per_s=round(seq / sec),
                 gflop_per_token=round(per_token / 1e9, 2), mfu=round(flops.mfu(seq / sec, per_token), 4),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if b.device == "cuda" else None)
 
 
 def _tried(b: Bench, model, opt, seq: int, amp: bool, steps: int = 5, mla=None, loss_impl: str = "auto",
-           optimizer: str = "auto") -> dict:
+           optimizer: str = "auto", attn: str = "sdpa") -> dict:
     """_measure's row, or {seq, out_of_memory} where a step does not fit: one size that does not fit loses no other."""
     try:
-        return _measure(b, model, opt, seq, amp, steps, mla, loss_impl, optimizer)
+        return _measure(b, model, opt, seq, amp, steps, mla, loss_impl, optimizer, attn=attn)
     except torch.OutOfMemoryError:
         opt.zero_grad(set_to_none=True)
-        return dict(_row(seq, amp, mla, loss_impl, optimizer), out_of_memory=True)
+        return dict(_row(seq, amp, mla, loss_impl, optimizer, attn), out_of_memory=True)
     finally:
         torch.cuda.empty_cache()  # a no-op where CUDA never ran
 
@@ -243,9 +257,12 @@ def run_bench(b: Bench, report, gpu_out) -> None:
 
     longest = longest_trainable(fits, rows, b)
     report("bench_train_longest_seq", longest)
-    report("bench_train_goals", dict(goals, longest=longest, **{"32k_goal_met": (longest or 0) >= long}))
-    model = opt = None  # the memory back before the compiled model is built
+    goals = dict(goals, longest=longest, **{"32k_goal_met": (longest or 0) >= long})
+    report("bench_train_goals", goals)
+    model = opt = None  # the memory back before the next model is built
     torch.cuda.empty_cache()
+    varlen = varlen_rows(b, report, gpu_out, goals)
+    _write_history(gpu_out, rows + mla_rows + varlen)
     # last: a compile that takes minutes costs no other row. sdpa at 8k beside the eager row; then flex attention
     # (speculators' default: a block mask, not sdpa's dense [T, T x steps] one), which runs fused only compiled, at
     # 8k and 32k: whether it pays in speed, and in the memory of long sequences
@@ -253,7 +270,37 @@ def run_bench(b: Bench, report, gpu_out) -> None:
     for attn, k in b.compiled:
         compiled.append(_compiled_row(b, b.seqs[k], attn))
         report("bench_train_compiled", compiled)
-        _write_history(gpu_out, rows + mla_rows + compiled)
+        _write_history(gpu_out, rows + mla_rows + varlen + compiled)
+
+
+def varlen_rows(b: Bench, report, gpu_out, goals: dict) -> list[dict]:
+    """The llama draft with the mask-free TTT attention (TrainConfig.attn_impl "varlen"), eager: the table's sizes,
+    its longest sequence, and where its 8k MFU misses 35 %, its profile (GPU_OUT/profile_8k_varlen.txt)."""
+    model = _model(b, attn="varlen")
+    opt = _optimizer(b, model)
+    rows = []
+    for seq in b.seqs:
+        rows.append(_tried(b, model, opt, seq, True, attn="varlen"))
+        report("bench_train_varlen", rows)
+    eight = rows[1]
+    goals = dict(goals, mfu_8k_varlen=eight.get("mfu"), **{"mfu_goal_0.35_met_varlen": eight.get("mfu", 0) >= 0.35})
+    report("bench_train_goals", goals)
+    if "out_of_memory" not in eight and eight["mfu"] < 0.35:
+        from eagle3.train import step_profile
+
+        inputs = _inputs(b, b.seqs[1], "varlen")
+        prof = step_profile.profile(lambda: _steps(model, opt, inputs, 1, True), 2)
+        (gpu_out / "profile_8k_varlen.txt").write_text(step_profile.table(prof, top=40) + "\n")
+        report("bench_train_profile_8k_varlen", step_profile.shares(prof))
+
+    def fits(seq):
+        return "out_of_memory" not in _tried(b, model, opt, seq, True, steps=1, attn="varlen")
+
+    longest = longest_trainable(fits, rows, b)
+    report("bench_train_goals", dict(goals, longest_varlen=longest))
+    del model, opt
+    torch.cuda.empty_cache()
+    return rows
 
 
 def _write_history(gpu_out, rows: list[dict]) -> None:

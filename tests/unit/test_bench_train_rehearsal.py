@@ -77,8 +77,15 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
                           [("llama", 32, "bf16-mixed", 0), ("llama", 64, "bf16-mixed", 0), ("llama", 64, "fp32", 0),
                            ("llama", 64, "bf16-mixed_foreach", 0),
                            ("mla", 32, "bf16-mixed", 0), ("mla", 64, "bf16-mixed", 0)]
-                          + [("llama", 128, "bf16-mixed", 0), ("llama", 128, "bf16-mixed", 1)])
+                          + [("llama", 128, "bf16-mixed", 0), ("llama", 128, "bf16-mixed", 1)]
+                          + [("llama", s, "bf16-mixed_varlen", 0) for s in SMALL.seqs])
     assert len(bench.train_lines(records)) == 2 + len(keys)
+    # the mask-free attention's rows, its longest sequence and profile, after the sdpa model's search
+    varlen = got["bench_train_varlen"]
+    assert [(r["seq"], r["attn"]) for r in varlen] == [(s, "varlen") for s in SMALL.seqs]
+    assert all(r["tok_per_s"] > 0 for r in varlen) and goals["longest_varlen"] == longest
+    assert list(got).index("bench_train_longest_seq") < list(got).index("bench_train_varlen")
+    assert (tmp_path / "profile_8k_varlen.txt").read_text().strip() and "mfu_8k_varlen" in goals
     (sdpa,) = got["bench_train_compiled"]
     assert (sdpa["attn"], sdpa["seq"]) == ("sdpa", 64) and "error" not in sdpa and sdpa["tok_per_s"] > 0, sdpa
     assert "train_llama_bf16-mixed_compiled/64" in {r.key for r in bench.load_history([tmp_path / "benchmark.json"])}
@@ -105,6 +112,7 @@ def test_a_flex_row_trains_speculators_flex_attention():
     (Not trained here: flex attention has no backward on the CPU.)"""
     assert gb._model(SMALL, attn="flex")._attn_impl == "simple_flex_attention"
     assert gb._model(SMALL)._attn_impl == "sdpa"
+    assert gb._model(SMALL, attn="varlen")._attn_impl == "eagle3_varlen"
 
 
 def test_the_reader_benchmark_reads_back_every_token(tmp_path):

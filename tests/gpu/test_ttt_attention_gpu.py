@@ -1,0 +1,90 @@
+"""The mask-free TTT attention's CUDA kernels (eagle3/train/ttt_attention.py: aten's varlen flash attention forward
+and backward, given the merged output and log-sum-exp) against speculators' dense mask, on the GPU: the CPU tests
+(tests/unit/test_ttt_attention.py) run the same merge with aten's CPU flash attention, so what only this checks is
+the CUDA calls (packed layout, the log-sum-exp's shape, GQA, the backward's arguments). bf16 as the trainer runs it
+(autocast), judged against the same bf16 inputs in float32. Seconds; in `pytest -m gpu` and campaign.sh's benchtrain
+step. NOT YET RUN ON A GPU."""
+
+import pytest
+import torch
+
+from eagle3.train import ttt_attention as ta
+
+pytestmark = pytest.mark.gpu
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_flash_varlen_equals_the_dense_mask_in_bf16(steps):
+    from tests.unit.test_ttt_attention import dense_reference
+
+    lengths, h, kv, d = [300, 1000, 37, 711], 16, 2, 128  # Kimi's draft: 64 x 128 heads over 8 KV heads (g = 8)
+    t = sum(lengths)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, h, t, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    k = torch.randn(1, kv, steps * t, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    v = torch.randn(1, kv, steps * t, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    fk = ta.forward_kwargs(doc[None], "cuda")
+    up = torch.randn(1, h, t, d, device="cuda", generator=g)
+    got = ta.TTTAttention.apply(q, k, v, fk[ta.KWARG], d ** -0.5, fk[ta.LONGEST])
+    grads = torch.autograd.grad((got.float() * up).sum(), (q, k, v))
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    want = dense_reference(qf, kf, vf, doc.cuda(), d ** -0.5)
+    wants = torch.autograd.grad((want * up).sum(), (qf, kf, vf))
+    assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2, _rel(got, want)
+    errs = {n: _rel(a, b) for n, a, b in zip("qkv", grads, wants)}
+    assert all(e < 2e-2 for e in errs.values()), errs
+
+
+def test_the_kimi_width_draft_trains_the_same_with_either_attention():
+    """Kimi-K2.5's draft layer width (hidden 7168, 64 x 128 heads, 8 KV heads; MLP narrowed to fit beside two copies),
+    three packed samples, three TTT steps, bf16 autocast: the loss and every gradient of the varlen draft against the
+    sdpa draft's from the same weights."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle3.train.chunked_loss import loss_config
+    from eagle3.train.draft import DraftShape, speculators_config
+
+    ta.register()
+    shape = DraftShape(7168, 2048, 64, 8, 128, 32000)
+    lengths = [512, 1500, 300]
+    t = sum(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None].cuda()
+    pos = torch.cat([torch.arange(1, n + 1) for n in lengths])[None].cuda()
+    inputs = dict(input_ids=torch.randint(0, 2048, (1, t), device="cuda", generator=gen),
+                  hidden_states=torch.randn(1, t, 3 * 7168, device="cuda", generator=gen),
+                  verifier_last_hidden_states=torch.randn(1, t, 7168, device="cuda", generator=gen),
+                  loss_mask=torch.ones(1, t, dtype=torch.bool, device="cuda"), position_ids=pos, document_ids=doc)
+    out = {}
+    for attn in ("sdpa", ta.NAME):
+        cfg = speculators_config(shape, [2, 30, 58], 2048, 3, "/nonexistent", ["DeepseekV3ForCausalLM"],
+                                 attn_implementation=attn)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            m = Eagle3DraftModel(cfg)
+        if attn == ta.NAME:
+            ta.install(m)
+        torch.manual_seed(1)
+        for p in m.parameters():
+            if p.isnan().any():
+                p.data.normal_(0, 0.02)
+        t2d = torch.zeros(32000, dtype=torch.bool, device="cuda")
+        t2d[:2048] = True
+        m.load_vocab_mappings(t2d, torch.zeros(2048, dtype=torch.long, device="cuda"))
+        m.float().train()
+        extra = ta.forward_kwargs(doc, "cuda") if attn == ta.NAME else {}
+        with torch.compiler.set_stance("force_eager"), torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss, _ = m(**inputs, **extra, ttt_steps=3, loss_config=loss_config("kl_div", "auto", "cuda"))
+        loss.backward()
+        out[attn] = (float(loss), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None})
+        del m
+        torch.cuda.empty_cache()
+    (la, ga), (lb, gb) = out["sdpa"], out[ta.NAME]
+    assert abs(la - lb) <= 1e-2 * abs(la), (la, lb)
+    errs = sorted(((_rel(gb[n], ga[n]), n) for n in ga), reverse=True)  # bf16: two kernels' rounding, no more
+    assert ga.keys() == gb.keys() and errs[0][0] < 0.1 and errs[len(errs) // 2][0] < 2e-2, errs[:5]

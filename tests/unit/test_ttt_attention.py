@@ -1,0 +1,128 @@
+"""The mask-free TTT attention (eagle3/train/ttt_attention.py) computes what speculators' dense mask computes:
+output and gradients against a dense reference (the mask written out from its definition), for packed samples of
+different lengths, every TTT step, GQA; and inside speculators' draft, the same loss and parameter gradients as its
+sdpa path. The CUDA kernels (aten flash, varlen) are the GPU test's (tests/gpu/test_bench_train.py); here the same
+merge runs with aten's CPU flash attention sample by sample."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eagle3.train import ttt_attention as ta
+
+
+def dense_reference(q, k, v, doc, scale):
+    """speculators' mask from its definition (attention.py's create_combined_mask_mod + the diagonal extension):
+    query i sees step-0 key c when c <= i in i's sample, and key j*T + i of every later step j."""
+    t, steps = q.shape[2], k.shape[2] // q.shape[2]
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    i = torch.arange(t, device=q.device)[:, None]
+    kv = torch.arange(steps * t, device=q.device)[None, :]
+    c = kv % t
+    allowed = ((kv < t) & (c <= i) & (doc[c] == doc[i])) | ((kv >= t) & (c == i))
+    s = (q @ kk.transpose(-1, -2)) * scale
+    return torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vv
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=4), steps=st.integers(1, 3),
+       groups=st.sampled_from([(4, 4), (4, 2), (4, 1)]), seed=st.integers(0, 2**16))
+def test_output_and_gradients_equal_the_dense_mask(lengths, steps, groups, seed):
+    h, kv = groups
+    t, d = sum(lengths), 8
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, h, t, d, generator=gen, dtype=torch.float64).float().requires_grad_()
+    k = torch.randn(1, kv, steps * t, d, generator=gen).requires_grad_()
+    v = torch.randn(1, kv, steps * t, d, generator=gen).requires_grad_()
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    cu = ta.forward_kwargs(doc[None])[ta.KWARG]
+    assert cu.tolist() == [0] + torch.tensor(lengths).cumsum(0).tolist()
+    up = torch.randn(1, h, t, d, generator=gen)
+    got = ta.TTTAttention.apply(q, k, v, cu, 0.35)
+    grads = torch.autograd.grad((got * up).sum(), (q, k, v))
+    want = dense_reference(q, k, v, doc, 0.35)
+    wants = torch.autograd.grad((want * up).sum(), (q, k, v))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, a, b in zip("qkv", grads, wants):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_it_needs_the_samples_boundaries_and_says_how():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="eagle3_cu_seqlens=cu_seqlens"):
+        ta.attention(None, q, q, q)
+
+
+def _draft(attn: str):
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle3.train.draft import DraftShape, speculators_config
+
+    ta.register()
+    shape = DraftShape(64, 512, 4, 2, 16, 128)
+    cfg = speculators_config(shape, [2, 30, 58], 128, 3, "/nonexistent", ["DeepseekV3ForCausalLM"],
+                             attn_implementation=attn)
+    torch.manual_seed(0)
+    m = Eagle3DraftModel(cfg)
+    if attn == ta.NAME:
+        ta.install(m)
+    for p in m.parameters():
+        if p.isnan().any():  # the verifier's weights, not loaded here
+            p.data.normal_(0, 0.02)
+    t2d = torch.zeros(shape.vocab_size, dtype=torch.bool)
+    t2d[:128] = True
+    m.load_vocab_mappings(t2d, torch.zeros(128, dtype=torch.long))
+    return m.float().train()
+
+
+def test_the_draft_trains_the_same_with_either_attention():
+    """Three packed samples, three TTT steps: speculators' sdpa over its dense mask and this attention give the same
+    loss and the same gradient for every parameter (float32, CPU)."""
+    lengths, h = [7, 12, 5], 64
+    t = sum(lengths)
+    g = torch.Generator().manual_seed(3)
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
+    pos = torch.cat([torch.arange(1, n + 1) for n in lengths])[None]
+    inputs = dict(input_ids=torch.randint(0, 128, (1, t), generator=g), hidden_states=torch.randn(1, t, 3 * h, generator=g),
+                  verifier_last_hidden_states=torch.randn(1, t, h, generator=g),
+                  loss_mask=torch.ones(1, t, dtype=torch.bool), position_ids=pos, document_ids=doc)
+    from eagle3.train.chunked_loss import loss_config
+
+    results = {}
+    for attn in ("sdpa", ta.NAME):
+        m = _draft(attn)
+        extra = ta.forward_kwargs(doc) if attn == ta.NAME else {}
+        with torch.compiler.set_stance("force_eager"):
+            _, loss, _ = m(**inputs, **extra, ttt_steps=3, loss_config=loss_config("kl_div", "auto", "cpu"))
+        loss.backward()
+        results[attn] = (loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    (la, ga), (lb, gb) = results["sdpa"], results[ta.NAME]
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6)
+    assert ga.keys() == gb.keys() and len(ga) > 5
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_training_with_varlen_follows_the_sdpa_run_and_exports_the_same_draft_config(small_store, tmp_path):
+    """`eagle3 train --attn varlen`: packed samples, the same losses as sdpa's run (float32 CPU, to rounding), and a
+    published draft whose config says nothing of the training attention (vLLM serves it as any other)."""
+    import json
+
+    from eagle3 import cli
+    from eagle3.train.train import TrainConfig, train
+
+    def run(attn):
+        return train(TrainConfig(store=str(small_store), out=str(tmp_path / attn), draft_vocab_size=256,
+                                 batch_samples=4, lr=3e-3, seed=0, max_steps=4, pack_tokens=96, attn_impl=attn),
+                     progress=False)
+
+    a, b = run("sdpa"), run("varlen")
+    assert a.losses == pytest.approx(b.losses, rel=1e-4) and a.tokens_seen == b.tokens_seen
+    ca, cb = (json.loads((tmp_path / n / "draft" / "config.json").read_text()) for n in ("sdpa", "varlen"))
+    assert ca == cb and ta.NAME not in json.dumps(cb)
+    assert cli.build_parser().parse_args(["train", "--store", "s", "--out", "o", "--attn", "varlen"]).attn == "varlen"
+    with pytest.raises(ValueError, match="--attn varlen trains the llama draft"):
+        train(TrainConfig(store=str(small_store), out=str(tmp_path / "m"), attn_impl="varlen", draft_arch="mla"),
+              progress=False)
