@@ -41,6 +41,7 @@ import torch
 from eagle3.data.conversations import Sample
 from eagle3.store.folder import Store
 from eagle3.store.format import SHARDS, StoreError, StoreSpec
+from eagle3.train import checkpoint
 from eagle3.train.train import StoreSamples, TrainConfig, TrainResult, train
 
 log = logging.getLogger(__name__)
@@ -415,6 +416,9 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     try:
         if extract_cfg.selfcheck:  # the offline extraction's first-batch check, before anything is trained
             check = require_final_state(backend, spool.store, extract_cfg, list(samples[: extract_cfg.selfcheck]))
+        if not (cfg.resume and checkpoint.latest(Path(cfg.out)) is not None):
+            producer.start_once(0)  # a fresh run extracts while the trainer builds its draft (a resumed one starts
+            # where its checkpoint says, at the trainer's first batch)
         result = train(cfg, progress=progress, source=SpoolSamples(spool, samples, plan, producer, cfg.seed))
     finally:
         spool.close()

@@ -400,3 +400,25 @@ def test_a_file_renamed_between_listing_and_size_is_counted_once_not_an_error(ti
     assert got == 130 and renamed
     spool.close()
     spool.store.release()
+
+
+def test_a_fresh_run_extracts_while_the_draft_is_built(setup, tiny_kimi, tmp_path, monkeypatch):
+    """The extraction starts before the trainer builds its draft (at Kimi's size: the model's init, the target's
+    embedding and head read, the copy to the GPU), not at the first step: building waits here (up to 10 s) for the
+    spool's first shard, which only an extraction already running can bring."""
+    from eagle3.train import train as train_mod
+
+    samples, backend, ex = setup
+    build, seen = train_mod.build_draft, []
+
+    def build_after_a_shard(cfg, store, source, *a, **kw):
+        deadline = time.monotonic() + 10
+        while not source.spool.entries and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(bool(source.spool.entries))
+        return build(cfg, store, source, *a, **kw)
+
+    monkeypatch.setattr(train_mod, "build_draft", build_after_a_shard)
+    res = online.run(_cfg(tmp_path / "spool", tmp_path / "run", max_steps=2), ex, samples, _capacity(tiny_kimi, 4),
+                     backend=backend, extract_batch=4, progress=False)
+    assert seen == [True] and res.train.steps == 2
