@@ -354,7 +354,10 @@ def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples, shape: Dr
         fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
     )
     torch.manual_seed(cfg.seed)
-    model = Eagle3DraftModel(config)
+    # built where it trains: on the CPU, initializing Kimi-K2.5's draft (2.4 B parameters with the target's embedding,
+    # which load_verifier_weights then overwrites) took 39 s on two cores; on a GPU, well under one
+    with torch.device(cfg.device) if cfg.device != "cpu" else contextlib.nullcontext():
+        model = Eagle3DraftModel(config)
     if varlen:
         ttt_attention.install(model)
     if cfg.draft_arch == "mla":

@@ -167,3 +167,30 @@ def test_the_optimizer_is_fused_adamw_on_cuda_and_torch_s_default_elsewhere():
     g = opt.param_groups[0]
     assert isinstance(opt, torch.optim.AdamW) and not g["fused"] and g["foreach"] is None and g["lr"] == 0.1
     assert g["betas"] == (0.9, 0.95)
+
+
+def test_the_draft_is_built_on_the_device_it_trains_on(small_store, monkeypatch):
+    """Not on the CPU and then copied: at Kimi-K2.5's size the CPU's initialization took 39 s (two cores), most of it
+    for the target's embedding that load_verifier_weights overwrites. (meta stands in for a GPU here.)"""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle3.store.folder import Store
+    from eagle3.train import train as train_mod
+
+    where = []
+
+    class Built(Exception):
+        pass
+
+    def init(self, *a, **kw):
+        where.append(torch.get_default_device().type)
+        raise Built
+
+    monkeypatch.setattr(Eagle3DraftModel, "__init__", init)
+    store = Store.open(small_store)
+    for device in ("meta", "cpu"):
+        cfg = _cfg(small_store, "unused", device=device)
+        shape, tcfg, target = train_mod.draft_shape(cfg, store)
+        with pytest.raises(Built):
+            train_mod.build_draft(cfg, store, train_mod.StoreSamples(store), shape, tcfg, target)
+    assert where == ["meta", "cpu"]
