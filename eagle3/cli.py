@@ -204,7 +204,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=["auto", "fp32", "bf16-mixed"], default="auto",
                    help="auto: bf16 matmuls under autocast on CUDA (float32 weights and optimizer), fp32 on the CPU")
     p.add_argument("--attn", choices=["sdpa", "varlen"], default="sdpa",
-                   help="the llama draft's training attention: sdpa over speculators' dense mask (default), or varlen: "
+                   help="the draft's training attention: sdpa over speculators' dense mask (default), or varlen: "
                         "flash attention within each packed sample plus each TTT step's own key, no mask (the same "
                         "loss and gradients; CUDA needs bf16-mixed)")
     p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],

@@ -170,7 +170,7 @@ class MLAAttention(nn.Module):
             from speculators.models.attention import flex_attention_forward as attend
         else:
             attend = ALL_ATTENTION_FUNCTIONS[self.attn_impl]
-        out, _ = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling)
+        out, _ = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(b, t, nh * s.v_head_dim))
 
 
@@ -196,7 +196,7 @@ class MLADecoderLayer(nn.Module):
         if self.norm_before_residual:
             residual = hidden
         x = torch.cat([self.input_layernorm(embeds), hidden], dim=-1)
-        h = residual + self.self_attn(x, attention_mask, position_ids, past_key_values)
+        h = residual + self.self_attn(x, attention_mask, position_ids, past_key_values, **kwargs)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

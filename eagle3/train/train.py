@@ -78,8 +78,8 @@ class TrainConfig:
     loss: str = "kl_div"
     loss_impl: str = "auto"              # chunked (train/chunked_loss.py) | eager | fused (Triton, GPU);
     # auto: chunked on CUDA (no float32 [T, V] kept per TTT step), eager on CPU
-    attn_impl: str = "sdpa"              # sdpa (speculators' dense mask) | varlen (train/ttt_attention.py: no mask;
-                                         # the llama draft) | simple_flex_attention
+    attn_impl: str = "sdpa"              # sdpa (speculators' dense mask) | varlen (train/ttt_attention.py: no
+                                         # mask) | simple_flex_attention
     compile: bool = False
     resume: bool = True
     speculative_tokens: int | None = None  # written to the config; default ttt_steps
@@ -348,10 +348,11 @@ def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples, shape: Dr
     varlen = cfg.attn_impl == "varlen"
     if varlen:
         ttt_attention.register()
+    attn = ttt_attention.NAME if varlen else cfg.attn_impl
     config = speculators_config(
         shape, aux_ids(store.spec.layer_ids), n_draft, cfg.speculative_tokens or cfg.ttt_steps, target,
-        list(tcfg.get("architectures") or []), attn_implementation=ttt_attention.NAME if varlen else cfg.attn_impl,
-        fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
+        list(tcfg.get("architectures") or []), attn_implementation=attn, fc_norm=cfg.fc_norm,
+        norm_output=cfg.norm_output,
     )
     torch.manual_seed(cfg.seed)
     # built where it trains: on the CPU, initializing Kimi-K2.5's draft (2.4 B parameters with the target's embedding,
@@ -365,7 +366,7 @@ def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples, shape: Dr
 
         mla = mla_draft.MLAShape.for_target(tcfg)
         mla.check_servable(mla_draft.serve_tps(mla, cfg.serve_tps))
-        mla_draft.install(model, mla, cfg.attn_impl)
+        mla_draft.install(model, mla, attn)
     elif cfg.draft_arch != "llama":
         raise ValueError(f"draft_arch {cfg.draft_arch!r}: use llama or mla")
     if n_draft < shape.vocab_size:
@@ -429,8 +430,6 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     entered = time.perf_counter()
     if cfg.on_bad_sample not in ("stop", "skip"):
         raise ValueError(f"on_bad_sample must be stop or skip, got {cfg.on_bad_sample!r}")
-    if cfg.attn_impl == "varlen" and cfg.draft_arch != "llama":
-        raise ValueError(f"--attn varlen trains the llama draft; the {cfg.draft_arch} draft trains with --attn sdpa")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise StoreError(f"--device {cfg.device}: torch {torch.__version__} sees no CUDA device here; "
                          "train with --device cpu or on a GPU host")

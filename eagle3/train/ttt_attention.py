@@ -1,4 +1,4 @@
-"""EAGLE-3's training attention without a dense mask (``--attn varlen``; the Llama-layer draft).
+"""EAGLE-3's training attention without a dense mask (``--attn varlen``; the Llama-layer and MLA drafts).
 
 At TTT step s (0-based) speculators' draft attends, for the query at packed position i, to
 - the step-0 keys of i's own sample up to i (causal within the sample: the packed samples do not see each other),
@@ -15,7 +15,8 @@ elementwise. No [T, (s + 1) T] tensor exists at any point, so no mask is built (
 
 Kernels: on CUDA aten's flash attention over the packed samples (bf16/fp16, as under the trainer's autocast); on
 the CPU aten's CPU flash attention, sample by sample (the tests: the same merge, a real kernel's backward).
-Shapes: query [1, H, T, D]; key, value [1, KV, (s + 1) T, D] (speculators' cache after step s); H = g x KV (GQA:
+Shapes: query [1, H, T, D]; key [1, KV, (s + 1) T, D], value [1, KV, (s + 1) T, Dv <= D] (speculators' cache after
+step s; the MLA draft's values are narrower than its keys: padded with zeros for the flash kernels); H = g x KV (GQA:
 query head h reads key head h // g, as transformers' repeat_kv)."""
 
 from __future__ import annotations
@@ -71,8 +72,11 @@ class TTTAttention(torch.autograd.Function):
         t = q.shape[2]
         if k.shape[2] % t:
             raise ValueError(f"keys {k.shape[2]} are not a whole number of TTT steps of {t} queries")
-        k0, v0 = k[:, :, :t], v[:, :, :t]
-        o_a, lse_a, aux = _causal_forward(q, k0, v0, cu, scale, longest)  # [1, H, T, D], [1, H, T] float32
+        pad = q.shape[-1] - v.shape[-1]  # the MLA draft: values of 128 under keys of 192 (flash takes one size)
+        if pad < 0:
+            raise ValueError(f"values of {v.shape[-1]} wider than keys of {q.shape[-1]}")
+        o_a, lse_a, aux = _causal_forward(q, k[:, :, :t], _pad(v[:, :, :t], pad), cu, scale, longest)
+        o_a = o_a[..., :v.shape[-1]]  # [1, H, T, Dv]; lse_a [1, H, T] float32
         o, lse = _merge(q, k, v, t, o_a, lse_a, scale)
         ctx.save_for_backward(q, k, v, cu, o, lse, *aux)
         ctx.scale = scale
@@ -83,8 +87,10 @@ class TTTAttention(torch.autograd.Function):
         q, k, v, cu, o, lse, *aux = ctx.saved_tensors
         scale, t = ctx.scale, q.shape[2]
         d_o = d_o.contiguous()
-        dq, dk0, dv0 = _causal_backward(d_o, q, k[:, :, :t], v[:, :, :t], o, lse, cu, scale, aux)
-        dq, dk0, dv0 = dq.float(), dk0.float(), dv0.float()
+        pad = q.shape[-1] - v.shape[-1]
+        dq, dk0, dv0 = _causal_backward(_pad(d_o, pad), q, k[:, :, :t], _pad(v[:, :, :t], pad), _pad(o, pad), lse, cu,
+                                        scale, aux)
+        dq, dk0, dv0 = dq.float(), dk0.float(), dv0[..., :v.shape[-1]].float()
         dks, dvs = [dk0], [dv0]
         g = q.shape[1] // k.shape[1]
         dof, qf = d_o.float(), q.float()
@@ -97,6 +103,12 @@ class TTTAttention(torch.autograd.Function):
             dks.append(_group_sum(d_s[..., None] * qf * scale, g))
             dvs.append(_group_sum(p[..., None] * dof, g))
         return dq.to(q.dtype), torch.cat(dks, 2).to(k.dtype), torch.cat(dvs, 2).to(v.dtype), None, None, None
+
+
+def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x with n zero columns after its last dimension's (a zero value column adds nothing to the output, and the
+    softmax's backward term rowsum(dO * o) is unchanged by zeros in both)."""
+    return torch.nn.functional.pad(x, (0, n)) if n else x
 
 
 def _heads(x: torch.Tensor, g: int) -> torch.Tensor:

@@ -70,6 +70,7 @@ ATTN = {"sdpa": "sdpa", "flex": "simple_flex_attention", "varlen": "eagle3_varle
 
 
 def _model(b: Bench, mla=None, attn: str = "sdpa"):
+    """The Kimi-size draft (llama, or with the MLA layer), attending with ``attn`` (a key of ATTN)."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
     from eagle3.train import ttt_attention
@@ -86,7 +87,7 @@ def _model(b: Bench, mla=None, attn: str = "sdpa"):
     if mla is not None:
         from eagle3.train import mla_draft
 
-        mla_draft.install(m, mla)
+        mla_draft.install(m, mla, ATTN[attn])
     for p in m.parameters():
         if p.isnan().any():  # the verifier's weights, unloaded: any values do for a speed test
             p.data.normal_(0, 0.02)
@@ -275,7 +276,8 @@ def run_bench(b: Bench, report, gpu_out) -> None:
 
 def varlen_rows(b: Bench, report, gpu_out, goals: dict) -> list[dict]:
     """The llama draft with the mask-free TTT attention (TrainConfig.attn_impl "varlen"), eager: the table's sizes,
-    its longest sequence, and where its 8k MFU misses 35 %, its profile (GPU_OUT/profile_8k_varlen.txt)."""
+    its longest sequence, and where its 8k MFU misses 35 %, its profile (GPU_OUT/profile_8k_varlen.txt); then the MLA
+    draft with it at 2k and 8k."""
     model = _model(b, attn="varlen")
     opt = _optimizer(b, model)
     rows = []
@@ -300,7 +302,13 @@ def varlen_rows(b: Bench, report, gpu_out, goals: dict) -> list[dict]:
     report("bench_train_goals", dict(goals, longest_varlen=longest))
     del model, opt
     torch.cuda.empty_cache()
-    return rows
+    model = _model(b, mla=b.mla, attn="varlen")  # the MLA draft with it, at the short and the goal's size
+    opt = _optimizer(b, model)
+    mla_rows = [_tried(b, model, opt, seq, True, mla=b.mla, attn="varlen") for seq in b.seqs[:2]]
+    report("bench_train_varlen_mla", mla_rows)
+    del model, opt
+    torch.cuda.empty_cache()
+    return rows + mla_rows
 
 
 def _write_history(gpu_out, rows: list[dict]) -> None:

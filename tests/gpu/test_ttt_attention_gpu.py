@@ -18,18 +18,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("steps", [1, 3])
-def test_flash_varlen_equals_the_dense_mask_in_bf16(steps):
+@pytest.mark.parametrize("heads", [(16, 2, 128, 128), (16, 16, 192, 128)], ids=["llama-gqa", "mla"])
+def test_flash_varlen_equals_the_dense_mask_in_bf16(steps, heads):
+    """llama-gqa: Kimi's llama draft's head groups (64 x 128 over 8 KV heads: g = 8); mla: Kimi's MLA draft's keys of
+    128 + 64 over values of 128, which the flash kernels take padded to 192."""
     from tests.unit.test_ttt_attention import dense_reference
 
-    lengths, h, kv, d = [300, 1000, 37, 711], 16, 2, 128  # Kimi's draft: 64 x 128 heads over 8 KV heads (g = 8)
+    lengths, (h, kv, d, dv) = [300, 1000, 37, 711], heads
     t = sum(lengths)
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, h, t, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
     k = torch.randn(1, kv, steps * t, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-    v = torch.randn(1, kv, steps * t, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    v = torch.randn(1, kv, steps * t, dv, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     fk = ta.forward_kwargs(doc[None], "cuda")
-    up = torch.randn(1, h, t, d, device="cuda", generator=g)
+    up = torch.randn(1, h, t, dv, device="cuda", generator=g)
     got = ta.TTTAttention.apply(q, k, v, fk[ta.KWARG], d ** -0.5, fk[ta.LONGEST])
     grads = torch.autograd.grad((got.float() * up).sum(), (q, k, v))
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))

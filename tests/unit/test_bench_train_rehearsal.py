@@ -78,7 +78,8 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
                            ("llama", 64, "bf16-mixed_foreach", 0),
                            ("mla", 32, "bf16-mixed", 0), ("mla", 64, "bf16-mixed", 0)]
                           + [("llama", 128, "bf16-mixed", 0), ("llama", 128, "bf16-mixed", 1)]
-                          + [("llama", s, "bf16-mixed_varlen", 0) for s in SMALL.seqs])
+                          + [("llama", s, "bf16-mixed_varlen", 0) for s in SMALL.seqs]
+                          + [("mla", s, "bf16-mixed_varlen", 0) for s in SMALL.seqs[:2]])
     assert len(bench.train_lines(records)) == 2 + len(keys)
     # the mask-free attention's rows, its longest sequence and profile, after the sdpa model's search
     varlen = got["bench_train_varlen"]
@@ -86,6 +87,8 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
     assert all(r["tok_per_s"] > 0 for r in varlen) and goals["longest_varlen"] == longest
     assert list(got).index("bench_train_longest_seq") < list(got).index("bench_train_varlen")
     assert (tmp_path / "profile_8k_varlen.txt").read_text().strip() and "mfu_8k_varlen" in goals
+    assert [(r["draft"], r["seq"], r["attn"]) for r in got["bench_train_varlen_mla"]] == [
+        ("mla", s, "varlen") for s in SMALL.seqs[:2]]
     (sdpa,) = got["bench_train_compiled"]
     assert (sdpa["attn"], sdpa["seq"]) == ("sdpa", 64) and "error" not in sdpa and sdpa["tok_per_s"] > 0, sdpa
     assert "train_llama_bf16-mixed_compiled/64" in {r.key for r in bench.load_history([tmp_path / "benchmark.json"])}

@@ -28,18 +28,19 @@ def dense_reference(q, k, v, doc, scale):
 
 @settings(max_examples=20, deadline=None)
 @given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=4), steps=st.integers(1, 3),
-       groups=st.sampled_from([(4, 4), (4, 2), (4, 1)]), seed=st.integers(0, 2**16))
-def test_output_and_gradients_equal_the_dense_mask(lengths, steps, groups, seed):
+       groups=st.sampled_from([(4, 4), (4, 2), (4, 1)]), dv=st.sampled_from([8, 5]), seed=st.integers(0, 2**16))
+def test_output_and_gradients_equal_the_dense_mask(lengths, steps, groups, dv, seed):
+    """dv < d: the MLA draft's values narrower than its keys (128 under 192)."""
     h, kv = groups
     t, d = sum(lengths), 8
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, h, t, d, generator=gen, dtype=torch.float64).float().requires_grad_()
     k = torch.randn(1, kv, steps * t, d, generator=gen).requires_grad_()
-    v = torch.randn(1, kv, steps * t, d, generator=gen).requires_grad_()
+    v = torch.randn(1, kv, steps * t, dv, generator=gen).requires_grad_()
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     cu = ta.forward_kwargs(doc[None])[ta.KWARG]
     assert cu.tolist() == [0] + torch.tensor(lengths).cumsum(0).tolist()
-    up = torch.randn(1, h, t, d, generator=gen)
+    up = torch.randn(1, h, t, dv, generator=gen)
     got = ta.TTTAttention.apply(q, k, v, cu, 0.35)
     grads = torch.autograd.grad((got * up).sum(), (q, k, v))
     want = dense_reference(q, k, v, doc, 0.35)
@@ -55,9 +56,10 @@ def test_it_needs_the_samples_boundaries_and_says_how():
         ta.attention(None, q, q, q)
 
 
-def _draft(attn: str):
+def _draft(attn: str, mla: bool = False):
     from speculators.models.eagle3 import Eagle3DraftModel
 
+    from eagle3.train import mla_draft
     from eagle3.train.draft import DraftShape, speculators_config
 
     ta.register()
@@ -66,6 +68,8 @@ def _draft(attn: str):
                              attn_implementation=attn)
     torch.manual_seed(0)
     m = Eagle3DraftModel(cfg)
+    if mla:  # Kimi's MLA at a small width: q_lora 24, kv_lora 32, nope 16 + rope 8 keys, values of 12
+        mla_draft.install(m, mla_draft.MLAShape(64, 4, 24, 32, 16, 8, 12, 96), attn)
     if attn == ta.NAME:
         ta.install(m)
     for p in m.parameters():
@@ -77,9 +81,10 @@ def _draft(attn: str):
     return m.float().train()
 
 
-def test_the_draft_trains_the_same_with_either_attention():
+@pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
+def test_the_draft_trains_the_same_with_either_attention(mla):
     """Three packed samples, three TTT steps: speculators' sdpa over its dense mask and this attention give the same
-    loss and the same gradient for every parameter (float32, CPU)."""
+    loss and the same gradient for every parameter (float32, CPU), for the Llama-layer draft and the MLA one."""
     lengths, h = [7, 12, 5], 64
     t = sum(lengths)
     g = torch.Generator().manual_seed(3)
@@ -92,7 +97,7 @@ def test_the_draft_trains_the_same_with_either_attention():
 
     results = {}
     for attn in ("sdpa", ta.NAME):
-        m = _draft(attn)
+        m = _draft(attn, mla)
         extra = ta.forward_kwargs(doc) if attn == ta.NAME else {}
         with torch.compiler.set_stance("force_eager"):
             _, loss, _ = m(**inputs, **extra, ttt_steps=3, loss_config=loss_config("kl_div", "auto", "cpu"))
@@ -123,6 +128,3 @@ def test_training_with_varlen_follows_the_sdpa_run_and_exports_the_same_draft_co
     ca, cb = (json.loads((tmp_path / n / "draft" / "config.json").read_text()) for n in ("sdpa", "varlen"))
     assert ca == cb and ta.NAME not in json.dumps(cb)
     assert cli.build_parser().parse_args(["train", "--store", "s", "--out", "o", "--attn", "varlen"]).attn == "varlen"
-    with pytest.raises(ValueError, match="--attn varlen trains the llama draft"):
-        train(TrainConfig(store=str(small_store), out=str(tmp_path / "m"), attn_impl="varlen", draft_arch="mla"),
-              progress=False)
