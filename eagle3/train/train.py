@@ -135,7 +135,7 @@ class TrainResult:
                  f"accuracy   {acc}"]
         if self.phases:
             lines.append("time       " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
-                         + " (reading: what the steps waited for their samples, read one step ahead)")
+                         + " (reading: what the steps waited for their samples)")
         lines += [f"note       {n}" for n in self.notes]
         if self.skipped:
             lines.append(f"skipped    {len(self.skipped)} bad samples, e.g. "
