@@ -8,7 +8,7 @@ matmuls).
   / 989 TFLOPS; peak memory; the trainer's loss (chunked on CUDA). fp32 at 8k beside it (the ratio in the same run),
   and speculators' eager loss at 32k (what the chunked loss saves in peak memory), and torch's multi-tensor AdamW at 8k
   (what the fused one saves).
-- The longest T one H200 trains: doubled from 32k until a step runs out of memory, then the last that fit.
+- The longest T one H200 trains: doubled from 32k until a step runs out of memory (128k at most), then bisected.
 - The store reader: StoreSamples over a store of Kimi-shaped states (4 x 7168 bf16 a token) written here, GB/s
   and tok/s against what the trainer consumes at 8k.
 Goals (issue 42): >= 35 % MFU at 8k; >= 32k tokens trainable; the reader >= 2x the trainer. Reported, asserted
@@ -21,8 +21,8 @@ with sdpa, and flex attention (a block mask instead of sdpa's dense one; fused o
 Then the same draft with the mask-free TTT attention (`--attn varlen`, eagle3/train/ttt_attention.py: flash attention
 within each sample plus each TTT step's own key, no [T, (s + 1) T] mask) at 2k, 8k and 32k, its longest sequence and,
 where its 8k MFU misses 35 %, its profile (profile_8k_varlen.txt); not yet run on a GPU.
-Order: the reader (seconds), the table, the profile, the MLA rows, the longest-sequence search, the varlen rows and
-their search, the compiled rows.
+Order: the reader (seconds), the table, the profile, the MLA rows, the varlen rows (llama, profile, MLA), the
+longest-sequence searches (sdpa, varlen; to 128k at most), the compiled rows.
 Rows are reported as they are measured; a size that runs out of memory is a row saying so. The rows also go to
 GPU_OUT/benchmark.json for `eagle3 bench report` (tok/s per GPU, MFU, peak memory). Its code runs on CPU at a small
 shape in tests/unit/test_bench_train_rehearsal.py. On an H200 at c5ebd37 (results/2026-12-05-c5ebd37-h200-vllm0.26.0)
@@ -53,7 +53,7 @@ class Bench:
     device: str = "cuda"
     draft_vocab: int = DRAFT_VOCAB
     seqs: tuple = (2048, 8192, 32768)  # short, the goal's (8k), long (32k): tokens a packed sequence
-    longest_cap: int = 262144          # the longest-sequence search stops here
+    longest_cap: int = 131072          # the longest-sequence search stops here (a probe at 128k: ~3 steps of ~10 s)
     longest_step: int = 4096           # and resolves to a multiple of this
     compiled: tuple = (("sdpa", 1), ("flex", 1), ("flex", 2))  # the compiled rows: attention, index into seqs
 
@@ -218,8 +218,10 @@ def test_bench_train_kimi_draft(report, gpu_out):
 
 def run_bench(b: Bench, report, gpu_out) -> None:
     """In the order the goals need them, each reported as it is measured (a lease that ends mid-way keeps what was
-    measured): the table; the 8k profile where the MFU goal is missed; the MLA rows; then the open-ended
-    longest-sequence search; last the compiled rows (minutes of compiling)."""
+    measured): the table; the 8k profile where the MFU goal is missed; the MLA rows; the same with the mask-free
+    varlen attention; then the open-ended longest-sequence searches (sdpa, varlen); last the compiled rows (minutes of
+    compiling). One draft on the GPU at a time (each 0.99 B parameters with float32 weights, gradients and AdamW
+    state: ~16 GB)."""
     short, mid, long = b.seqs
     model = _model(b)
     opt = _optimizer(b, model)
@@ -238,13 +240,9 @@ def run_bench(b: Bench, report, gpu_out) -> None:
     goals = {"mfu_8k": eight["mfu"], "mfu_goal_0.35_met": eight["mfu"] >= 0.35}
     report("bench_train_goals", goals)
     if eight["mfu"] < 0.35:  # the goal missed: where an 8k step's time goes (GPU_OUT/profile_8k.txt)
-        from eagle3.train import step_profile
-
-        inputs = _inputs(b, mid)
-        prof = step_profile.profile(lambda: _steps(model, opt, inputs, 1, True), 2)
-        (gpu_out / "profile_8k.txt").write_text(step_profile.table(prof, top=40) + "\n")
-        report("bench_train_profile_8k", step_profile.shares(prof))
-    torch.cuda.empty_cache()  # the llama draft stays (the longest-sequence search below trains it)
+        _profile(b, model, opt, "sdpa", gpu_out / "profile_8k.txt", report, "bench_train_profile_8k")
+    model = opt = None
+    torch.cuda.empty_cache()
     mla_model = _model(b, mla=b.mla)
     mla_opt = _optimizer(b, mla_model)
     mla_rows = [_tried(b, mla_model, mla_opt, seq, amp=True, mla=b.mla) for seq in (short, mid)]
@@ -252,18 +250,15 @@ def run_bench(b: Bench, report, gpu_out) -> None:
     _write_history(gpu_out, rows + mla_rows)
     mla_model = mla_opt = None
     torch.cuda.empty_cache()
-
-    def fits(seq):
-        return "out_of_memory" not in _tried(b, model, opt, seq, True, steps=1)
-
-    longest = longest_trainable(fits, rows, b)
-    report("bench_train_longest_seq", longest)
-    goals = dict(goals, longest=longest, **{"32k_goal_met": (longest or 0) >= long})
-    report("bench_train_goals", goals)
-    model = opt = None  # the memory back before the next model is built
-    torch.cuda.empty_cache()
-    varlen = varlen_rows(b, report, gpu_out, goals)
+    varlen, goals = varlen_rows(b, report, gpu_out, goals)
     _write_history(gpu_out, rows + mla_rows + varlen)
+    for attn, table, key in (("sdpa", rows, "longest"), ("varlen", varlen, "longest_varlen")):
+        longest = longest_search(b, attn, table)
+        if attn == "sdpa":
+            report("bench_train_longest_seq", longest)
+            goals = dict(goals, **{"32k_goal_met": (longest or 0) >= long})
+        goals = dict(goals, **{key: longest})
+        report("bench_train_goals", goals)
     # last: a compile that takes minutes costs no other row. sdpa at 8k beside the eager row; then flex attention
     # (speculators' default: a block mask, not sdpa's dense [T, T x steps] one), which runs fused only compiled, at
     # 8k and 32k: whether it pays in speed, and in the memory of long sequences
@@ -274,10 +269,20 @@ def run_bench(b: Bench, report, gpu_out) -> None:
         _write_history(gpu_out, rows + mla_rows + varlen + compiled)
 
 
-def varlen_rows(b: Bench, report, gpu_out, goals: dict) -> list[dict]:
-    """The llama draft with the mask-free TTT attention (TrainConfig.attn_impl "varlen"), eager: the table's sizes,
-    its longest sequence, and where its 8k MFU misses 35 %, its profile (GPU_OUT/profile_8k_varlen.txt); then the MLA
-    draft with it at 2k and 8k."""
+def _profile(b: Bench, model, opt, attn: str, path, report, key: str) -> None:
+    """Two steps at the goal's size, profiled: the table by kernel in ``path``, the shares by kind of work reported."""
+    from eagle3.train import step_profile
+
+    inputs = _inputs(b, b.seqs[1], attn)
+    prof = step_profile.profile(lambda: _steps(model, opt, inputs, 1, True), 2)
+    path.write_text(step_profile.table(prof, top=40) + "\n")
+    report(key, step_profile.shares(prof))
+
+
+def varlen_rows(b: Bench, report, gpu_out, goals: dict) -> tuple[list[dict], dict]:
+    """The llama draft with the mask-free TTT attention (TrainConfig.attn_impl "varlen"), eager: the table's sizes
+    and, where its 8k MFU misses 35 %, its profile (GPU_OUT/profile_8k_varlen.txt); then the MLA draft with it at 2k
+    and 8k. Returns the rows and the goals with the varlen figure."""
     model = _model(b, attn="varlen")
     opt = _optimizer(b, model)
     rows = []
@@ -288,18 +293,7 @@ def varlen_rows(b: Bench, report, gpu_out, goals: dict) -> list[dict]:
     goals = dict(goals, mfu_8k_varlen=eight.get("mfu"), **{"mfu_goal_0.35_met_varlen": eight.get("mfu", 0) >= 0.35})
     report("bench_train_goals", goals)
     if "out_of_memory" not in eight and eight["mfu"] < 0.35:
-        from eagle3.train import step_profile
-
-        inputs = _inputs(b, b.seqs[1], "varlen")
-        prof = step_profile.profile(lambda: _steps(model, opt, inputs, 1, True), 2)
-        (gpu_out / "profile_8k_varlen.txt").write_text(step_profile.table(prof, top=40) + "\n")
-        report("bench_train_profile_8k_varlen", step_profile.shares(prof))
-
-    def fits(seq):
-        return "out_of_memory" not in _tried(b, model, opt, seq, True, steps=1, attn="varlen")
-
-    longest = longest_trainable(fits, rows, b)
-    report("bench_train_goals", dict(goals, longest_varlen=longest))
+        _profile(b, model, opt, "varlen", gpu_out / "profile_8k_varlen.txt", report, "bench_train_profile_8k_varlen")
     del model, opt
     torch.cuda.empty_cache()
     model = _model(b, mla=b.mla, attn="varlen")  # the MLA draft with it, at the short and the goal's size
@@ -308,7 +302,23 @@ def varlen_rows(b: Bench, report, gpu_out, goals: dict) -> list[dict]:
     report("bench_train_varlen_mla", mla_rows)
     del model, opt
     torch.cuda.empty_cache()
-    return rows + mla_rows
+    return rows + mla_rows, goals
+
+
+def longest_search(b: Bench, attn: str, rows: list[dict]) -> int | None:
+    """The longest sequence the llama draft trains with ``attn`` (longest_trainable from its table's rows; each size
+    tried with two warm-up steps and one more, as AdamW's state appears at the first step)."""
+    model = _model(b, attn=attn)
+    opt = _optimizer(b, model)
+
+    def fits(seq):
+        return "out_of_memory" not in _tried(b, model, opt, seq, True, steps=1, attn=attn)
+
+    try:
+        return longest_trainable(fits, [r for r in rows if r.get("draft", "llama") == "llama"], b)
+    finally:
+        del model, opt
+        torch.cuda.empty_cache()
 
 
 def _write_history(gpu_out, rows: list[dict]) -> None:
