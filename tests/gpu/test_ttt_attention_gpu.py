@@ -47,47 +47,12 @@ def test_the_kimi_width_draft_trains_the_same_with_either_attention():
     """Kimi-K2.5's draft layer width (hidden 7168, 64 x 128 heads, 8 KV heads; MLP narrowed to fit beside two copies),
     three packed samples, three TTT steps, bf16 autocast: the loss and every gradient of the varlen draft against the
     sdpa draft's from the same weights."""
-    from speculators.models.eagle3 import Eagle3DraftModel
+    from eagle3.train.draft import DraftShape
+    from tests.gpu import test_bench_train as gb
+    from tests.unit.test_ttt_attention import draft_step
 
-    from eagle3.train.chunked_loss import loss_config
-    from eagle3.train.draft import DraftShape, speculators_config
-
-    ta.register()
-    shape = DraftShape(7168, 2048, 64, 8, 128, 32000)
-    lengths = [512, 1500, 300]
-    t = sum(lengths)
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None].cuda()
-    pos = torch.cat([torch.arange(1, n + 1) for n in lengths])[None].cuda()
-    inputs = dict(input_ids=torch.randint(0, 2048, (1, t), device="cuda", generator=gen),
-                  hidden_states=torch.randn(1, t, 3 * 7168, device="cuda", generator=gen),
-                  verifier_last_hidden_states=torch.randn(1, t, 7168, device="cuda", generator=gen),
-                  loss_mask=torch.ones(1, t, dtype=torch.bool, device="cuda"), position_ids=pos, document_ids=doc)
-    out = {}
-    for attn in ("sdpa", ta.NAME):
-        cfg = speculators_config(shape, [2, 30, 58], 2048, 3, "/nonexistent", ["DeepseekV3ForCausalLM"],
-                                 attn_implementation=attn)
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            m = Eagle3DraftModel(cfg)
-        if attn == ta.NAME:
-            ta.install(m)
-        torch.manual_seed(1)
-        for p in m.parameters():
-            if p.isnan().any():
-                p.data.normal_(0, 0.02)
-        t2d = torch.zeros(32000, dtype=torch.bool, device="cuda")
-        t2d[:2048] = True
-        m.load_vocab_mappings(t2d, torch.zeros(2048, dtype=torch.long, device="cuda"))
-        m.float().train()
-        extra = ta.forward_kwargs(doc, "cuda") if attn == ta.NAME else {}
-        with torch.compiler.set_stance("force_eager"), torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss, _ = m(**inputs, **extra, ttt_steps=3, loss_config=loss_config("kl_div", "auto", "cuda"))
-        loss.backward()
-        out[attn] = (float(loss), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None})
-        del m
-        torch.cuda.empty_cache()
-    (la, ga), (lb, gb) = out["sdpa"], out[ta.NAME]
-    assert abs(la - lb) <= 1e-2 * abs(la), (la, lb)
-    errs = sorted(((_rel(gb[n], ga[n]), n) for n in ga), reverse=True)  # bf16: two kernels' rounding, no more
-    assert ga.keys() == gb.keys() and errs[0][0] < 0.1 and errs[len(errs) // 2][0] < 2e-2, errs[:5]
+    b = gb.Bench(DraftShape(7168, 2048, 64, 8, 128, 32000), None, device="cuda", draft_vocab=2048)
+    (la, ga), (lb, gb_) = (draft_step(b, [512, 1500, 300], attn, amp=True) for attn in ("sdpa", "varlen"))
+    assert abs(float(la - lb)) <= 1e-2 * abs(float(la)), (la, lb)
+    errs = sorted(((_rel(gb_[n], ga[n]), n) for n in ga), reverse=True)  # bf16: two kernels' rounding, no more
+    assert ga.keys() == gb_.keys() and errs[0][0] < 0.1 and errs[len(errs) // 2][0] < 2e-2, errs[:5]

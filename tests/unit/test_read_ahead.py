@@ -11,13 +11,14 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.store.folder import Store
-from eagle3.train.train import BadData, StoreSamples, TrainConfig, train
+from eagle3.train.train import BadData, StoreSamples, train
+
+from .test_train import _cfg as train_cfg
 
 
 def _cfg(store, out, **kw):
-    base = dict(store=str(store), out=str(out), draft_vocab_size=256, batch_samples=4, lr=3e-3, seed=0,
-                max_steps=5, pack_tokens=64)
-    return TrainConfig(**{**base, **kw})
+    """test_train's configuration, in packs of up to 64 tokens, 5 steps."""
+    return train_cfg(store, out, **{"max_steps": 5, "pack_tokens": 64, **kw})
 
 
 def test_reading_ahead_trains_the_same_bits(small_store, tmp_path):

@@ -14,14 +14,10 @@ from safetensors.torch import load_file
 from eagle3 import cli
 from eagle3.train import checkpoint
 from eagle3.train import train as train_mod
-from eagle3.train.train import BadData, TrainConfig, TrainingDiverged, train
+from eagle3.train.train import BadData, TrainingDiverged, train
 
 from .conftest import rewrite_shards, run_forked
-
-
-def _cfg(store, out, **kw):
-    base = dict(store=str(store), out=str(out), draft_vocab_size=256, batch_samples=4, lr=3e-3, seed=0)
-    return TrainConfig(**{**base, **kw})
+from .test_train import _cfg
 
 
 def _rewrite_sample(store, shard_no: int, sample_no: int, value: float, rehash: bool, layer: int = 0,

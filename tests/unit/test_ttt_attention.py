@@ -56,58 +56,46 @@ def test_it_needs_the_samples_boundaries_and_says_how():
         ta.attention(None, q, q, q)
 
 
-def _draft(attn: str, mla: bool = False):
-    from speculators.models.eagle3 import Eagle3DraftModel
+def draft_step(b, lengths: list[int], attn: str, mla: bool = False, amp: bool = False):
+    """One forward and backward of the trainer benchmark's draft (tests/gpu/test_bench_train._model: seed 0, the
+    verifier's weights drawn) attending with ``attn`` ("sdpa" or "varlen"), on random states packed as samples of
+    ``lengths``, three TTT steps: (loss, {parameter name: gradient}), float32."""
+    from eagle3.train.chunked_loss import loss_config
+    from tests.gpu import test_bench_train as gb
 
-    from eagle3.train import mla_draft
-    from eagle3.train.draft import DraftShape, speculators_config
-
-    ta.register()
-    shape = DraftShape(64, 512, 4, 2, 16, 128)
-    cfg = speculators_config(shape, [2, 30, 58], 128, 3, "/nonexistent", ["DeepseekV3ForCausalLM"],
-                             attn_implementation=attn)
-    torch.manual_seed(0)
-    m = Eagle3DraftModel(cfg)
-    if mla:  # Kimi's MLA at a small width: q_lora 24, kv_lora 32, nope 16 + rope 8 keys, values of 12
-        mla_draft.install(m, mla_draft.MLAShape(64, 4, 24, 32, 16, 8, 12, 96), attn)
-    if attn == ta.NAME:
-        ta.install(m)
-    for p in m.parameters():
-        if p.isnan().any():  # the verifier's weights, not loaded here
-            p.data.normal_(0, 0.02)
-    t2d = torch.zeros(shape.vocab_size, dtype=torch.bool)
-    t2d[:128] = True
-    m.load_vocab_mappings(t2d, torch.zeros(128, dtype=torch.long))
-    return m.float().train()
+    h, t, dev = b.shape.hidden_size, sum(lengths), b.device
+    g = torch.Generator(device=dev).manual_seed(3)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    inputs = dict(input_ids=torch.randint(0, b.draft_vocab, (1, t), generator=g, device=dev),
+                  hidden_states=torch.randn(1, t, 3 * h, generator=g, device=dev),
+                  verifier_last_hidden_states=torch.randn(1, t, h, generator=g, device=dev),
+                  loss_mask=torch.ones(1, t, dtype=torch.bool, device=dev),
+                  position_ids=torch.cat([torch.arange(1, n + 1) for n in lengths])[None].to(dev),
+                  document_ids=doc.to(dev))
+    m = gb._model(b, mla=b.mla if mla else None, attn=attn)
+    extra = ta.forward_kwargs(doc, dev) if attn == "varlen" else {}
+    with torch.compiler.set_stance("force_eager"), torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
+        _, loss, _ = m(**inputs, **extra, ttt_steps=3, loss_config=loss_config("kl_div", "auto", dev))
+    loss.backward()
+    return loss.detach().float(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
 def test_the_draft_trains_the_same_with_either_attention(mla):
     """Three packed samples, three TTT steps: speculators' sdpa over its dense mask and this attention give the same
-    loss and the same gradient for every parameter (float32, CPU), for the Llama-layer draft and the MLA one."""
-    lengths, h = [7, 12, 5], 64
-    t = sum(lengths)
-    g = torch.Generator().manual_seed(3)
-    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
-    pos = torch.cat([torch.arange(1, n + 1) for n in lengths])[None]
-    inputs = dict(input_ids=torch.randint(0, 128, (1, t), generator=g), hidden_states=torch.randn(1, t, 3 * h, generator=g),
-                  verifier_last_hidden_states=torch.randn(1, t, h, generator=g),
-                  loss_mask=torch.ones(1, t, dtype=torch.bool), position_ids=pos, document_ids=doc)
-    from eagle3.train.chunked_loss import loss_config
+    loss and the same gradient for every parameter (float32, CPU), for the Llama-layer draft and the MLA one (Kimi's
+    MLA at a small width: q_lora 24, kv_lora 32, nope 16 + rope 8 keys, values of 12)."""
+    from eagle3.train import mla_draft
+    from eagle3.train.draft import DraftShape
+    from tests.gpu import test_bench_train as gb
 
-    results = {}
-    for attn in ("sdpa", ta.NAME):
-        m = _draft(attn, mla)
-        extra = ta.forward_kwargs(doc) if attn == ta.NAME else {}
-        with torch.compiler.set_stance("force_eager"):
-            _, loss, _ = m(**inputs, **extra, ttt_steps=3, loss_config=loss_config("kl_div", "auto", "cpu"))
-        loss.backward()
-        results[attn] = (loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None})
-    (la, ga), (lb, gb) = results["sdpa"], results[ta.NAME]
+    b = gb.Bench(DraftShape(64, 512, 4, 2, 16, 128), mla_draft.MLAShape(64, 4, 24, 32, 16, 8, 12, 96), device="cpu",
+                 draft_vocab=128)
+    (la, ga), (lb, gb_) = (draft_step(b, [7, 12, 5], attn, mla) for attn in ("sdpa", "varlen"))
     torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6)
-    assert ga.keys() == gb.keys() and len(ga) > 5
+    assert ga.keys() == gb_.keys() and len(ga) > 5
     for n in ga:
-        torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(ga[n], gb_[n], rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_training_with_varlen_follows_the_sdpa_run_and_exports_the_same_draft_config(small_store, tmp_path):
