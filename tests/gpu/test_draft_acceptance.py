@@ -145,6 +145,11 @@ def chain(request, learnable_target, gpu_out, report):
             "seed0_draft": seed0_draft, "seed1": seed1_run, "t0": t0}
 
 
+def failure(e: BaseException) -> str:
+    """A measurement's error as its row reports it (the test fails after the other rows are measured)."""
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def seed_spread(a, b) -> float:
     """Two seeds' run-to-run spread (SpecRuns): their difference in acceptance length, or the measurement's own
     error on a difference of two, whichever is larger."""
@@ -388,7 +393,7 @@ def test_draft_variants_are_served_on_the_deepseek_target(chain, report):
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - reported, and the test fails below
-            table.setdefault(name, {})[f"{what}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            table.setdefault(name, {})[f"{what}_error"] = failure(e)
             errors.append(f"{name} {what}")
             report("e2e_variants", table)
             return None
@@ -451,7 +456,7 @@ def test_draft_variants_seed_spread(chain, report):
             put(name, {0: first, 1: chain["serve"](f"{tag}-seed1", chain["fit"](f"{tag}-seed1", chain["store"], 1,
                                                                                  **kw))})
         except Exception as e:  # noqa: BLE001 - reported; the test fails below, the other variants still measured
-            spreads[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            spreads[name] = {"error": failure(e)}
             errors.append(name)
             report("e2e_variant_spreads", spreads)
     assert not errors, (errors, spreads)
@@ -475,7 +480,7 @@ def test_draft_variants_under_cuda_graphs(chain, report):
             rows[name] = {"cuda_graphs": round(r.draft.acceptance_length, 3),
                           "cuda_graphs_se": round(r.draft.acceptance_se, 4), "drafter": r.drafter.get("draft_class")}
         except Exception as e:  # noqa: BLE001 - reported; the test fails below, the other draft still measured
-            rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            rows[name] = {"error": failure(e)}
             errors.append(name)
         report("e2e_variants_cuda_graphs", rows)
     assert not errors, (errors, rows)
