@@ -19,6 +19,7 @@ on CPU against the fake vLLM in tests/unit/test_e2e_rehearsal.py.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import pytest
@@ -36,6 +37,7 @@ from .test_kimi_k25_wrapper import write_verifier_weights
 pytestmark = [pytest.mark.gpu, pytest.mark.kimi_depth]
 N_SAMPLES, SEQ = 512, 512  # 262,144 tokens; the store ~15 GB (4 x 7168 bf16 a token)
 ONLINE_GOAL = 0.8
+ATTN = os.environ.get("EAGLE3_ONLINE_ATTN", "sdpa")  # the trainer's attention in every run here (sdpa | varlen)
 
 
 def test_online_at_kimi_depth_against_extract_alone_and_train_alone(tmp_path_factory, tmp_path, report):
@@ -68,7 +70,8 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
     def cfg(store, out, read_ahead=True):
         return TrainConfig(store=str(store), out=str(out), device=device, batch_samples=batch_samples,
                            pack_tokens=pack_tokens, epochs=1, lr=1e-4, warmup_steps=1, draft_vocab_size=draft_vocab,
-                           ttt_steps=3, seed=0, checkpoint_minutes=0, read_ahead=read_ahead)
+                           ttt_steps=3, seed=0, checkpoint_minutes=0, read_ahead=read_ahead,
+                           attn_impl=ATTN)
 
     try:
         backend.unit_norms()
@@ -101,7 +104,7 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
     rate = {k: round(tokens / max(seconds[k], 0.05)) for k in ("extract_alone", "train_alone", "online",
                                                                 "train_alone_reading_between_steps")}
     ratio = rate["online"] / min(rate["extract_alone"], rate["train_alone"])
-    return {"seconds": seconds, "tok_per_s": rate, "online_vs_min_alone": round(ratio, 3),
+    return {"attn": ATTN, "seconds": seconds, "tok_per_s": rate, "online_vs_min_alone": round(ratio, 3),
             "goal_0.8_met": ratio >= ONLINE_GOAL, "lines": on.lines(),
             "waits_s": {"extraction_for_room": round(on.producer_wait_s, 1),
                         "training_for_states": round(on.trainer_wait_s, 1)},
