@@ -81,15 +81,17 @@ def test_any_schedule_reassembles_every_sample(tmp_path_factory, case):
     store = Store.open(root, SPEC, create=True, fsync=False)
     writer = ShardWriter(root, SPEC, 0, fsync=False, threads=2)
     cap = Capturer(N_LAYERS, H, torch.float32)
-    cap.start("store", writer, shard_tokens=shard_tokens, copy_chunk_bytes=chunk)
-    cap.filler.announce([Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(len(p), dtype=torch.uint8))
-                         for i, p in enumerate(prompts)])
-    _run(cap, prompts, budget, rng, preempt=preempt)
-    cap.drain()
-    cap.filler.seal()
-    store.commit(writer.flush(), fsync=False)
-    writer.close()
-    cap.close()
+    try:  # rng draws from Hypothesis's data as it goes: an example it abandons mid-run must not leave the threads
+        cap.start("store", writer, shard_tokens=shard_tokens, copy_chunk_bytes=chunk)
+        cap.filler.announce([Announced(f"s{i}", torch.tensor(p, dtype=torch.int32),
+                                       torch.ones(len(p), dtype=torch.uint8)) for i, p in enumerate(prompts)])
+        _run(cap, prompts, budget, rng, preempt=preempt)
+        cap.drain()
+        cap.filler.seal()
+        store.commit(writer.flush(), fsync=False)
+    finally:
+        writer.close()
+        cap.close()
     assert cap.take_errors() == [] and cap.filler.outstanding() == []
     got = {s["sample_id"]: s for s in Store.open(root).iter_samples()}
     assert sorted(got) == sorted(f"s{i}" for i in range(len(prompts)))

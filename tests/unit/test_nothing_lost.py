@@ -417,9 +417,10 @@ def test_an_interrupted_extraction_leaves_no_writer_thread_running(tiny_kimi, sm
         return real(self, batch)
 
     monkeypatch.setattr(HFBackend, "capture", capture)
+    before = set(threading.enumerate())  # another test's threads are not this run's
     cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(tmp_path / "s"), batch_size=4, shard_samples=4,
                                 writer_threads=2, selfcheck=0,
                                 data=DataConfig([str(small_data)], max_len=96, max_samples=16))
     with pytest.raises(KeyboardInterrupt):
         extract.run(cfg, progress=False)
-    assert [t.name for t in threading.enumerate() if t.name.startswith("eagle3-shard")] == []
+    assert [t.name for t in set(threading.enumerate()) - before if t.name.startswith("eagle3-shard")] == []
