@@ -170,13 +170,30 @@ def run_forked(fn) -> tuple[bool, int]:
     return False, os.WEXITSTATUS(status)
 
 
-COMMAND_PRELOAD = ["eagle3.cli", "eagle3.train.train", "eagle3.extract.extract", "eagle3.extract.regenerate",
-                   "speculators.models.eagle3"]  # what run_command's children have imported before they start
-_commands = None
+COMMAND_PRELOAD = ("eagle3.cli", "eagle3.train.train", "eagle3.extract.extract", "eagle3.extract.regenerate",
+                   "speculators.models.eagle3")  # what run_command's children have imported before they start
+_zygote = None
+
+
+def pytest_collection_finish(session):
+    """The zygote that forks run_command's children (tests/unit/zygote.py), forked from this process now: the test
+    modules are imported and no test has started a thread."""
+    global _zygote
+    if _zygote is None:
+        from .zygote import Zygote
+
+        _zygote = Zygote()
+
+
+def pytest_unconfigure(config):
+    global _zygote
+    if _zygote is not None:
+        _zygote.close()
+        _zygote = None
 
 
 def _command_child(argv: list[str], env: dict, out_path: str, err_path: str) -> None:  # pragma: no cover - child
-    """In a child of the fork server: stdout and stderr to the given files, the environment given, then the command
+    """In a grandchild of the zygote: stdout and stderr to the given files, the environment given, then the command
     as `eagle3 ARGV` runs it; the process exits with its code (or dies of its signal)."""
     import io
     import logging
@@ -188,8 +205,11 @@ def _command_child(argv: list[str], env: dict, out_path: str, err_path: str) -> 
         os.dup2(os.open(err_path, os.O_WRONLY), 2)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+        for h in list(logging.root.handlers):  # pytest's log capture, on the test process's root when it forked
+            if type(h).__module__.startswith("_pytest"):
+                logging.root.removeHandler(h)
         for lg in [logging.root, *logging.root.manager.loggerDict.values()]:  # a handler made at import writes
-            for h in getattr(lg, "handlers", []):  # to the stderr of the fork server's start: to ours instead
+            for h in getattr(lg, "handlers", []):  # to the test process's stderr: to ours instead
                 if type(h) is logging.StreamHandler:
                     h.stream = sys.stderr
         for k in ("EAGLE3_FAULT", "EAGLE3_LOG_LEVEL"):
@@ -214,9 +234,10 @@ def _command_child(argv: list[str], env: dict, out_path: str, err_path: str) -> 
 
 def run_command(argv, env: dict | None = None, timeout: float = 240):
     """``eagle3 ARGV`` as the command runs (``main()`` reading sys.argv, so it installs its SIGINT / SIGTERM
-    handlers), in a child of a fork server: a process of this worker's that imported COMMAND_PRELOAD once and runs no
-    thread, so its children start with nothing half-held (a child forked from the test process itself hung on the
-    tqdm lock another thread held at the fork). A fresh interpreter would spend ~9 s importing speculators each time.
+    handlers), in a grandchild of the zygote (tests/unit/zygote.py): a copy of this process forked when collection
+    ended, before any test thread, with COMMAND_PRELOAD imported, so its children start with nothing half-held (a
+    child forked from the test process itself hung on the tqdm lock another thread held at the fork). A fresh
+    interpreter would spend ~9 s importing speculators each time.
     ``env``: variables set in the child (EAGLE3_FAULT: a kill point). Returns (an object with returncode, stdout
     and stderr as subprocess.run's, seconds); killed by a signal, the returncode is minus its number."""
     return start_command(argv, env).wait(timeout)
@@ -227,21 +248,18 @@ class Command:
     then subprocess.TimeoutExpired)."""
 
     def __init__(self, argv, env: dict | None):
-        import multiprocessing
         import tempfile
         import time
 
-        global _commands
-        if _commands is None:
-            _commands = multiprocessing.get_context("forkserver")
-            _commands.set_forkserver_preload(COMMAND_PRELOAD)
+        if _zygote is None:  # pragma: no cover - pytest_collection_finish makes it
+            pytest_collection_finish(None)
         self.argv, self._tmp = list(argv), tempfile.TemporaryDirectory()
         self.out, self.err = os.path.join(self._tmp.name, "out"), os.path.join(self._tmp.name, "err")
         for f in (self.out, self.err):
             open(f, "w").close()
         self.t0 = time.perf_counter()
-        self.child = _commands.Process(target=_command_child, args=(self.argv, dict(env or {}), self.out, self.err))
-        self.child.start()
+        self.child = _zygote.start(_command_child, self.argv, dict(env or {}), self.out, self.err,
+                                   preload=COMMAND_PRELOAD)
 
     def wait(self, timeout: float = 240):
         import subprocess

@@ -1,9 +1,9 @@
 """Training as two DDP ranks (2 CPU processes, gloo) follows the 1-process loss curve for the same global batch.
 
 The ranks are `eagle3 train` started as torchrun starts its ranks: the same command line, with RANK, LOCAL_RANK,
-WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (what eagle3's trainer reads). They are children of
-the suite's fork server (conftest.start_command), which has imported speculators once: two fresh interpreters under
-torchrun spent ~15 s of CPU importing it. The multi-GPU (NCCL) version of this runs on a multi-GPU host."""
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (what eagle3's trainer reads). They are forked by the
+suite's zygote (conftest.start_command, tests/unit/zygote.py), which has imported speculators: two fresh interpreters
+under torchrun spent ~15 s of CPU importing it. The multi-GPU (NCCL) version of this runs on a multi-GPU host."""
 
 import json
 import socket

@@ -46,3 +46,41 @@ def test_a_fixture_built_once_per_run_is_built_once_however_many_workers_ask(tmp
     with pytest.raises(RuntimeError):
         once_per_run(factory, "other", broken)
     assert once_per_run(factory, "other", lambda folder: 7) == 7
+
+
+def _exit_with(code: int) -> None:  # pragma: no cover - in a grandchild of the zygote
+    os._exit(code)
+
+
+def _sleep_then_exit() -> None:  # pragma: no cover - in a grandchild of the zygote
+    time.sleep(60)
+    os._exit(0)
+
+
+def _write_parent(path: str) -> None:  # pragma: no cover - in a grandchild of the zygote
+    with open(path, "w") as f:
+        f.write(str(os.getppid()))
+    os._exit(0)
+
+
+def test_the_zygote_reports_each_command_s_exit_and_kill(tmp_path):
+    """run_command's children (tests/unit/zygote.py): the exit code comes back; a command killed comes back as minus
+    the signal; two at once are each their own; the command is forked by the zygote's monitor, not by this process
+    (what a lock held here would do: test_nothing_lost's test_a_lock_held_in_the_test_process_does_not_reach_...)."""
+    import signal
+
+    from .zygote import Zygote
+
+    z = Zygote()
+    try:
+        slow, quick = z.start(_sleep_then_exit), z.start(_exit_with, 7)
+        quick.join(30)
+        assert quick.exitcode == 7 and slow.is_alive()
+        slow.kill()
+        slow.join(30)
+        assert slow.exitcode == -signal.SIGKILL
+        seen = tmp_path / "seen"
+        z.start(_write_parent, str(seen)).join(30)
+        assert int(seen.read_text()) not in (os.getpid(), z.pid)  # its monitor's child
+    finally:
+        z.close()

@@ -279,9 +279,9 @@ def test_when_epochs_stop_the_run_before_steps_the_run_says_so(small_store, tmp_
 
 # -- interrupts -------------------------------------------------------------------------------------------------
 def test_a_lock_held_in_the_test_process_does_not_reach_the_command(small_store, tmp_path):
-    """run_command's children come from a fork server with no threads: the tqdm lock held by another thread of the
-    test process (as tqdm's monitor thread holds it now and then) does not hang the command's own progress bar, as it
-    hung a child forked from the test process itself (CI, 2026-12-04)."""
+    """run_command's children come from a zygote forked before any test thread: the tqdm lock held by another thread
+    of the test process (as tqdm's monitor thread holds it now and then) does not hang the command's own progress
+    bar, as it hung a child forked from the test process itself (CI, 2026-12-04)."""
     import threading
 
     from tqdm import tqdm
