@@ -107,10 +107,12 @@ class Zygote:
 def _serve(sock: socket.socket) -> None:  # pragma: no cover - runs in the zygote
     """Answer requests until the other end closes, then exit. Nothing of the test process's is used: stdin, stdout
     and stderr become /dev/null and every other inherited descriptor (pytest-xdist's channel) is closed."""
+    import faulthandler
     import importlib
 
     code = 0
     try:
+        faulthandler.disable()  # pytest's writes to a descriptor closed below, which a command's file may reuse
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
