@@ -73,8 +73,13 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
             # their seed spreads (~5 min), llama and mla under CUDA graphs (~4 min)
   wrapper)  step wrapper $PT -m kimi_depth tests/gpu/test_kimi_k25_wrapper.py --gpu-out "$OUT/wrapper" ;;  # Kimi-K2.5's
             # class, kimi-depth text model: capture, self-check, a served draft (two engine starts of 2-4 min)
-  onlinekd) step onlinekd $PT -m kimi_depth tests/gpu/test_online_kimi_depth.py --gpu-out "$OUT/onlinekd" ;;  # online
-            # at Kimi's depth: kimi-depth's engine and the Kimi-size trainer on one H200 (346 s at c5ebd37; ~7 min now)
+  onlinekd) # online at Kimi's depth: kimi-depth's engine and the Kimi-size trainer on one H200 (346 s at c5ebd37; ~7
+            # min now). The trainer's attention: EAGLE3_ONLINE_ATTN where set; else varlen where this campaign's
+            # benchtrain step passed the varlen CUDA tests, sdpa where not
+            attn=${EAGLE3_ONLINE_ATTN:-$(bash tests/gpu/passed.sh "$OUT/benchtrain.log" tests/gpu/test_ttt_attention_gpu.py \
+                 && echo varlen || echo sdpa)}
+            echo "onlinekd attention: $attn" >> "$OUT/steps.txt"
+            EAGLE3_ONLINE_ATTN=$attn step onlinekd $PT -m kimi_depth tests/gpu/test_online_kimi_depth.py --gpu-out "$OUT/onlinekd" ;;
   benchtrain) step benchtrain $PT -s -m "gpu or benchmark" tests/gpu/test_ttt_attention_gpu.py tests/gpu/test_bench_train.py \
                  --gpu-out "$OUT/benchtrain" ;;  # the varlen attention's CUDA kernels against the dense mask; the
             # trainer at Kimi-K2.5's draft size: tok/s, MFU, peak memory at 2k/8k/32k, the longest sequence, the reader,

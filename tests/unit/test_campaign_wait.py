@@ -78,3 +78,22 @@ def test_a_campaign_still_running_at_the_limit_ends_the_wait_there(tmp_path):
         live.kill()
     assert 1 <= seconds < 8, f"returned after {seconds:.1f}s with a limit of 1 s"
     assert "waited 1s; finished: no" in out.stdout, out.stdout
+
+
+PASSED = Path(__file__).resolve().parents[1] / "gpu" / "passed.sh"
+
+
+def test_a_step_s_tests_count_as_passed_only_when_each_passed(tmp_path):
+    """tests/gpu/passed.sh LOG FILE, which the campaign's onlinekd step asks before it trains with the varlen attention:
+    yes when the step log's summary (pytest -rA) has FILE's tests PASSED and none FAILED or in ERROR; no for a log
+    that is missing, has none of FILE's tests, or has one of them failed."""
+    f = "tests/gpu/test_ttt_attention_gpu.py"
+    ok = f"PASSED {f}::test_a[1]\nPASSED {f}::test_b\nFAILED tests/gpu/test_bench_train.py::test_c - boom\n"
+    logs = {"all passed": (ok, 0), "one failed": (ok + f"FAILED {f}::test_a[3] - AssertionError\n", 1),
+            "one in error": (ok + f"ERROR {f}::test_b - RuntimeError\n", 1),
+            "none of them ran": (f"PASSED tests/gpu/test_bench_train.py::test_d\n{f}::test_a PASSED\n", 1)}
+    for name, (text, want) in logs.items():
+        (tmp_path / "step.log").write_text(text)
+        got = subprocess.run(["bash", str(PASSED), str(tmp_path / "step.log"), f], check=False).returncode
+        assert got == want, name
+    assert subprocess.run(["bash", str(PASSED), str(tmp_path / "missing.log"), f], check=False).returncode == 1
