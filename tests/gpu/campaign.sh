@@ -15,7 +15,7 @@
 set -u
 OUT=/tmp/campaign
 SRC=/tmp/eagle3-src          # a private copy: the working tree may be re-synced while this runs
-rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" "$OUT/suite2" "$OUT/suite3" "$OUT/e2eds" "$OUT/wrapper" "$OUT/benchtrain" "$OUT/onlinekd" && cp -r . "$SRC" && cd "$SRC"
+rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" "$OUT/suite2" "$OUT/suite3" "$OUT/suite4" "$OUT/e2eds" "$OUT/wrapper" "$OUT/benchtrain" "$OUT/onlinekd" && cp -r . "$SRC" && cd "$SRC"
 rm -f "$OUT/DONE"; echo $$ > "$OUT/pid"  # for wait.sh: a campaign that died without DONE ends its wait
 export PYTHONPATH="$SRC:/tmp/site:/tmp/gpu:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 # Every engine warms up FlashInfer's top-p/top-k sampler, JIT-compiled on a fresh host (flashinfer_python, no
@@ -42,13 +42,16 @@ NEW="deepseek_draft or preemption or selfcheck_passes or (hf_reference and hooks
 for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" != "$arg" ] && LIMIT=${arg#*:}
   case $s in
   contract) step contract $PT tests/unit/test_vllm_contract.py tests/unit/test_export_options.py ;;  # + vLLM's parser
-  suite)    # the GPU suite (pytest -m gpu) in three steps of under 600 s each (as one step: 762 s on the H200; as two,
+  suite)    # the GPU suite (pytest -m gpu) in four steps of under 600 s each (as one step: 762 s on the H200; as two,
             # 599 + 522 s at a8a7b85): the capture's engines against the hf reference (~430 s); kill -9 and resume of
-            # the vLLM extraction (~180 s); preemption, self-check, a served draft (~520 s)
+            # the vLLM extraction (~160 s); a served draft, the self-check, the varlen attention's kernels (~270 s);
+            # preemption (~250 s)
             [ "$LIMIT" -gt 0 ] || LIMIT=600
             step suite1 $PT -m gpu tests/gpu/test_extract_vllm.py -k "not kill_and_resume" --gpu-out "$OUT/suite"
             step suite3 $PT -m gpu tests/gpu/test_extract_vllm.py -k kill_and_resume --gpu-out "$OUT/suite3"
-            step suite2 $PT -m gpu tests/gpu --ignore tests/gpu/test_extract_vllm.py --gpu-out "$OUT/suite2" ;;
+            step suite2 $PT -m gpu tests/gpu --ignore tests/gpu/test_extract_vllm.py --ignore tests/gpu/test_preemption.py \
+                 --gpu-out "$OUT/suite2"
+            step suite4 $PT -m gpu tests/gpu/test_preemption.py --gpu-out "$OUT/suite4" ;;
   new)      step new $PT -m gpu tests/gpu -k "$NEW" --gpu-out "$OUT/suite" ;;
   direct)   step direct $PT tests/unit/test_vllm_contract.py tests/gpu -m "not benchmark and not e2e and not kimi_depth" \
                  -k direct --gpu-out "$OUT/direct" ;;  # the direct capture: contract, states, preemption (~500 s)
