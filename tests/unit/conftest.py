@@ -175,14 +175,18 @@ COMMAND_PRELOAD = ("eagle3.cli", "eagle3.train.train", "eagle3.extract.extract",
 _zygote = None
 
 
-def pytest_collection_finish(session):
-    """The zygote that forks run_command's children (tests/unit/zygote.py), forked from this process now: the test
-    modules are imported and no test has started a thread."""
+def _start_zygote() -> None:
     global _zygote
     if _zygote is None:
         from .zygote import Zygote
 
         _zygote = Zygote()
+
+
+def pytest_collection_finish(session):
+    """The zygote that forks run_command's children (tests/unit/zygote.py), forked from this process now: the test
+    modules are imported and no test has started a thread."""
+    _start_zygote()
 
 
 def pytest_unconfigure(config):
@@ -251,8 +255,7 @@ class Command:
         import tempfile
         import time
 
-        if _zygote is None:  # pragma: no cover - pytest_collection_finish makes it
-            pytest_collection_finish(None)
+        _start_zygote()  # made when collection ended; here only where that hook did not run
         self.argv, self._tmp = list(argv), tempfile.TemporaryDirectory()
         self.out, self.err = os.path.join(self._tmp.name, "out"), os.path.join(self._tmp.name, "err")
         for f in (self.out, self.err):

@@ -24,22 +24,13 @@ _LEN = struct.Struct("!I")
 _PID_STATUS = struct.Struct("!qq")  # (pid, wait status); the first message of a command carries status -1
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _exact(read, n: int) -> bytes:
+    """n bytes from ``read(k)`` (a socket's recv, a pipe's os.read), however they arrive; EOFError at an end."""
     buf = b""
     while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
+        chunk = read(n - len(buf))
         if not chunk:
             raise EOFError
-        buf += chunk
-    return buf
-
-
-def _read_exact(fd: int, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            raise EOFError("the command's monitor ended without sending its status")
         buf += chunk
     return buf
 
@@ -50,7 +41,7 @@ class Child:
 
     def __init__(self, fd: int):
         self._fd = fd
-        self.pid, _ = _PID_STATUS.unpack(_read_exact(fd, _PID_STATUS.size))
+        self.pid, _ = _PID_STATUS.unpack(_exact(lambda k: os.read(fd, k), _PID_STATUS.size))
         self.exitcode: int | None = None
 
     def join(self, timeout: float | None = None) -> None:
@@ -59,7 +50,7 @@ class Child:
         ready, _, _ = select.select([self._fd], [], [], timeout)
         if not ready:
             return
-        _, status = _PID_STATUS.unpack(_read_exact(self._fd, _PID_STATUS.size))
+        _, status = _PID_STATUS.unpack(_exact(lambda k: os.read(self._fd, k), _PID_STATUS.size))
         os.close(self._fd)
         self.exitcode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
@@ -122,8 +113,8 @@ def _serve(sock: socket.socket) -> None:  # pragma: no cover - runs in the zygot
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the test run is the test process's to handle
         while True:
             try:
-                n, = _LEN.unpack(_recv_exact(sock, _LEN.size))
-                preload, module, name, args = pickle.loads(_recv_exact(sock, n))
+                n, = _LEN.unpack(_exact(sock.recv, _LEN.size))
+                preload, module, name, args = pickle.loads(_exact(sock.recv, n))
             except EOFError:
                 break
             for m in preload:
