@@ -189,6 +189,14 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path):  #
     assert got["online_vs_min_alone"] > 0 and got["read_ahead_same_losses"], got
     assert all(set(p) == {"setup", "reading", "steps", "checkpoints"} for p in got["phases_s"].values()), got
     assert any(line.startswith("limits") for line in got["lines"]), got["lines"]
+    # one GPU shared: the rate were the two sides to take turns on it (extraction's time + training's steps' time)
+    seconds, steps_s, tokens = got["seconds"], got["phases_s"]["train_alone"]["steps"], 32 * 64
+    turns = got["taking_turns"]
+    assert turns["tok_per_s"] == round(tokens / (seconds["extract_alone"] + steps_s)), got
+    assert turns["train_steps_tok_per_s"] == round(tokens / steps_s), got
+    assert turns["online_vs_it"] == round(got["tok_per_s"]["online"] / turns["tok_per_s"], 3), got
+    alone = min(got["tok_per_s"]["extract_alone"], got["tok_per_s"]["train_alone"])
+    assert turns["it_vs_min_alone"] == round(turns["tok_per_s"] / alone, 3), got
     assert set(reported["online_kd_seconds"]) == {"engine_start", "extract_alone", "train_alone",
                                                   "train_alone_reading_between_steps"}
     json.dumps(got)
