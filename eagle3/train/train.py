@@ -116,11 +116,24 @@ class TrainResult:
     notes: list[str] = field(default_factory=list)            # what the run decided that the user should know
     phases: dict[str, float] = field(default_factory=dict)    # seconds: setup (before the first step; not in
     # ``seconds``), reading (the steps waited for their samples), steps, checkpoints (saved and published)
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # per step of this run: (seconds from the first
+    # step's start to this step's end, before any checkpoint; tokens the step trained, every rank's)
 
     @property
     def tokens_per_s(self) -> float:
         """Tokens trained in this process's run per second (0 when a rerun found the work done)."""
         return self.tokens_this_run / self.seconds if self.seconds > 0 else 0.0
+
+    def sustained_tokens_per_s(self, after: float = 0.5) -> float:
+        """Tokens a second over the steps past the first ``after`` of this run's (from the end of step k to the end of
+        the last, k = floor(n x after) >= 1): no first-step warm-up, no setup, no final checkpoint. The whole run's
+        rate where it has one step."""
+        n = len(self.timeline)
+        k = max(1, int(n * after))
+        if n <= k:
+            return self.tokens_per_s
+        seconds = self.timeline[-1][0] - self.timeline[k - 1][0]
+        return sum(t for _, t in self.timeline[k:]) / seconds if seconds > 0 else 0.0
 
     def lines(self) -> list[str]:
         a, b = (self.losses[0], self.losses[-1]) if self.losses else (float("nan"),) * 2
@@ -135,7 +148,9 @@ class TrainResult:
                  f"accuracy   {acc}"]
         if self.phases:
             lines.append("time       " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
-                         + " (reading: what the steps waited for their samples)")
+                         + " (reading: what the steps waited for their samples)"
+                         + (f"; sustained {self.sustained_tokens_per_s():,.0f} tok/s (the later half of the steps)"
+                            if len(self.timeline) > 1 else ""))
         lines += [f"note       {n}" for n in self.notes]
         if self.skipped:
             lines.append(f"skipped    {len(self.skipped)} bad samples, e.g. "
@@ -498,6 +513,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     ahead = ReadAhead(read_step, cfg.read_ahead)
     t0, tokens_this_run = time.perf_counter(), 0
     phases = {"setup": t0 - entered, "reading": 0.0, "steps": 0.0, "checkpoints": 0.0}
+    timeline: list[tuple[float, int]] = []
     last_save = _clock()
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, desc="train", unit="step")
     with bar, torch.compiler.set_stance("default" if cfg.compile else "force_eager"):  # the bar ends its line
@@ -561,6 +577,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                 cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes) or (
                 samples.wants_checkpoint())
             saving = time.perf_counter()
+            timeline.append((saving - t0, int(sums[1])))
             if rank == 0 and (last or due):
                 path = checkpoint.save(out, state["step"], model, optimizer, state, fault=fault)
                 last_save = _clock()
@@ -576,7 +593,8 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
             phases["steps"] += saving - began - read_s
     return TrainResult(str(out), str(out / "draft"), state["step"], state["samples_seen"], state["tokens_seen"],
                        time.perf_counter() - t0, state["losses"], state.get("accept", {}), resumed_from,
-                       dict(state["skipped"]), tokens_this_run, notes, {k: round(v, 3) for k, v in phases.items()})
+                       dict(state["skipped"]), tokens_this_run, notes, {k: round(v, 3) for k, v in phases.items()},
+                       timeline)
 
 
 def _check_store_is_whole(cfg: TrainConfig) -> list[str]:

@@ -92,3 +92,37 @@ def test_a_bad_sample_read_ahead_stops_at_its_own_step(small_store, tmp_path, mo
     with pytest.raises(BadData, match="planted"):
         train(_cfg(small_store, tmp_path / "t"), progress=False)
     assert len(stepped) == 2 and not (tmp_path / "t" / "draft").exists()
+
+
+class _SlowStart(StoreSamples):
+    """A store source whose first step's samples (batch 4) take 0.25 s each to read."""
+
+    def __init__(self, store):
+        super().__init__(store, 0)
+        self.reads = 0
+
+    def get(self, i):
+        self.reads += 1
+        if self.reads <= 4:
+            time.sleep(0.25)
+        return super().get(i)
+
+
+def test_the_sustained_rate_leaves_out_a_slow_start_and_the_final_checkpoint(small_store, tmp_path, monkeypatch):
+    """TrainResult.timeline: each step's end (seconds since the first began, before any checkpoint) and its tokens;
+    sustained_tokens_per_s(): the later half's tokens over the later half's time. A first step 1 s slow to read and a
+    final checkpoint 1 s slow to write are in the run's rate, not in the sustained one."""
+    from eagle3.train import checkpoint
+
+    save = checkpoint.save
+    monkeypatch.setattr(checkpoint, "save", lambda *a, **kw: time.sleep(1.0) or save(*a, **kw))
+    r = train(_cfg(small_store, tmp_path / "t"), progress=False, source=_SlowStart(Store.open(small_store)))
+    ends, tokens = [t for t, _ in r.timeline], [n for _, n in r.timeline]
+    assert len(r.timeline) == r.steps == 5 and sum(tokens) == r.tokens_this_run, r.timeline
+    assert ends[0] >= 1.0 and all(a < b for a, b in zip(ends, ends[1:])), ends
+    assert ends[-1] <= r.seconds - 1.0, (ends, r.seconds)  # the last step ends before its checkpoint
+    later = sum(tokens[2:]) / (ends[-1] - ends[1])  # steps 3-5 of 5: from step 2's end to step 5's
+    assert r.sustained_tokens_per_s() == pytest.approx(later), (r.timeline, r.sustained_tokens_per_s())
+    assert r.sustained_tokens_per_s() > 2 * r.tokens_per_s, (r.sustained_tokens_per_s(), r.tokens_per_s)
+    assert any(line.startswith("time ") and f"sustained {r.sustained_tokens_per_s():,.0f} tok/s" in line
+               for line in r.lines()), r.lines()
