@@ -32,7 +32,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -307,6 +307,7 @@ class Producer:
         self.thread: threading.Thread | None = None
         self.tokens = 0
         self.seconds = self.t0 = 0.0
+        self.commits: list[tuple[float, int]] = []  # per extraction batch: (time.perf_counter() at its commit, tokens)
 
     def start_once(self, start: int) -> None:
         if self.thread is None:
@@ -332,6 +333,7 @@ class Producer:
                 infos = session.submit(batch)
                 self.spool.commit(infos, self._release(pending, infos))
                 self.tokens += sum(len(s) for s in batch)
+                self.commits.append((time.perf_counter(), sum(len(s) for s in batch)))
             infos = session.finish()
             self.spool.commit(infos, self._release(pending, infos))
             self.spool.finished()
@@ -372,6 +374,21 @@ class OnlineResult:
     producer_wait_s: float   # the extraction waited for room in the spool (training limits)
     trainer_wait_s: float    # training waited for states (extraction limits)
     selfcheck: str = ""
+    commits: list[tuple[float, int]] = field(default_factory=list)  # the extraction's: (perf_counter, tokens) a batch
+
+    def sustained_tokens_per_s(self) -> float:
+        """The pipeline's rate once training has begun: the lower of
+        - the extraction's, over its commits from the first after the trainer's first step to the last, and
+        - the trainer's over its later half of steps (TrainResult.sustained_tokens_per_s).
+        Where extraction is the slower side the trainer's figure overstates it by a head start taken while the draft
+        was built (states it found waiting); where training is, the extraction's does (it catches up in bursts as
+        room frees, then stops while the trainer still works through the spool). Each is the lower where its side
+        limits. The trainer's alone where fewer than two commits came after its start."""
+        trainer = self.train.sustained_tokens_per_s()
+        after = [(t, n) for t, n in self.commits if t >= self.train.started_at]
+        if len(after) < 2 or after[-1][0] <= after[0][0]:
+            return trainer
+        return min(trainer, sum(n for _, n in after[1:]) / (after[-1][0] - after[0][0]))
 
     def lines(self) -> list[str]:
         ex = self.extracted_tokens / self.extract_seconds if self.extract_seconds else 0.0
@@ -380,7 +397,8 @@ class OnlineResult:
             f"online     extracted {self.extracted_tokens:,} tokens this run at {ex:,.0f} tok/s into {self.shards:,} "
             f"shards; spool {self.spool} "
             f"peak {self.peak_bytes / 2**20:,.1f} MiB (files {self.peak_files_bytes / 2**20:,.1f} MiB) of "
-            f"{self.capacity / 2**20:,.1f} MiB",
+            f"{self.capacity / 2**20:,.1f} MiB; sustained {self.sustained_tokens_per_s():,.0f} tok/s once training "
+            "began",
             f"limits     {limit}: extraction waited {self.producer_wait_s:.1f} s for room, training waited "
             f"{self.trainer_wait_s:.1f} s for states",
         ]
@@ -429,7 +447,8 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     if spool.failed is not None:
         raise spool.failed
     out = OnlineResult(result, str(spool.store.root), capacity, spool.peak, spool.peak_files, producer.tokens,
-                       spool.shards, producer.seconds, spool.producer_wait_s, spool.consumer_wait_s, check)
+                       spool.shards, producer.seconds, spool.producer_wait_s, spool.consumer_wait_s, check,
+                       producer.commits)
     if result.samples_seen >= len(plan):
         shutil.rmtree(spool.store.root / SHARDS, ignore_errors=True)  # everything was learned from
     return out

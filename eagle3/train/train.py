@@ -118,6 +118,7 @@ class TrainResult:
     # ``seconds``), reading (the steps waited for their samples), steps, checkpoints (saved and published)
     timeline: list[tuple[float, int]] = field(default_factory=list)  # per step of this run: (seconds from the first
     # step's start to this step's end, before any checkpoint; tokens the step trained, every rank's)
+    started_at: float = 0.0  # time.perf_counter() when the first step began (to line the timeline up with other clocks)
 
     @property
     def tokens_per_s(self) -> float:
@@ -594,7 +595,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     return TrainResult(str(out), str(out / "draft"), state["step"], state["samples_seen"], state["tokens_seen"],
                        time.perf_counter() - t0, state["losses"], state.get("accept", {}), resumed_from,
                        dict(state["skipped"]), tokens_this_run, notes, {k: round(v, 3) for k, v in phases.items()},
-                       timeline)
+                       timeline, t0)
 
 
 def _check_store_is_whole(cfg: TrainConfig) -> list[str]:

@@ -197,7 +197,7 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path):  #
     assert turns["online_vs_it"] == round(got["tok_per_s"]["online"] / turns["tok_per_s"], 3), got
     alone = min(got["tok_per_s"]["extract_alone"], got["tok_per_s"]["train_alone"])
     assert turns["it_vs_min_alone"] == round(turns["tok_per_s"] / alone, 3), got
-    # sustained: each training run's later half of steps (TrainResult.sustained_tokens_per_s), no setup nor checkpoint
+    # sustained: no setup nor final checkpoint (TrainResult / OnlineResult.sustained_tokens_per_s)
     steady = got["sustained"]
     assert set(steady["tok_per_s"]) == {"extract_alone", "train_alone", "online"} and all(
         v > 0 for v in steady["tok_per_s"].values()), got
