@@ -14,8 +14,8 @@ from tests.gpu import test_bench_train as gb
 
 SMALL = gb.Bench(DraftShape(64, 512, 4, 2, 16, 128), mla_draft.MLAShape(64, 4, 24, 32, 16, 8, 12, 96), device="cpu",
                  draft_vocab=256, seqs=(32, 64, 128), longest_cap=512, longest_step=16,
-                 compiled=(("sdpa", 1),))  # a compiled row's code (speculators compiles only where CUDA is; a
-# compile that fails on the GPU is that row's error, not a lost table)
+                 compiled=(("varlen", 1), ("sdpa", 1)))  # the compiled rows' code (speculators compiles only
+# where CUDA is; a compile that fails on the GPU is that row's error, not a lost table)
 
 
 def _out_of_memory_past(monkeypatch, limit: int) -> list[int]:
@@ -47,12 +47,16 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
         return contextlib.nullcontext()
 
     monkeypatch.setattr(torch.compiler, "set_stance", set_stance)
+    resets = []  # dynamo's caches cleared before each compiled row: no row inherits another's recompiles (8 at most
+    # for a function: three rows of three TTT steps each reached it at c5ebd37, and the third ran unfused)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(len(stances)))
     limit, longest = 200, 192  # the long size (128) fits, 256 does not: bisected to a multiple of 16
     tried = _out_of_memory_past(monkeypatch, limit)
     got = {}
     gb.run_bench(SMALL, got.__setitem__, tmp_path)
     n = 3 * len(SMALL.compiled)  # _steps calls of a compiled row: its compile's two steps, _measure's warm-up, timing
     assert stances[:-n] and set(stances[:-n]) == {"force_eager"} and set(stances[-n:]) == {"default"}, stances
+    assert resets == [len(stances) - n + 3 * i for i in range(len(SMALL.compiled))], (resets, len(stances))
     rows = got["bench_train_kimi_draft"]
     assert [(r["seq"], r["precision"], r["loss"], r["optimizer"]) for r in rows] == [
         (32, "bf16-mixed", "auto", "auto"), (64, "bf16-mixed", "auto", "auto"), (128, "bf16-mixed", "auto", "auto"),
@@ -90,9 +94,11 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
     assert (tmp_path / "profile_8k_varlen.txt").read_text().strip() and "mfu_8k_varlen" in goals
     assert [(r["draft"], r["seq"], r["attn"]) for r in got["bench_train_varlen_mla"]] == [
         ("mla", s, "varlen") for s in SMALL.seqs[:2]]
-    (sdpa,) = got["bench_train_compiled"]
-    assert (sdpa["attn"], sdpa["seq"]) == ("sdpa", 64) and "error" not in sdpa and sdpa["tok_per_s"] > 0, sdpa
-    assert "train_llama_bf16-mixed_compiled/64" in {r.key for r in bench.load_history([tmp_path / "benchmark.json"])}
+    varlen_c, sdpa = got["bench_train_compiled"]  # the varlen one first: its inputs carry the samples' boundaries
+    for row, attn in ((varlen_c, "varlen"), (sdpa, "sdpa")):
+        assert (row["attn"], row["seq"]) == (attn, 64) and "error" not in row and row["tok_per_s"] > 0, row
+    keys = {r.key for r in bench.load_history([tmp_path / "benchmark.json"])}
+    assert {"train_llama_bf16-mixed_compiled/64", "train_llama_bf16-mixed_varlen_compiled/64"} <= keys, keys
 
 
 @pytest.mark.parametrize("limit,longest", [(200, 192), (100, 96), (1000, 512), (127, 112), (60, None)])
