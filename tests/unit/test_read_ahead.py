@@ -111,7 +111,8 @@ class _SlowStart(StoreSamples):
 def test_the_sustained_rate_leaves_out_a_slow_start_and_the_final_checkpoint(small_store, tmp_path, monkeypatch):
     """TrainResult.timeline: each step's end (seconds since the first began, before any checkpoint) and its tokens;
     sustained_tokens_per_s(): the later half's tokens over the later half's time. A first step 1 s slow to read and a
-    final checkpoint 1 s slow to write are in the run's rate, not in the sustained one."""
+    final checkpoint 1 s slow to write are in the run's rate, not in the sustained one (no comparison of the two
+    rates: on a loaded machine the steps alone may take many seconds)."""
     from eagle3.train import checkpoint
 
     save = checkpoint.save
@@ -123,6 +124,5 @@ def test_the_sustained_rate_leaves_out_a_slow_start_and_the_final_checkpoint(sma
     assert ends[-1] <= r.seconds - 1.0, (ends, r.seconds)  # the last step ends before its checkpoint
     later = sum(tokens[2:]) / (ends[-1] - ends[1])  # steps 3-5 of 5: from step 2's end to step 5's
     assert r.sustained_tokens_per_s() == pytest.approx(later), (r.timeline, r.sustained_tokens_per_s())
-    assert r.sustained_tokens_per_s() > 2 * r.tokens_per_s, (r.sustained_tokens_per_s(), r.tokens_per_s)
     assert any(line.startswith("time ") and f"sustained {r.sustained_tokens_per_s():,.0f} tok/s" in line
                for line in r.lines()), r.lines()
