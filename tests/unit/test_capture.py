@@ -89,9 +89,10 @@ def test_any_schedule_reassembles_every_sample(tmp_path_factory, case):
         cap.drain()
         cap.filler.seal()
         store.commit(writer.flush(), fsync=False)
-    finally:
-        writer.close()
+    finally:  # the capture first: its consumer may still hand shards to the writer (an abandoned example skipped
+        # drain), and a put into the bounded queue of a writer whose threads had ended waited out close()'s 60 s
         cap.close()
+        writer.close()
     assert cap.take_errors() == [] and cap.filler.outstanding() == []
     got = {s["sample_id"]: s for s in Store.open(root).iter_samples()}
     assert sorted(got) == sorted(f"s{i}" for i in range(len(prompts)))
