@@ -58,13 +58,15 @@ class ShardWriter:
         self._finished: dict[int, ShardInfo] = {}  # by shard index; released in index order
         self._release = start_index
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when a submit's put into the queue has returned
+        self._submitting = 0  # submits between taking the queue and their put returning (close waits for them)
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
         self._threads: list[threading.Thread] = []
         if threads > 0:
             self._queue = queue.Queue(maxsize=max_pending)
             for i in range(threads):
-                t = threading.Thread(target=self._worker, name=f"eagle3-shard-{i}", daemon=True)
+                t = threading.Thread(target=self._worker, args=(self._queue,), name=f"eagle3-shard-{i}", daemon=True)
                 t.start()
                 self._threads.append(t)
 
@@ -104,12 +106,18 @@ class ShardWriter:
         return self.take_done()
 
     def close(self) -> None:
-        if self._queue is not None:
+        """End the writer's threads once every shard queued has been written. A submit from another thread after
+        this begins writes its shard itself; one already putting into the queue finishes first (a shard put behind
+        the threads' stop would never be written)."""
+        with self._lock:
+            q, self._queue = self._queue, None
+            while self._submitting:
+                self._idle.wait()
+        if q is not None:
             for _ in self._threads:
-                self._queue.put(None)
+                q.put(None)
             for t in self._threads:
                 t.join()
-            self._queue = None
 
     def _cut(self) -> None:
         batch, self._pending, self._pending_tokens = self._pending, [], 0
@@ -120,15 +128,23 @@ class ShardWriter:
         with self._lock:  # the capture's consumer thread and the forward both hand over shards
             index = self.next_index
             self.next_index += 1
-        if self._queue is None:
+            q = self._queue
+            if q is not None:
+                self._submitting += 1
+        if q is None:
             self._write(shard_name(index), build, on_done)
-        else:
+            return
+        try:
             self._raise_if_failed()
-            self._queue.put((shard_name(index), build, on_done))
+            q.put((shard_name(index), build, on_done))
+        finally:
+            with self._lock:
+                self._submitting -= 1
+                self._idle.notify_all()
 
-    def _worker(self) -> None:
+    def _worker(self, q: queue.Queue) -> None:
         while True:
-            item = self._queue.get()
+            item = q.get()
             try:
                 if item is None:
                     return
@@ -136,7 +152,7 @@ class ShardWriter:
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self._error = e
             finally:
-                self._queue.task_done()
+                q.task_done()
 
     def _write(self, name: str, build, on_done=None) -> None:
         try:

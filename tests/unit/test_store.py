@@ -318,3 +318,86 @@ def test_a_shard_that_fails_to_build_still_hands_its_buffer_back(tmp_path):
     with pytest.raises(OSError, match="no space left"):
         w.submit(build, lambda: released.append(True))
     assert released == [True]
+
+
+
+def _build(i, gate=None):
+    """A shard of sample i for ShardWriter.submit; its build waits for ``gate`` first, where given."""
+    from eagle3.store.format import shard_tensors
+
+    def make():
+        if gate is not None:
+            gate.wait(10)
+        s = _sample(i, 5)
+        return shard_tensors([s], SPEC), [s[0]]
+    return make
+
+
+def _writer_busy_and_full(tmp_path, gate):
+    """One writer thread held in shard 0's build (until ``gate``) and shard 1 in the queue's one slot."""
+    import time
+
+    w = ShardWriter(tmp_path, SPEC, 0, fsync=False, threads=1, max_pending=1)
+    w.submit(_build(0, gate))
+    while w._queue.qsize():  # noqa: SLF001 - the thread has taken shard 0 and waits in its build
+        time.sleep(0.001)
+    w.submit(_build(1))
+    return w
+
+
+def _all_returned_and_written(w, threads):
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive(), "close() or a submit never returned"
+    assert sorted(w.written) == [f"shards/shard-00000{i}.safetensors" for i in range(3)], w.written
+
+
+def test_a_shard_submitted_while_the_writer_closes_is_written_not_lost(tmp_path):
+    """The capture's consumer thread hands shards to the writer; a close() from another thread must not end the
+    writer's threads ahead of a shard submitted after it began (the put landed in a queue no thread read: the shard
+    lost, and a put into the full queue blocked for good). Here close() waits to enqueue its stop when shard 2 is
+    submitted."""
+    import threading
+    import time
+
+    gate = threading.Event()
+    w = _writer_busy_and_full(tmp_path, gate)
+    closer = threading.Thread(target=w.close)
+    closer.start()
+    time.sleep(0.2)  # close() is now waiting for room for its stop (or, fixed, has taken the queue away)
+    submitter = threading.Thread(target=lambda: w.submit(_build(2)))
+    submitter.start()
+    time.sleep(0.2)
+    gate.set()
+    _all_returned_and_written(w, (closer, submitter))
+    assert sorted(i.file for i in w.take_done()) == sorted(w.written)
+
+
+def test_close_waits_for_a_submit_already_putting_its_shard(tmp_path):
+    """A submit that took the queue before close() began, and is slow to put its shard (held here), is waited for:
+    the threads' stop goes in behind it. Stopped first, the threads end and the shard lands in a queue no thread
+    reads."""
+    import threading
+    import time
+
+    gate, let_put = threading.Event(), threading.Event()
+    w = _writer_busy_and_full(tmp_path, gate)
+    q = w._queue  # noqa: SLF001
+    put = q.put
+
+    def held_put(item, *a, **kw):
+        if item is not None and item[0].endswith("000002.safetensors"):
+            let_put.wait(10)
+        return put(item, *a, **kw)
+
+    q.put = held_put
+    submitter = threading.Thread(target=lambda: w.submit(_build(2)))
+    submitter.start()
+    time.sleep(0.2)  # the submit of shard 2 has taken the queue and is held in its put
+    closer = threading.Thread(target=w.close)
+    closer.start()
+    time.sleep(0.2)
+    gate.set()       # shard 0 written, shard 1 taken: room for whatever comes next
+    time.sleep(0.3)
+    let_put.set()
+    _all_returned_and_written(w, (closer, submitter))
