@@ -26,8 +26,10 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from itertools import chain
@@ -622,7 +624,13 @@ class Capturer:
             self.filler.errors = []
         return errors
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the copy thread once it has handled every step handed over; after ``timeout`` seconds, say where it
+        is stuck (its stack) and return without it."""
         self._stop_gil()
         self.queue.put(None)
-        self.thread.join(timeout=60)
+        self.thread.join(timeout=timeout)
+        if self.thread.is_alive():
+            frame = sys._current_frames().get(self.thread.ident)  # noqa: SLF001 - the stuck thread's stack
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
+            log.warning("capture: the copy thread did not stop within %.1f s; left running, at:\n%s", timeout, stack)

@@ -527,3 +527,32 @@ def test_a_sample_that_would_overflow_its_shard_by_one_row_opens_the_next(tmp_pa
         assert got[f"s{i}"]["input_ids"].tolist() == p
         for k, layer in enumerate(SPEC.layer_ids):
             assert torch.equal(got[f"s{i}"]["states"][layer], _states(p)[k])
+
+
+def test_a_copy_thread_that_does_not_stop_is_named_not_waited_for_in_silence(tmp_path, caplog):
+    """close() waits a bounded time for the copy thread; one still busy then (here: blocked handing a shard on) is
+    reported with what it is doing, not left behind without a word (the suite once lost 60 s that way, unexplained)."""
+    import logging
+    import threading
+
+    writer = ShardWriter(tmp_path, SPEC, 0, fsync=False)
+    cap = Capturer(N_LAYERS, H, torch.float32)
+    cap.start("store", writer, shard_tokens=10)
+    stuck, release = threading.Event(), threading.Event()
+    cap.queue.put((None, [], [], [], []))  # an item whose handling blocks below
+    cap.pool.put = lambda buf: None
+    arrived = cap.filler.arrived
+
+    def held(*a):
+        stuck.set()
+        release.wait(10)
+        return arrived(*a)
+
+    cap.filler.arrived = held
+    cap.queue.put((None, [], [], [(None, 0)], []))
+    assert stuck.wait(5)
+    with caplog.at_level(logging.WARNING, logger="eagle3.extract.capture"):
+        cap.close(timeout=0.2)
+    release.set()
+    cap.thread.join(5)
+    assert "did not stop within 0.2 s" in caplog.text and "held" in caplog.text, caplog.text
