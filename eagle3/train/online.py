@@ -305,9 +305,13 @@ class Producer:
         self.spool, self.data, self.plan, self.backend, self.cfg, self.batch = (spool, data, plan, backend,
                                                                                  extract_cfg, batch)
         self.thread: threading.Thread | None = None
-        self.tokens = 0
         self.seconds = self.t0 = 0.0
         self.commits: list[tuple[float, int]] = []  # per extraction batch: (time.perf_counter() at its commit, tokens)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens extracted so far in this run."""
+        return sum(n for _, n in self.commits)
 
     def start_once(self, start: int) -> None:
         if self.thread is None:
@@ -332,7 +336,6 @@ class Producer:
                 pending += est[:-1] + [est[-1] + SHARD_MARGIN]
                 infos = session.submit(batch)
                 self.spool.commit(infos, self._release(pending, infos))
-                self.tokens += sum(len(s) for s in batch)
                 self.commits.append((time.perf_counter(), sum(len(s) for s in batch)))
             infos = session.finish()
             self.spool.commit(infos, self._release(pending, infos))

@@ -402,27 +402,33 @@ def test_a_file_renamed_between_listing_and_size_is_counted_once_not_an_error(ti
     spool.store.release()
 
 
+def _build_draft_once(monkeypatch, ready, within: float) -> list[bool]:
+    """The online trainer builds its draft only once ready(spool) holds (or ``within`` seconds passed); returns the
+    list where each build records whether it did."""
+    from eagle3.train import train as train_mod
+
+    build, seen = train_mod.build_draft, []
+
+    def build_when_ready(cfg, store, source, *a, **kw):
+        deadline = time.monotonic() + within
+        while not ready(source.spool) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(bool(ready(source.spool)))
+        return build(cfg, store, source, *a, **kw)
+
+    monkeypatch.setattr(train_mod, "build_draft", build_when_ready)
+    return seen
+
+
 def test_a_fresh_run_extracts_while_the_draft_is_built(setup, tiny_kimi, tmp_path, monkeypatch):
     """The extraction starts before the trainer builds its draft (at Kimi's size: the model's init, the target's
     embedding and head read, the copy to the GPU), not at the first step: building waits here (up to 10 s) for the
     spool's first shard, which only an extraction already running can bring."""
-    from eagle3.train import train as train_mod
-
     samples, backend, ex = setup
-    build, seen = train_mod.build_draft, []
-
-    def build_after_a_shard(cfg, store, source, *a, **kw):
-        deadline = time.monotonic() + 10
-        while not source.spool.entries and time.monotonic() < deadline:
-            time.sleep(0.01)
-        seen.append(bool(source.spool.entries))
-        return build(cfg, store, source, *a, **kw)
-
-    monkeypatch.setattr(train_mod, "build_draft", build_after_a_shard)
+    seen = _build_draft_once(monkeypatch, lambda spool: spool.entries, within=10)
     res = online.run(_cfg(tmp_path / "spool", tmp_path / "run", max_steps=2), ex, samples, _capacity(tiny_kimi, 4),
                      backend=backend, extract_batch=4, progress=False)
     assert seen == [True] and res.train.steps == 2
-
 
 
 @pytest.mark.parametrize("slow", ["extraction", "training"])
@@ -438,7 +444,6 @@ def test_the_sustained_online_rate_is_the_pipeline_s_not_the_head_start_s(setup,
       sustained figure must be the trainer's (its later half of steps: it never waited), not the extraction's after the
       trainer began (it caught up in a burst as the first steps freed room, about twice the trainer's rate)."""
     from eagle3.data.conversations import Sample
-    from eagle3.train import train as train_mod
 
     samples, backend, ex = setup  # 32 samples cut to 32 tokens: 2 epochs of 8 steps, 16 extraction batches
     samples = [Sample(s.sample_id, s.input_ids[:32], s.loss_mask[:32]) for s in samples[:32]]
@@ -453,16 +458,7 @@ def test_the_sustained_online_rate_is_the_pipeline_s_not_the_head_start_s(setup,
     spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
     ahead = len(plan) * 3 // 4
     cap = sum(online.sample_bytes(len(samples[i]), spec) for i in plan[:ahead]) + 2 * online.SHARD_MARGIN
-    build, waited = train_mod.build_draft, []
-
-    def build_when_full(cfg, store, source, *a, **kw):
-        deadline = time.monotonic() + 30
-        while not source.spool.producer_waiting and time.monotonic() < deadline:
-            time.sleep(0.01)
-        waited.append(source.spool.producer_waiting)
-        return build(cfg, store, source, *a, **kw)
-
-    monkeypatch.setattr(train_mod, "build_draft", build_when_full)
+    waited = _build_draft_once(monkeypatch, lambda spool: spool.producer_waiting, within=30)
     res = online.run(cfg, ex, samples, cap, backend=backend, extract_batch=4, progress=False)
     assert waited == [True] and res.train.steps == 8 and len(res.commits) == len(plan) // 4, (waited, res.train.steps)
     before = [(t, n) for t, n in res.commits if t < res.train.started_at]

@@ -320,7 +320,6 @@ def test_a_shard_that_fails_to_build_still_hands_its_buffer_back(tmp_path):
     assert released == [True]
 
 
-
 def _build(i, gate=None):
     """A shard of sample i for ShardWriter.submit; its build waits for ``gate`` first, where given."""
     from eagle3.store.format import shard_tensors
