@@ -264,22 +264,40 @@ def pack_inputs(xs: list[dict], guard: int = 0, pin: bool = False) -> dict:
     Packed rows: at TTT step j speculators compares row r's logits with the target of row r + j, masked by the
     target's loss mask. So the first ``guard`` = ttt_steps - 1 targets of every sample after the first get loss
     mask 0: no step compares one sample's logits with the next one's targets (at the price of those few targets;
-    chat samples start with non-assistant tokens, so usually nothing is lost)."""
-    parts = {k: [] for k in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask",
-                             "position_ids", "document_ids")}
+    chat samples start with non-assistant tokens, so usually nothing is lost).
+
+    Each sample's rows are copied once, into tensors allocated whole first: pinned where ``pin`` (host_empty), so
+    the copy to the GPU needs no second one (concatenating, then pinning, copied the states twice, the first time
+    into freshly faulted pages: tests/unit/test_pack.py)."""
+    n = sum(x["input_ids"].shape[0] - 1 for x in xs)
+    first = xs[0]
+
+    def empty(like: torch.Tensor) -> torch.Tensor:  # [1, n, *like's row shape], like's dtype (the store's)
+        return host_empty((1, n, *like.shape[1:]), like.dtype, pin)
+
+    out = {"input_ids": empty(first["input_ids"]), "hidden_states": empty(first["aux"]),
+           "verifier_last_hidden_states": empty(first["last"]), "loss_mask": empty(first["loss_mask"]),
+           "position_ids": host_empty((1, n), torch.long, pin), "document_ids": host_empty((1, n), torch.long, pin)}
+    at = 0
     for d, x in enumerate(xs):
         t = x["input_ids"].shape[0] - 1
-        mask = x["loss_mask"][1:].clone()
+        out["input_ids"][0, at : at + t].copy_(x["input_ids"][1:])
+        out["hidden_states"][0, at : at + t].copy_(x["aux"][:-1])
+        out["verifier_last_hidden_states"][0, at : at + t].copy_(x["last"][1:])
+        mask = out["loss_mask"][0, at : at + t]
+        mask.copy_(x["loss_mask"][1:])
         if d > 0:
             mask[:guard] = False
-        parts["input_ids"].append(x["input_ids"][1:])
-        parts["hidden_states"].append(x["aux"][:-1])
-        parts["verifier_last_hidden_states"].append(x["last"][1:])
-        parts["loss_mask"].append(mask)
-        parts["position_ids"].append(torch.arange(1, t + 1))
-        parts["document_ids"].append(torch.full((t,), d, dtype=torch.long))
-    out = {k: torch.cat(v)[None] for k, v in parts.items()}  # on the host, the store's dtype
-    return {k: v.pin_memory() for k, v in out.items()} if pin else out
+        torch.arange(1, t + 1, out=out["position_ids"][0, at : at + t])
+        out["document_ids"][0, at : at + t].fill_(d)
+        at += t
+    return out
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialized host tensor; where ``pin``, page-locked from torch's caching host allocator (its blocks are
+    reused once the copies from them are done: no page faults after the first steps)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
 
 def to_device(inputs: dict, device: str, dtype: torch.dtype) -> dict:
@@ -314,6 +332,14 @@ def micro_batches(samples: "StoreSamples", indices: list[int], pack_tokens: int,
         cur.append(x)
         n += t
     return packs + ([cur] if cur else [])
+
+
+def read_packs(samples: "StoreSamples", indices: list[int], pack_tokens: int, guard: int, pin: bool,
+               skipped: dict[str, str] | None = None) -> list[tuple[list[str], dict]]:
+    """The samples ``indices`` as a training step takes them (the reader thread's work, train/read_ahead.py): read
+    and checked, packed, pinned where ``pin``. (sample ids, host inputs) a pack."""
+    return [([x["sample_id"] for x in p], pack_inputs(p, guard, pin))
+            for p in micro_batches(samples, indices, pack_tokens, skipped)]
 
 
 def _dist():
@@ -508,8 +534,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
         """This rank's part of step ``step``: (sample ids, host inputs) per pack, and the samples it skipped."""
         mine = samples.batch(step, steps_per_epoch, cfg.batch_samples)[rank::world]
         bad: dict | None = {} if skipped is not None else None
-        packs = micro_batches(samples, mine, cfg.pack_tokens, bad)
-        return [([x["sample_id"] for x in p], pack_inputs(p, guard, pin)) for p in packs], bad
+        return read_packs(samples, mine, cfg.pack_tokens, guard, pin, bad), bad
 
     ahead = ReadAhead(read_step, cfg.read_ahead)
     t0, tokens_this_run = time.perf_counter(), 0

@@ -128,3 +128,21 @@ def test_a_flex_row_trains_speculators_flex_attention():
 def test_the_reader_benchmark_reads_back_every_token(tmp_path):
     got = gb.reader_rate(tmp_path / "store", 3, 40, hidden=64)
     assert got["tokens"] == 120 and got["seconds"] > 0 and got["bytes_per_token"] == 4 * 64 * 2
+
+
+def test_the_reader_benchmark_times_the_steps_as_the_trainer_reads_them(monkeypatch, tmp_path):
+    """The figure set against the trainer's need is a step's read as train() makes it (train.read_packs: read,
+    checked, packed, pinned on CUDA), every sample once in packs of step_tokens; reading the samples alone left out
+    the packing, which is most of the copying."""
+    from eagle3.train import train as train_mod
+
+    calls, real = [], train_mod.read_packs
+
+    def read_packs(samples, indices, pack_tokens, guard, pin, skipped=None):
+        calls.append((list(indices), pack_tokens, guard, pin))
+        return real(samples, indices, pack_tokens, guard, pin, skipped)
+
+    monkeypatch.setattr(train_mod, "read_packs", read_packs)
+    got = gb.reader_rate(tmp_path / "store", 6, 40, hidden=64, step_tokens=80)
+    assert sorted(i for c in calls for i in c[0]) == list(range(6)) and {c[1:] for c in calls} == {(80, 2, False)}
+    assert got["step_tokens"] == 80 and got["steps"] == 3 and got["step_seconds"] > 0, got
