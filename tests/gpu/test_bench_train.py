@@ -10,7 +10,8 @@ matmuls).
   (what the fused one saves).
 - The longest T one H200 trains: doubled from 32k until a step runs out of memory (128k at most), then bisected.
 - The store reader: StoreSamples over a store of Kimi-shaped states (4 x 7168 bf16 a token) written here, GB/s
-  and tok/s against what the trainer consumes at 8k.
+  and tok/s against what the trainer consumes at 8k: the samples alone, and as the trainer's steps read them
+  (train.read_packs: packed into 8k sequences and pinned, the reader thread's whole work).
 Goals (issue 42): >= 35 % MFU at 8k; >= 32k tokens trainable; the reader >= 2x the trainer. Reported, asserted
 only where a measurement fails outright (a step that does not run). Where the 8k MFU misses its goal, a profile of
 two steps (GPU_OUT/profile_8k.txt; time by kind of work in the report: train/step_profile.py). Every row runs
@@ -18,7 +19,9 @@ as the trainer does: speculators 0.9 compiles Eagle3DraftModel.forward itself wh
 runs it eagerly (torch.compiler.set_stance "force_eager") unless TrainConfig.compile. Last, compiled as
 TrainConfig(compile=True) runs it (with its compile time), as the issue asks: measured with and without; at 8k the
 mask-free varlen attention, flex attention (a block mask instead of sdpa's dense one; fused only when compiled), then
-flex at 32k and sdpa at 8k, each from dynamo's caches cleared (no recompile limit reached through an earlier row).
+flex over a training run's packs (ten steps, each pack another length and 3-15 samples: whether the recompiles stop
+once dynamo marks the length dynamic, or reach the limit, where a frame runs eagerly), then flex at 32k and sdpa at
+8k, each from dynamo's caches cleared (no recompile limit reached through an earlier row).
 Then the same draft with the mask-free TTT attention (`--attn varlen`, eagle3/train/ttt_attention.py: flash attention
 within each sample plus each TTT step's own key, no [T, (s + 1) T] mask) at 2k, 8k and 32k, its longest sequence and,
 where its 8k MFU misses 35 %, its profile (profile_8k_varlen.txt); not yet run on a GPU.
@@ -33,6 +36,7 @@ the reader at 25,212 tok/s, bound then by torch.isfinite on bf16 (eagle3/store/f
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -56,8 +60,9 @@ class Bench:
     seqs: tuple = (2048, 8192, 32768)  # short, the goal's (8k), long (32k): tokens a packed sequence
     longest_cap: int = 131072          # the longest-sequence search stops here (a probe at 128k: ~3 steps of ~10 s)
     longest_step: int = 4096           # and resolves to a multiple of this
-    compiled: tuple = (("varlen", 1), ("flex", 1), ("flex", 2), ("sdpa", 1))  # the compiled rows: attention, index
-    # into seqs; the least known first (varlen compiled never ran; sdpa compiled at c5ebd37: 35.1 % MFU at 8k)
+    compiled: tuple = (("varlen", 1), ("flex", 1), ("flex", "run"), ("flex", 2), ("sdpa", 1))  # the compiled rows:
+    # attention, index into seqs or "run" (a training run's packs, _compiled_run_row); the least known first (varlen
+    # compiled never ran; sdpa compiled at c5ebd37: 35.1 % MFU at 8k)
 
 
 def kimi() -> Bench:
@@ -99,20 +104,22 @@ def _model(b: Bench, mla=None, attn: str = "sdpa"):
     return m.float().train()
 
 
-def _inputs(b: Bench, seq: int, attn: str = "sdpa"):
-    """One packed sequence of seq tokens, one sample (the attention's worst case: causal over all of it)."""
+def _inputs(b: Bench, seq: int, attn: str = "sdpa", lengths: list[int] | None = None):
+    """One packed sequence of seq tokens: one sample (the attention's worst case: causal over all of it), or samples
+    of ``lengths`` (summing to seq) with their document ids and positions as pack_inputs makes them."""
     from eagle3.train import ttt_attention
 
     h, device = b.shape.hidden_size, b.device
     g = torch.Generator(device=device).manual_seed(1)
-    docs = torch.zeros(1, seq, dtype=torch.long)
+    lengths = lengths or [seq]
+    docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
     extra = ttt_attention.forward_kwargs(docs, device) if attn == "varlen" else {}
     return dict(extra, input_ids=torch.randint(0, b.draft_vocab, (1, seq), device=device, generator=g),
                 hidden_states=torch.randn(1, seq, N_AUX * h, device=device, generator=g, dtype=torch.bfloat16).float(),
                 verifier_last_hidden_states=torch.randn(1, seq, h, device=device, generator=g,
                                                         dtype=torch.bfloat16).float(),
                 loss_mask=torch.ones(1, seq, dtype=torch.bool, device=device),
-                position_ids=torch.arange(1, seq + 1, device=device)[None],
+                position_ids=torch.cat([torch.arange(1, n + 1) for n in lengths])[None].to(device),
                 document_ids=docs.to(device))
 
 
@@ -271,7 +278,7 @@ def run_bench(b: Bench, report, gpu_out) -> None:
     # compiled, at 8k and 32k: whether it pays in speed, and in the memory of long sequences; sdpa at 8k
     compiled = []
     for attn, k in b.compiled:
-        compiled.append(_compiled_row(b, b.seqs[k], attn))
+        compiled.append(_compiled_run_row(b, attn) if k == "run" else _compiled_row(b, b.seqs[k], attn))
         report("bench_train_compiled", compiled)
         _write_history(gpu_out, rows + mla_rows + varlen + compiled)
 
@@ -355,6 +362,72 @@ def _compiled_row(b: Bench, seq: int, attn: str = "sdpa") -> dict:
         return {"seq": seq, "attn": attn, "compiled": True, "error": f"{type(e).__name__}: {str(e)[:300]}",
                 "seconds": round(time.perf_counter() - t0, 1)}
     finally:
+        del model, opt
+        torch.cuda.empty_cache()
+
+
+def run_packs(b: Bench, n: int, seed: int = 0) -> list[list[int]]:
+    """n packs as a training run makes them (train.micro_batches: samples in order, a pack closed before it would pass
+    the goal's size): sample lengths drawn from 1/16 to 1/4 of it, so each pack's length and documents differ."""
+    mid = b.seqs[1]
+    g = torch.Generator().manual_seed(seed)
+    packs, cur = [], []
+    while len(packs) < n:
+        t = int(torch.randint(mid // 16, mid // 4 + 1, (1,), generator=g))
+        if cur and sum(cur) + t > mid:
+            packs.append(cur)
+            cur = []
+        cur.append(t)
+    return packs
+
+
+class _LimitHits(logging.Handler):
+    """dynamo's warnings that a function reached its recompile limit (past it the frame runs eagerly: flex attention
+    then unfused, its scores whole in memory)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        if "recompile_limit" in record.getMessage() or "cache_size_limit" in record.getMessage():
+            self.messages.append(record.getMessage().splitlines()[1].strip())
+
+
+def _compiled_run_row(b: Bench, attn: str, steps: int = 10) -> dict:
+    """compile=True over a training run's packs (run_packs: every step another length, 3-15 documents), not one shape
+    repeated: whether dynamo's recompiles stop once it marks the length dynamic (from the second length on) or reach
+    the recompile limit (c5ebd37's compiled rows reached it, sharing one cache), and the rate over the later half of
+    the steps, where the compiles are done. MFU from each pack's own attention (its documents', causal within each)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    hits = _LimitHits()
+    logging.getLogger("torch._dynamo").addHandler(hits)
+    model = _model(b, attn=attn)
+    opt = _optimizer(b, model)
+    packs = run_packs(b, steps)
+    row = dict(_row("run", True, None, "auto", attn=attn), attn=attn, compiled=True)  # bench report's key: .../run
+    t0, graphs, times = time.perf_counter(), [], []
+    try:
+        for lengths in packs:
+            times.append(_steps(model, opt, _inputs(b, sum(lengths), attn, lengths), 1, True, compiled=True))
+            graphs.append(counters["stats"]["unique_graphs"])
+        later = range(steps // 2, steps)
+        tokens = sum(sum(packs[i]) for i in later)
+        rate = tokens / sum(times[i] for i in later)
+        linear = sum(flops.linear_flops(b.shape, N_AUX, b.draft_vocab, TTT).values())
+        attention = sum(n * flops.attention_flops(b.shape, TTT, n) for i in later for n in packs[i]) / tokens
+        return dict(row, pack_tokens=[sum(p) for p in packs], documents=[len(p) for p in packs],
+                    s_per_step=[round(t, 3) for t in times], graphs_after_each_step=graphs,
+                    recompile_limit_hits=hits.messages, tok_per_s=round(rate),
+                    mfu=round(flops.mfu(rate, linear + attention), 4), seconds=round(time.perf_counter() - t0, 1),
+                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if b.device == "cuda" else None)
+    except Exception as e:  # noqa: BLE001 - reported as the row, as _compiled_row's
+        return dict(row, error=f"{type(e).__name__}: {str(e)[:300]}", steps_done=len(times),
+                    recompile_limit_hits=hits.messages, seconds=round(time.perf_counter() - t0, 1))
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(hits)
         del model, opt
         torch.cuda.empty_cache()
 

@@ -14,8 +14,9 @@ from tests.gpu import test_bench_train as gb
 
 SMALL = gb.Bench(DraftShape(64, 512, 4, 2, 16, 128), mla_draft.MLAShape(64, 4, 24, 32, 16, 8, 12, 96), device="cpu",
                  draft_vocab=256, seqs=(32, 64, 128), longest_cap=512, longest_step=16,
-                 compiled=(("varlen", 1), ("sdpa", 1)))  # the compiled rows' code (speculators compiles only
-# where CUDA is; a compile that fails on the GPU is that row's error, not a lost table)
+                 compiled=(("varlen", 1), ("sdpa", 1), ("sdpa", "run")))  # the compiled rows' code (speculators
+# compiles only where CUDA is; a compile that fails on the GPU is that row's error, not a lost table)
+RUN_STEPS = 10  # _compiled_run_row's default
 
 
 def _out_of_memory_past(monkeypatch, limit: int) -> list[int]:
@@ -54,9 +55,11 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
     tried = _out_of_memory_past(monkeypatch, limit)
     got = {}
     gb.run_bench(SMALL, got.__setitem__, tmp_path)
-    n = 3 * len(SMALL.compiled)  # _steps calls of a compiled row: its compile's two steps, _measure's warm-up, timing
+    calls = [RUN_STEPS if k == "run" else 3 for _, k in SMALL.compiled]  # _steps calls of a compiled row: its
+    # compile's two steps, _measure's warm-up, timing; a run row's one a step
+    n = sum(calls)
     assert stances[:-n] and set(stances[:-n]) == {"force_eager"} and set(stances[-n:]) == {"default"}, stances
-    assert resets == [len(stances) - n + 3 * i for i in range(len(SMALL.compiled))], (resets, len(stances))
+    assert resets == [len(stances) - n + sum(calls[:i]) for i in range(len(calls))], (resets, len(stances))
     rows = got["bench_train_kimi_draft"]
     assert [(r["seq"], r["precision"], r["loss"], r["optimizer"]) for r in rows] == [
         (32, "bf16-mixed", "auto", "auto"), (64, "bf16-mixed", "auto", "auto"), (128, "bf16-mixed", "auto", "auto"),
@@ -94,11 +97,17 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
     assert (tmp_path / "profile_8k_varlen.txt").read_text().strip() and "mfu_8k_varlen" in goals
     assert [(r["draft"], r["seq"], r["attn"]) for r in got["bench_train_varlen_mla"]] == [
         ("mla", s, "varlen") for s in SMALL.seqs[:2]]
-    varlen_c, sdpa = got["bench_train_compiled"]  # the varlen one first: its inputs carry the samples' boundaries
+    varlen_c, sdpa, run = got["bench_train_compiled"]  # the varlen one first: its inputs carry the samples' boundaries
     for row, attn in ((varlen_c, "varlen"), (sdpa, "sdpa")):
         assert (row["attn"], row["seq"]) == (attn, 64) and "error" not in row and row["tok_per_s"] > 0, row
+    # a training run's packs: every step another length, several documents each, none past the goal's size (64)
+    assert "error" not in run and run["seq"] == "run" and len(run["pack_tokens"]) == RUN_STEPS, run
+    assert len(set(run["pack_tokens"])) > 1 and all(48 < t <= 64 for t in run["pack_tokens"]), run
+    assert min(run["documents"]) >= 3 and run["tok_per_s"] > 0 and 0 <= run["mfu"] < 1, run
+    assert run["recompile_limit_hits"] == [] and len(run["graphs_after_each_step"]) == RUN_STEPS, run
     keys = {r.key for r in bench.load_history([tmp_path / "benchmark.json"])}
-    assert {"train_llama_bf16-mixed_compiled/64", "train_llama_bf16-mixed_varlen_compiled/64"} <= keys, keys
+    assert {"train_llama_bf16-mixed_compiled/64", "train_llama_bf16-mixed_varlen_compiled/64",
+            "train_llama_bf16-mixed_compiled/run"} <= keys, keys
 
 
 @pytest.mark.parametrize("limit,longest", [(200, 192), (100, 96), (1000, 512), (127, 112), (60, None)])
@@ -146,3 +155,25 @@ def test_the_reader_benchmark_times_the_steps_as_the_trainer_reads_them(monkeypa
     got = gb.reader_rate(tmp_path / "store", 6, 40, hidden=64, step_tokens=80)
     assert sorted(i for c in calls for i in c[0]) == list(range(6)) and {c[1:] for c in calls} == {(80, 2, False)}
     assert got["step_tokens"] == 80 and got["steps"] == 3 and got["step_seconds"] > 0, got
+
+
+def test_the_compiled_run_row_names_a_function_that_reaches_the_recompile_limit():
+    """_LimitHits against dynamo's own warning (this torch's wording): a function recompiled for each of 4 constants
+    past a limit of 2 is named; under the limit, nothing is."""
+    import logging
+
+    def shift(x, k):
+        return x + k
+
+    for limit, named in ((2, True), (8, False)):
+        torch._dynamo.reset()
+        hits = gb._LimitHits()
+        logging.getLogger("torch._dynamo").addHandler(hits)
+        try:
+            with torch._dynamo.config.patch(recompile_limit=limit, automatic_dynamic_shapes=False):
+                f = torch.compile(shift, backend="eager", dynamic=False)
+                for k in range(4):
+                    assert float(f(torch.zeros(1), k)) == k
+        finally:
+            logging.getLogger("torch._dynamo").removeHandler(hits)
+        assert bool(hits.messages) == named and all("shift" in m for m in hits.messages), hits.messages
