@@ -77,11 +77,13 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   wrapper)  step wrapper $PT -m kimi_depth tests/gpu/test_kimi_k25_wrapper.py --gpu-out "$OUT/wrapper" ;;  # Kimi-K2.5's
             # class, kimi-depth text model: capture, self-check, a served draft (two engine starts of 2-4 min)
   onlinekd) # online at Kimi's depth: kimi-depth's engine and the Kimi-size trainer on one H200 (346 s at c5ebd37; ~7
-            # min now). The trainer's attention: EAGLE3_ONLINE_ATTN where set; else varlen where this campaign's
-            # benchtrain step passed the varlen CUDA tests, sdpa where not
-            attn=${EAGLE3_ONLINE_ATTN:-$(bash tests/gpu/passed.sh "$OUT/benchtrain.log" tests/gpu/test_ttt_attention_gpu.py \
-                 && echo varlen || echo sdpa)}
-            echo "onlinekd attention: $attn" >> "$OUT/steps.txt"
+            # min now). The trainer: EAGLE3_ONLINE_ATTN where set (sdpa, varlen, flex: compiled); else the fastest at 8k
+            # that this campaign's benchtrain step showed working (tests/gpu/pick_trainer.py: varlen only where its
+            # CUDA tests passed, flex only where its compiled run of varying packs met no recompile limit); sdpa
+            bash tests/gpu/passed.sh "$OUT/benchtrain.log" tests/gpu/test_ttt_attention_gpu.py && vp=1 || vp=0
+            pick=$(python3 tests/gpu/pick_trainer.py "$OUT/benchtrain/report.json" $vp)
+            attn=${EAGLE3_ONLINE_ATTN:-${pick%% *}}
+            echo "onlinekd attention: $attn (benchtrain: $pick)" >> "$OUT/steps.txt"
             EAGLE3_ONLINE_ATTN=$attn step onlinekd $PT -m kimi_depth tests/gpu/test_online_kimi_depth.py --gpu-out "$OUT/onlinekd" ;;
   benchtrain) step benchtrain $PT -s -m "gpu or benchmark" tests/gpu/test_ttt_attention_gpu.py tests/gpu/test_bench_train.py \
                  --gpu-out "$OUT/benchtrain" ;;  # the varlen attention's CUDA kernels against the dense mask; the

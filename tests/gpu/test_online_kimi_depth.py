@@ -14,6 +14,8 @@ turns on the GPU (taking_turns: what one shared GPU allows without overlap, and 
 over the whole run, and sustained (training alone over its later half of steps, TrainResult.timeline; online, the
 pipeline once training began, OnlineResult.sustained_tokens_per_s). Asserted: the online run trains every sample
 once in the same steps as the offline one, with finite losses (dummy weights: the losses mean nothing else).
+The trainer's attention (and compile) is EAGLE3_ONLINE_ATTN's: campaign.sh's onlinekd step sets the fastest that its
+benchtrain step showed working (tests/gpu/pick_trainer.py).
 Run on an H200 at c5ebd37 (results/2026-12-05-c5ebd37-h200-vllm0.26.0: PASSED, online 0.666 of min(alone), training
 alone at 3,352 tok/s against its steps' 18,685 in the trainer benchmark; no phases nor read-ahead then). Its code runs
 on CPU against the fake vLLM in tests/unit/test_e2e_rehearsal.py.
@@ -40,8 +42,12 @@ from .test_kimi_k25_wrapper import write_verifier_weights
 pytestmark = [pytest.mark.gpu, pytest.mark.kimi_depth]
 N_SAMPLES, SEQ = 512, 512  # 262,144 tokens; the store ~15 GB (4 x 7168 bf16 a token)
 ONLINE_GOAL = 0.8
-ATTN = os.environ.get("EAGLE3_ONLINE_ATTN", "sdpa")  # the trainer's attention in every run here (sdpa | varlen;
-# campaign.sh's onlinekd step sets varlen where its benchtrain step passed the varlen CUDA tests)
+ATTN = os.environ.get("EAGLE3_ONLINE_ATTN", "sdpa")  # the trainer's attention in every run here (sdpa | varlen |
+# flex: speculators' flex attention, compiled; campaign.sh's onlinekd step sets the fastest that its benchtrain step
+# showed working: tests/gpu/pick_trainer.py)
+TRAINERS = {"sdpa": {"attn_impl": "sdpa"}, "varlen": {"attn_impl": "varlen"},
+            "flex": {"attn_impl": "simple_flex_attention", "compile": True}}  # TrainConfig's fields for each
+TRAINER = TRAINERS[ATTN]
 
 
 def test_online_at_kimi_depth_against_extract_alone_and_train_alone(tmp_path_factory, tmp_path, report):
@@ -74,8 +80,7 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
     def cfg(store, out, read_ahead=True):
         return TrainConfig(store=str(store), out=str(out), device=device, batch_samples=batch_samples,
                            pack_tokens=pack_tokens, epochs=1, lr=1e-4, warmup_steps=1, draft_vocab_size=draft_vocab,
-                           ttt_steps=3, seed=0, checkpoint_minutes=0, read_ahead=read_ahead,
-                           attn_impl=ATTN)
+                           ttt_steps=3, seed=0, checkpoint_minutes=0, read_ahead=read_ahead, **TRAINER)
 
     try:
         backend.unit_norms()

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 WAIT = Path(__file__).resolve().parents[1] / "gpu" / "wait.sh"
 
 
@@ -97,3 +99,55 @@ def test_a_step_s_tests_count_as_passed_only_when_each_passed(tmp_path):
         got = subprocess.run(["bash", str(PASSED), str(tmp_path / "step.log"), f], check=False).returncode
         assert got == want, name
     assert subprocess.run(["bash", str(PASSED), str(tmp_path / "missing.log"), f], check=False).returncode == 1
+
+
+PICK = Path(__file__).resolve().parents[1] / "gpu" / "pick_trainer.py"
+
+
+def _bench_report(sdpa=18685, varlen=None, flex=None, run=None) -> dict:
+    """The benchtrain step's report.json as test_bench_train writes it: the eager table (8k second), the varlen rows,
+    the compiled rows (flex at 8k, then the run row)."""
+    eager = [{"seq": 2048, "tok_per_s": 21131}, {"seq": 8192, "tok_per_s": sdpa}, {"seq": 32768, "tok_per_s": 8831}]
+    out = {"bench_train_kimi_draft": eager}
+    if varlen is not None:
+        out["bench_train_varlen"] = [{"seq": 2048, "attn": "varlen", "tok_per_s": 1},
+                                     {"seq": 8192, "attn": "varlen", **varlen}]
+    compiled = [{"seq": 8192, "attn": "varlen", "compiled": True, "tok_per_s": 99999}]  # not a candidate: not in a run
+    if flex is not None:
+        compiled.append({"seq": 8192, "attn": "flex", "compiled": True, **flex})
+    if run is not None:
+        compiled.append({"seq": "run", "attn": "flex", "compiled": True, "run": True, **run})
+    out["bench_train_compiled"] = compiled
+    return out
+
+
+@pytest.mark.parametrize("case,varlen_passed,want", [
+    ({}, True, "sdpa"),                                                          # only the eager table ran
+    ({"varlen": {"tok_per_s": 24000}}, True, "varlen"),
+    ({"varlen": {"tok_per_s": 24000}}, False, "sdpa"),                           # its CUDA tests did not pass
+    ({"varlen": {"tok_per_s": 15000}}, True, "sdpa"),                            # slower than sdpa
+    ({"varlen": {"out_of_memory": True}}, True, "sdpa"),
+    ({"varlen": {"tok_per_s": 24000}, "flex": {"tok_per_s": 30403},
+      "run": {"tok_per_s": 33000, "recompile_limit_hits": []}}, True, "flex"),
+    ({"flex": {"tok_per_s": 30403}, "run": {"tok_per_s": 33000, "recompile_limit_hits": ["function: 'forward'"]}},
+     True, "sdpa"),                                                              # a run reached the recompile limit
+    ({"flex": {"tok_per_s": 30403}, "run": {"error": "OutOfMemoryError: ..."}}, True, "sdpa"),
+    ({"flex": {"tok_per_s": 30403}}, True, "sdpa"),                              # no run row: not shown in a run
+    ({"varlen": {"tok_per_s": 24000}, "flex": {"tok_per_s": 21000},
+      "run": {"tok_per_s": 33000, "recompile_limit_hits": []}}, True, "varlen"),  # compiled, yet slower at 8k
+])
+def test_the_online_step_trains_with_the_fastest_configuration_the_benchmark_showed_working(tmp_path, case,
+                                                                                             varlen_passed, want):
+    """tests/gpu/pick_trainer.py REPORT VARLEN_PASSED: the onlinekd step's trainer (sdpa, varlen or flex compiled) as
+    the same campaign's benchtrain step measured them at 8k, one sample a sequence each: varlen only where its CUDA
+    tests passed, flex compiled only where its run of varying packs trained without error or a recompile limit
+    reached; sdpa where the report is missing."""
+    import json
+
+    (tmp_path / "report.json").write_text(json.dumps(_bench_report(**case)))
+    got = subprocess.run([sys.executable, str(PICK), str(tmp_path / "report.json"), "1" if varlen_passed else "0"],
+                         capture_output=True, text=True, check=True)
+    assert got.stdout.split()[0] == want, (got.stdout, got.stderr)
+    missing = subprocess.run([sys.executable, str(PICK), str(tmp_path / "none.json"), "1"], capture_output=True,
+                             text=True, check=True)
+    assert missing.stdout.split()[0] == "sdpa"

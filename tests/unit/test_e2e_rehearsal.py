@@ -209,6 +209,21 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path):  #
     json.dumps(got)
 
 
+def test_every_trainer_the_online_step_may_pick_is_a_trainer_configuration():
+    """tests/gpu/pick_trainer.py's answers are the online Kimi-depth test's keys, each TrainConfig's own fields (the
+    flex one trains only on the GPU: flex attention has no backward on the CPU)."""
+    from eagle3.train.train import TrainConfig
+    from tests.gpu import pick_trainer
+    from tests.gpu import test_online_kimi_depth as kd
+
+    report = {"bench_train_kimi_draft": [{}, {"tok_per_s": 1}], "bench_train_varlen": [{"seq": 8192, "tok_per_s": 2}],
+              "bench_train_compiled": [{"seq": 8192, "attn": "flex", "tok_per_s": 3},
+                                       {"seq": "run", "attn": "flex", "run": True, "recompile_limit_hits": []}]}
+    assert set(pick_trainer.candidates(report, True)) == set(kd.TRAINERS) == {"sdpa", "varlen", "flex"}
+    for kw in kd.TRAINERS.values():
+        TrainConfig(store="s", out="o", **kw)
+
+
 @pytest.mark.parametrize("fails", [None, "mla-3.1"])
 def test_the_variants_table_serves_each_draft_in_one_engine_and_one_failure_loses_no_other_figure(fails):
     """Issue 41's variants test (tests/gpu/test_draft_acceptance.py) with the chain's training and serving stood in

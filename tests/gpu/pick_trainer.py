@@ -1,0 +1,44 @@
+"""tests/gpu/pick_trainer.py REPORT VARLEN_PASSED: the trainer configuration campaign.sh's onlinekd step trains with.
+
+REPORT is the same campaign's benchtrain report.json (tests/gpu/test_bench_train.py); VARLEN_PASSED is 1 where that
+step passed the varlen attention's CUDA tests (tests/gpu/passed.sh). Prints one of
+  sdpa     speculators' attention, eager (the trainer's default; also where the report is missing)
+  varlen   the mask-free TTT attention, eager (only where its CUDA tests passed)
+  flex     flex attention compiled (TrainConfig compile=True; only where the compiled run of varying packs trained
+           without an error and without any function reaching dynamo's recompile limit)
+whichever trained fastest at 8k tokens, one sample a sequence (the rows measured alike), then the figures it chose from.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def candidates(report: dict, varlen_passed: bool) -> dict[str, float]:
+    """tok/s at 8k of each configuration the report shows working."""
+    eager = report.get("bench_train_kimi_draft") or []
+    out = {"sdpa": eager[1].get("tok_per_s", 0) if len(eager) > 1 else 0}
+    eight = next((r for r in report.get("bench_train_varlen") or [] if r.get("seq") == 8192), {})
+    if varlen_passed and eight.get("tok_per_s"):
+        out["varlen"] = eight["tok_per_s"]
+    compiled = [r for r in report.get("bench_train_compiled") or [] if r.get("attn") == "flex"]
+    flex = next((r for r in compiled if r.get("seq") == 8192), {})
+    run = next((r for r in compiled if r.get("run")), None)
+    if flex.get("tok_per_s") and run and "error" not in run and not run.get("recompile_limit_hits"):
+        out["flex"] = flex["tok_per_s"]
+    return out
+
+
+def main(argv: list[str]) -> int:
+    path, varlen_passed = Path(argv[1]), argv[2] == "1"
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    got = candidates(report, varlen_passed)
+    best = max(got, key=got.get)
+    print(best, json.dumps(got))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
