@@ -62,6 +62,22 @@ def cuda_available(command: str) -> None:
                          "run it on a GPU host (`eagle3 doctor` lists the GPUs)")
 
 
+TRAIN_ATTN = {"sdpa": "sdpa", "varlen": "varlen", "flex": "simple_flex_attention"}  # --attn -> TrainConfig.attn_impl
+
+
+def train_attention(attn: str, compile: bool, device: str) -> None:
+    """`train --attn flex` where it can train: on CUDA (torch has no flex attention backward on the CPU) and compiled
+    (unfused, flex attention computes each query's scores whole: 768 GiB asked for at 32k tokens on the H200)."""
+    if attn not in ("flex", "simple_flex_attention"):
+        return
+    if not device.startswith("cuda"):
+        raise UsageError("--attn flex: flex attention has no backward on the CPU (torch), so it cannot train there; "
+                         "use --attn sdpa or varlen, or --device cuda")
+    if not compile:
+        raise UsageError("--attn flex runs fused only compiled: without --compile it computes every query's scores "
+                         "whole (768 GiB asked for at 32k tokens); add --compile, or use --attn sdpa or varlen")
+
+
 def store_folder(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():

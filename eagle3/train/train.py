@@ -32,14 +32,14 @@ from pathlib import Path
 
 import torch
 
-from eagle3 import faults
+from eagle3 import faults, preflight
 from eagle3.store.files import checksum_matches
 from eagle3.store.folder import Store
 from eagle3.store.finite import all_finite, nonfinite_layers
 from eagle3.store.format import FP8, StoreError, StoreMismatch, read_states
 from eagle3.targets.layers import aux_ids
 from eagle3.targets.presets import config_hash, read_model_config
-from eagle3.train import checkpoint
+from eagle3.train import checkpoint, compile_watch
 from eagle3.train.draft import SERVE_TPS, DraftShape, check_servable, draft_vocab, speculators_config
 
 log = logging.getLogger(__name__)
@@ -472,11 +472,14 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     entered = time.perf_counter()
     if cfg.on_bad_sample not in ("stop", "skip"):
         raise ValueError(f"on_bad_sample must be stop or skip, got {cfg.on_bad_sample!r}")
+    preflight.train_attention(cfg.attn_impl, cfg.compile, cfg.device)
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise StoreError(f"--device {cfg.device}: torch {torch.__version__} sees no CUDA device here; "
                          "train with --device cpu or on a GPU host")
     fault = faults.from_env()
     notes = [] if source is not None else _check_store_is_whole(cfg)
+    if cfg.compile and not torch.cuda.is_available():
+        notes.append("--compile: speculators compiles the draft's forward only where CUDA is; this run is eager")
     store = Store.open(cfg.store)
     shape, tcfg, target = draft_shape(cfg, store)
     init_distributed(cfg.device)
@@ -542,7 +545,8 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     timeline: list[tuple[float, int]] = []
     last_save = _clock()
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, desc="train", unit="step")
-    with bar, torch.compiler.set_stance("default" if cfg.compile else "force_eager"):  # the bar ends its line
+    watch = compile_watch.RecompileLimitHits()  # dynamo giving up on a function of a compiled run: said in the notes
+    with bar, watch, torch.compiler.set_stance("default" if cfg.compile else "force_eager"):  # the bar ends its line
         while state["step"] < total:
             step = state["step"]
             began = time.perf_counter()
@@ -617,6 +621,10 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
             phases["reading"] += read_s
             phases["checkpoints"] += done - saving
             phases["steps"] += saving - began - read_s
+    for n in watch.notes():
+        notes.append(n)
+        if rank == 0:
+            log.warning("%s", n)
     return TrainResult(str(out), str(out / "draft"), state["step"], state["samples_seen"], state["tokens_seen"],
                        time.perf_counter() - t0, state["losses"], state.get("accept", {}), resumed_from,
                        dict(state["skipped"]), tokens_this_run, notes, {k: round(v, 3) for k, v in phases.items()},

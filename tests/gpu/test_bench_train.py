@@ -36,7 +36,6 @@ the reader at 25,212 tok/s, bound then by torch.isfinite on bf16 (eagle3/store/f
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -381,19 +380,6 @@ def run_packs(b: Bench, n: int, seed: int = 0) -> list[list[int]]:
     return packs
 
 
-class _LimitHits(logging.Handler):
-    """dynamo's warnings that a function reached its recompile limit (past it the frame runs eagerly: flex attention
-    then unfused, its scores whole in memory)."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        if "recompile_limit" in record.getMessage() or "cache_size_limit" in record.getMessage():
-            self.messages.append(record.getMessage().splitlines()[1].strip())
-
-
 def _compiled_run_row(b: Bench, attn: str, steps: int = 10) -> dict:
     """compile=True over a training run's packs (run_packs: every step another length, 3-15 documents), not one shape
     repeated: whether dynamo's recompiles stop once it marks the length dynamic (from the second length on) or reach
@@ -401,9 +387,10 @@ def _compiled_run_row(b: Bench, attn: str, steps: int = 10) -> dict:
     the steps, where the compiles are done. MFU from each pack's own attention (its documents', causal within each)."""
     from torch._dynamo.utils import counters
 
+    from eagle3.train.compile_watch import RecompileLimitHits
+
     torch._dynamo.reset()
-    hits = _LimitHits()
-    logging.getLogger("torch._dynamo").addHandler(hits)
+    hits = RecompileLimitHits().__enter__()  # the trainer's own watch (TrainResult.notes)
     model = _model(b, attn=attn)
     opt = _optimizer(b, model)
     packs = run_packs(b, steps)
@@ -427,7 +414,7 @@ def _compiled_run_row(b: Bench, attn: str, steps: int = 10) -> dict:
         return dict(row, error=f"{type(e).__name__}: {str(e)[:300]}", steps_done=len(times),
                     recompile_limit_hits=hits.messages, seconds=round(time.perf_counter() - t0, 1))
     finally:
-        logging.getLogger("torch._dynamo").removeHandler(hits)
+        hits.__exit__(None, None, None)
         del model, opt
         torch.cuda.empty_cache()
 
