@@ -27,6 +27,11 @@ MAX_BATCHED_TOKENS = 16384  # every engine of the suite and its benchmarks: the 
 MAX_MODEL_LEN = 8192  # the capture engines' and the benchmark's: a prompt and its one sampled token
 
 
+def failure(e: BaseException) -> str:
+    """A measurement's error as its row reports it (the test fails, or reports, after the other rows are measured)."""
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def pytest_runtest_logreport(report):
     """A failure's reason in the log as it happens (the campaign polls the log; pytest prints failures only at
     the end of a run, which a time limit or the lease's end may never reach)."""

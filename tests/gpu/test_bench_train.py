@@ -44,6 +44,8 @@ import torch
 
 from eagle3.train import flops
 
+from .conftest import failure
+
 pytestmark = [pytest.mark.gpu, pytest.mark.benchmark]
 N_AUX, DRAFT_VOCAB, TTT = 3, 32000, 3
 
@@ -358,7 +360,7 @@ def _compiled_row(b: Bench, seq: int, attn: str = "sdpa") -> dict:
         row = _measure(b, model, opt, seq, True, compiled=True, attn=attn)
         return dict(row, attn=attn, compiled=True, compile_warmup_s=round(warm, 1))
     except Exception as e:  # noqa: BLE001 - reported (running out of memory too): whether compile pays is the question
-        return {"seq": seq, "attn": attn, "compiled": True, "error": f"{type(e).__name__}: {str(e)[:300]}",
+        return {"seq": seq, "attn": attn, "compiled": True, "error": failure(e),
                 "seconds": round(time.perf_counter() - t0, 1)}
     finally:
         del model, opt
@@ -411,7 +413,7 @@ def _compiled_run_row(b: Bench, attn: str, steps: int = 10) -> dict:
                     mfu=round(flops.mfu(rate, linear + attention), 4), seconds=round(time.perf_counter() - t0, 1),
                     peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if b.device == "cuda" else None)
     except Exception as e:  # noqa: BLE001 - reported as the row, as _compiled_row's
-        return dict(row, error=f"{type(e).__name__}: {str(e)[:300]}", steps_done=len(times),
+        return dict(row, error=failure(e), steps_done=len(times),
                     recompile_limit_hits=hits.messages, seconds=round(time.perf_counter() - t0, 1))
     finally:
         hits.__exit__(None, None, None)

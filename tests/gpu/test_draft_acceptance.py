@@ -50,6 +50,8 @@ from eagle3.store.format import FP8
 from eagle3.targets import learnable
 from eagle3.train import train
 
+from .conftest import failure
+
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
 MIN_ACCEPTANCE_LENGTH = 1.8
@@ -143,11 +145,6 @@ def chain(request, learnable_target, gpu_out, report):
 
     return {"tmp": tmp, "target": target, "data": data, "store": store, "fit": fit, "serve": serve, "seed0": seed0,
             "seed0_draft": seed0_draft, "seed1": seed1_run, "t0": t0}
-
-
-def failure(e: BaseException) -> str:
-    """A measurement's error as its row reports it (the test fails after the other rows are measured)."""
-    return f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def seed_spread(a, b) -> float:
