@@ -24,7 +24,7 @@ class RecompileLimitHits(logging.Handler):
             lines = text.splitlines()
             self.messages.append(lines[1].strip() if len(lines) > 1 else lines[0])
 
-    def __enter__(self) -> "RecompileLimitHits":
+    def __enter__(self) -> RecompileLimitHits:
         logging.getLogger(DYNAMO).addHandler(self)
         return self
 
@@ -36,6 +36,6 @@ class RecompileLimitHits(logging.Handler):
         if not self.messages:
             return []
         where = "; ".join(dict.fromkeys(self.messages))
-        return [f"--compile: torch.compile reached its recompile limit ({where}); from then on that code ran eagerly, "
-                "slower (flex attention unfused: its scores whole in memory). Train with fewer distinct sequence "
-                "lengths (packs of --pack-tokens), or without --compile"]
+        return [(f"--compile: torch.compile reached its recompile limit ({where}); from then on that code ran "
+                 "eagerly, slower (flex attention unfused: its scores whole in memory). Train with fewer distinct "
+                 "sequence lengths (packs of --pack-tokens), or without --compile")]
