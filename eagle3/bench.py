@@ -313,7 +313,10 @@ def train_history(rows: list[dict], run: str, profile: str, gpus: int = 1) -> di
     memory has no tok_per_s) as pytest-benchmark JSON, so `bench report` shows them beside the extraction's:
     tokens/s of all ``gpus`` and per GPU, MFU and peak memory in their own lines."""
     def key(r):  # what differs from the trainer's default in the key: train_llama_bf16-mixed_eager/32768,
-        # train_llama_bf16-mixed_flex_compiled/8192, train_llama_bf16-mixed_foreach/8192 (the optimizer)
+        # train_llama_bf16-mixed_flex_compiled/8192, train_llama_bf16-mixed_foreach/8192 (the optimizer); the store
+        # reader's row (read as training steps of seq tokens): train_reader/8192
+        if r.get("reader"):
+            return f"{READER_KEY}/{r['seq']}"
         loss = f"_{r['loss']}" if r.get("loss", "auto") != "auto" else ""
         attn = f"_{r['attn']}" if r.get("attn", "sdpa") != "sdpa" else ""
         opt = f"_{r['optimizer']}" if r.get("optimizer", "auto") != "auto" else ""
@@ -326,13 +329,32 @@ def train_history(rows: list[dict], run: str, profile: str, gpus: int = 1) -> di
 
 
 def train_lines(records: list[Record]) -> list[str]:
-    """The training figures: tok/s per GPU, MFU (model FLOPs / 989 TFLOPS, eagle3/train/flops.py), peak memory."""
+    """The training figures: tok/s per GPU, MFU (model FLOPs / 989 TFLOPS, eagle3/train/flops.py), peak memory; the
+    store reader's against the fastest training figure of its run at the same sequence length (the goal: 2x)."""
     rows = [r for r in records if r.key.startswith(TRAIN_PREFIX)]
     if not rows:
         return []
     return ["", "Training (per GPU; MFU against the H200's dense bf16 peak):"] + [
+        _reader_line(r, rows) if r.key.startswith(READER_KEY + "/") else
         f"- {r.run} {r.profile} {r.key}: {per_gpu(r):,.0f} tok/s per GPU, MFU {r.extra.get('mfu', 0):.1%}, "
         f"peak {r.extra.get('peak_gib', '?')} GiB" for r in rows]
+
+
+READER_KEY = TRAIN_PREFIX + "reader"
+
+
+def _reader_line(r: Record, rows: list[Record]) -> str:
+    seq = r.key.split("/")[1]
+    same = [t for t in rows if t.run == r.run and t.profile == r.profile and t.key.endswith(f"/{seq}")
+            and not t.key.startswith(READER_KEY + "/")]
+    head = (f"- {r.run} {r.profile} {r.key}: the store reader, as training steps read: {r.tokens_per_s:,.0f} tok/s "
+            f"({r.extra.get('gb_per_s', '?')} GB/s; the samples alone {r.extra.get('samples_tok_per_s', 0):,.0f})")
+    if not same:
+        return head + f"; no {seq}-token training figure in its run to set it against"
+    need = max(same, key=per_gpu)
+    ratio = r.tokens_per_s / per_gpu(need)
+    return (head + f"; {ratio:.2f}x the fastest training figure of its run at {int(seq):,} tokens ({need.key}, "
+            f"{per_gpu(need):,.0f} tok/s; goal 2x: {'met' if ratio >= 2 else 'missed'})")
 
 
 def per_gpu(r: Record) -> float:

@@ -211,20 +211,32 @@ def longest_trainable(fits, rows: list[dict], b: Bench) -> int | None:
     return lo if hi > b.longest_cap else _longest(fits, lo, hi, b.longest_step)
 
 
-def test_bench_train_store_reader_against_the_trainer(tmp_path, report):
+def test_bench_train_store_reader_against_the_trainer(tmp_path, report, gpu_out):
     """The reader's rate over Kimi-shaped states, against the trainer's need at 8k (bench_train_kimi_draft): the
     samples alone, and read as training steps (as_training_steps: packed into 8k sequences, pinned; the figure the
     goal compares, since the reader thread does all of it). The store was just written, so it reads from the page
     cache: the reader's own cost, not the disk's. First in the file: it takes seconds, and the table after it runs as
     long as its step allows."""
     got = reader_rate(tmp_path / "store", 64, 2048)
-    rate, steps = got["tokens"] / got["seconds"], got["tokens"] / got["step_seconds"]
-    report("bench_train_reader", {"tokens": got["tokens"], "tok_per_s": round(rate),
-                                  "gb_per_s": round(rate * got["bytes_per_token"] / 1e9, 2),
-                                  "as_training_steps": {"tok_per_s": round(steps), "step_tokens": got["step_tokens"],
-                                                        "pinned": got["pinned"],
-                                                        "gb_per_s": round(steps * got["bytes_per_token"] / 1e9, 2)}})
+    row = reader_row(got)
+    report("bench_train_reader", {"tokens": got["tokens"], "tok_per_s": row["samples_tok_per_s"],
+                                  "gb_per_s": round(got["tokens"] / got["seconds"] * got["bytes_per_token"] / 1e9, 2),
+                                  "as_training_steps": {"tok_per_s": row["tok_per_s"], "step_tokens": row["seq"],
+                                                        "pinned": got["pinned"], "gb_per_s": row["gb_per_s"]}})
+    READER[:] = [row]  # beside the table's rows in GPU_OUT/benchmark.json: `bench report` sets it against them
+    _write_history(gpu_out, [])
     assert got["tokens"] == 64 * 2048 and got["steps"] == 16
+
+
+READER: list[dict] = []  # the reader's row for `bench report` (bench.train_lines), once measured
+
+
+def reader_row(got: dict) -> dict:
+    """reader_rate's figures as the history row `bench report` reads (bench.train_history: train_reader/SEQ)."""
+    steps = got["tokens"] / got["step_seconds"]
+    return {"reader": True, "seq": got["step_tokens"], "tok_per_s": round(steps),
+            "gb_per_s": round(steps * got["bytes_per_token"] / 1e9, 2),
+            "samples_tok_per_s": round(got["tokens"] / got["seconds"])}
 
 
 def test_bench_train_kimi_draft(report, gpu_out):
@@ -343,7 +355,7 @@ def _write_history(gpu_out, rows: list[dict]) -> None:
     from eagle3.bench import train_history
 
     (gpu_out / "benchmark.json").write_text(json.dumps(train_history(
-        rows, time.strftime("%Y-%m-%dT%H:%M"), "h200-kimi-k2.5-draft")))
+        READER + rows, time.strftime("%Y-%m-%dT%H:%M"), "h200-kimi-k2.5-draft")))
 
 
 def _compiled_row(b: Bench, seq: int, attn: str = "sdpa") -> dict:

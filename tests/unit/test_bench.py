@@ -144,6 +144,25 @@ def test_the_trainer_s_figures_reach_the_report_per_gpu_with_their_mfu(tmp_path)
     assert "32768" not in md
 
 
+def test_the_store_reader_reaches_the_report_against_the_fastest_training_figure_of_its_run(tmp_path):
+    """The trainer benchmark's reader (read as training steps: tok/s, GB/s) beside the training rows: its ratio to the
+    fastest 8k training figure of the same run, the need it must meet twice over (issue 42). Another run's rows do
+    not count."""
+    rows = [{"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 18685, "mfu": 0.30},
+            {"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "attn": "flex", "compiled": True,
+             "tok_per_s": 30403, "mfu": 0.488},
+            {"draft": "llama", "seq": 2048, "precision": "bf16-mixed", "tok_per_s": 90000, "mfu": 0.32},  # not 8k
+            {"reader": True, "seq": 8192, "tok_per_s": 76012, "gb_per_s": 4.36, "samples_tok_per_s": 150000}]
+    other = [{"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 99999, "mfu": 0.9}]
+    (tmp_path / "a.json").write_text(json.dumps(bench.train_history(rows, "2026-12-06T10:00", "h200-kimi-draft")))
+    (tmp_path / "b.json").write_text(json.dumps(bench.train_history(other, "2026-12-06T11:00", "h200-kimi-draft")))
+    md = bench.report([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "r")[0].read_text()
+    assert ("train_reader/8192: the store reader, as training steps read: 76,012 tok/s (4.36 GB/s; the samples alone "
+            "150,000); 2.50x the fastest training figure of its run at 8,192 tokens "
+            "(train_llama_bf16-mixed_flex_compiled/8192, 30,403 tok/s; goal 2x: met)") in md, md
+    assert "train_reader/8192: 76,012 tok/s per GPU, MFU" not in md
+
+
 def test_report_without_records_says_so(tmp_path):
     with pytest.raises(ValueError, match="no benchmark records"):
         bench.report([tmp_path], tmp_path / "out")

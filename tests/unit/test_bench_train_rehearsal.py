@@ -139,6 +139,18 @@ def test_the_reader_benchmark_reads_back_every_token(tmp_path):
     assert got["tokens"] == 120 and got["seconds"] > 0 and got["bytes_per_token"] == 4 * 64 * 2
 
 
+def test_the_reader_s_row_reaches_bench_report_beside_the_table(monkeypatch, tmp_path):
+    """The reader's figures, written with the table's rows to GPU_OUT/benchmark.json (as every _write_history does),
+    come out of `bench report` set against the same run's training figure at its step length."""
+    got = gb.reader_rate(tmp_path / "store", 4, 40, hidden=64, step_tokens=80)
+    monkeypatch.setattr(gb, "READER", [gb.reader_row(got)])
+    gb._write_history(tmp_path, [{"draft": "llama", "seq": 80, "precision": "bf16-mixed", "tok_per_s": 10, "mfu": 0.1}])
+    md = bench.report([tmp_path / "benchmark.json"], tmp_path / "r")[0].read_text()
+    line = next(x for x in md.splitlines() if "train_reader/80:" in x)
+    assert f"as training steps read: {round(160 / got['step_seconds']):,} tok/s" in line, line
+    assert "the fastest training figure of its run at 80 tokens (train_llama_bf16-mixed/80, 10 tok/s" in line, line
+
+
 def test_the_reader_benchmark_times_the_steps_as_the_trainer_reads_them(monkeypatch, tmp_path):
     """The figure set against the trainer's need is a step's read as train() makes it (train.read_packs: read,
     checked, packed, pinned on CUDA), every sample once in packs of step_tokens; reading the samples alone left out
