@@ -2,7 +2,7 @@
 
 REPORT is the same campaign's benchtrain report.json (tests/gpu/test_bench_train.py); VARLEN_PASSED is 1 where that
 step passed the varlen attention's CUDA tests (tests/gpu/passed.sh). Prints one of
-  sdpa     speculators' attention, eager (the trainer's default; also where the report is missing)
+  sdpa     speculators' attention, eager (the trainer's default; also where the report is missing or unreadable)
   varlen   the mask-free TTT attention, eager (only where its CUDA tests passed)
   flex     flex attention compiled (TrainConfig compile=True; only where the compiled run of varying packs trained
            without an error and without any function reaching dynamo's recompile limit)
@@ -33,7 +33,10 @@ def candidates(report: dict, varlen_passed: bool) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     path, varlen_passed = Path(argv[1]), argv[2] == "1"
-    report = json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):  # none, or cut short by the step's time limit mid-write
+        report = {}
     got = candidates(report, varlen_passed)
     best = max(got, key=got.get)
     print(best, json.dumps(got))

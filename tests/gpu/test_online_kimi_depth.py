@@ -47,6 +47,8 @@ ATTN = os.environ.get("EAGLE3_ONLINE_ATTN", "sdpa")  # the trainer's attention i
 # showed working: tests/gpu/pick_trainer.py)
 TRAINERS = {"sdpa": {"attn_impl": "sdpa"}, "varlen": {"attn_impl": "varlen"},
             "flex": {"attn_impl": "simple_flex_attention", "compile": True}}  # TrainConfig's fields for each
+if ATTN not in TRAINERS:
+    raise ValueError(f"EAGLE3_ONLINE_ATTN={ATTN!r}: use one of {', '.join(TRAINERS)}")
 TRAINER = TRAINERS[ATTN]
 
 

@@ -141,13 +141,15 @@ def test_the_online_step_trains_with_the_fastest_configuration_the_benchmark_sho
     """tests/gpu/pick_trainer.py REPORT VARLEN_PASSED: the onlinekd step's trainer (sdpa, varlen or flex compiled) as
     the same campaign's benchtrain step measured them at 8k, one sample a sequence each: varlen only where its CUDA
     tests passed, flex compiled only where its run of varying packs trained without error or a recompile limit
-    reached; sdpa where the report is missing."""
+    reached; sdpa where the report is missing or cut short."""
     import json
 
     (tmp_path / "report.json").write_text(json.dumps(_bench_report(**case)))
     got = subprocess.run([sys.executable, str(PICK), str(tmp_path / "report.json"), "1" if varlen_passed else "0"],
                          capture_output=True, text=True, check=True)
     assert got.stdout.split()[0] == want, (got.stdout, got.stderr)
-    missing = subprocess.run([sys.executable, str(PICK), str(tmp_path / "none.json"), "1"], capture_output=True,
-                             text=True, check=True)
-    assert missing.stdout.split()[0] == "sdpa"
+    (tmp_path / "cut.json").write_text(json.dumps(_bench_report(**case))[:-9])  # a write cut short
+    for name in ("none.json", "cut.json"):
+        got = subprocess.run([sys.executable, str(PICK), str(tmp_path / name), "1"], capture_output=True, text=True,
+                             check=True)
+        assert got.stdout.split()[0] == "sdpa", (name, got.stderr)
