@@ -1,5 +1,5 @@
-"""Where torch.compile gives up during a compiled run (TrainConfig.compile): dynamo's warning that a function reached its
-recompile limit (torch._dynamo.config.recompile_limit, 8). Past it, that function runs eagerly for the rest of the
+"""Where torch.compile gives up during a compiled run (TrainConfig.compile): dynamo's warning that a function reached
+its recompile limit (torch._dynamo.config.recompile_limit, 8). Past it, that function runs eagerly for the rest of the
 process: slower, and flex attention then unfused, its scores whole in memory (at 32k tokens, 768 GiB asked for).
 dynamo says so once in its log; the run's summary (TrainResult.notes) says it too, with what it costs."""
 

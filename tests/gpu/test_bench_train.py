@@ -64,6 +64,7 @@ class Bench:
     compiled: tuple = (("varlen", 1), ("flex", 1), ("flex", "run"), ("flex", 2), ("sdpa", 1))  # the compiled rows:
     # attention, index into seqs or "run" (a training run's packs, _compiled_run_row); the least known first (varlen
     # compiled never ran; sdpa compiled at c5ebd37: 35.1 % MFU at 8k)
+    run_steps: int = 10                # the compiled run row's steps (its packs)
 
 
 def kimi() -> Bench:
@@ -396,7 +397,7 @@ def run_packs(b: Bench, n: int, seed: int = 0) -> list[list[int]]:
     return packs
 
 
-def _compiled_run_row(b: Bench, attn: str, steps: int = 10) -> dict:
+def _compiled_run_row(b: Bench, attn: str) -> dict:
     """compile=True over a training run's packs (run_packs: every step another length, 3-15 documents), not one shape
     repeated: whether dynamo's recompiles stop once it marks the length dynamic (from the second length on) or reach
     the recompile limit (c5ebd37's compiled rows reached it, sharing one cache), and the rate over the later half of
@@ -409,6 +410,7 @@ def _compiled_run_row(b: Bench, attn: str, steps: int = 10) -> dict:
     hits = RecompileLimitHits().__enter__()  # the trainer's own watch (TrainResult.notes)
     model = _model(b, attn=attn)
     opt = _optimizer(b, model)
+    steps = b.run_steps
     packs = run_packs(b, steps)
     row = dict(_row("run", True, None, "auto", attn=attn), attn=attn, compiled=True)  # bench report's key: .../run
     t0, graphs, times = time.perf_counter(), [], []

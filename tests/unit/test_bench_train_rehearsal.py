@@ -14,9 +14,8 @@ from tests.gpu import test_bench_train as gb
 
 SMALL = gb.Bench(DraftShape(64, 512, 4, 2, 16, 128), mla_draft.MLAShape(64, 4, 24, 32, 16, 8, 12, 96), device="cpu",
                  draft_vocab=256, seqs=(32, 64, 128), longest_cap=512, longest_step=16,
-                 compiled=(("varlen", 1), ("sdpa", 1), ("sdpa", "run")))  # the compiled rows' code (speculators
-# compiles only where CUDA is; a compile that fails on the GPU is that row's error, not a lost table)
-RUN_STEPS = 10  # _compiled_run_row's default
+                 compiled=(("varlen", 1), ("sdpa", 1), ("sdpa", "run")), run_steps=4)  # the compiled rows'
+# code (speculators compiles only where CUDA is; a compile that fails on the GPU is that row's error, not a lost table)
 
 
 def _out_of_memory_past(monkeypatch, limit: int) -> list[int]:
@@ -55,7 +54,7 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
     tried = _out_of_memory_past(monkeypatch, limit)
     got = {}
     gb.run_bench(SMALL, got.__setitem__, tmp_path)
-    calls = [RUN_STEPS if k == "run" else 3 for _, k in SMALL.compiled]  # _steps calls of a compiled row: its
+    calls = [SMALL.run_steps if k == "run" else 3 for _, k in SMALL.compiled]  # _steps calls of a compiled row: its
     # compile's two steps, _measure's warm-up, timing; a run row's one a step
     n, first = sum(calls), stances.index("default")  # the compiled rows: one block, then the eager searches
     eager = stances[:first] + stances[first + n:]
@@ -106,10 +105,10 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
     for row, attn in ((varlen_c, "varlen"), (sdpa, "sdpa")):
         assert (row["attn"], row["seq"]) == (attn, 64) and "error" not in row and row["tok_per_s"] > 0, row
     # a training run's packs: every step another length, several documents each, none past the goal's size (64)
-    assert "error" not in run and run["seq"] == "run" and len(run["pack_tokens"]) == RUN_STEPS, run
+    assert "error" not in run and run["seq"] == "run" and len(run["pack_tokens"]) == SMALL.run_steps, run
     assert len(set(run["pack_tokens"])) > 1 and all(48 < t <= 64 for t in run["pack_tokens"]), run
     assert min(run["documents"]) >= 3 and run["tok_per_s"] > 0 and 0 <= run["mfu"] < 1, run
-    assert run["recompile_limit_hits"] == [] and len(run["graphs_after_each_step"]) == RUN_STEPS, run
+    assert run["recompile_limit_hits"] == [] and len(run["graphs_after_each_step"]) == SMALL.run_steps, run
     keys = {r.key for r in bench.load_history([tmp_path / "benchmark.json"])}
     assert {"train_llama_bf16-mixed_compiled/64", "train_llama_bf16-mixed_varlen_compiled/64",
             "train_llama_bf16-mixed_compiled/run"} <= keys, keys

@@ -22,8 +22,8 @@ def _sample(s: int, n: int, dtype: torch.dtype) -> dict:
     t = torch.arange(n, dtype=torch.float32)
     hs = torch.stack([s * 1000 + t * 10 + k for k in range(N_AUX + 1)], 1)[:, :, None].expand(n, N_AUX + 1, H)
     hs = (hs + torch.arange(H) / 8).to(dtype)  # [T, layers, H]
-    return {"sample_id": f"s{s}", "input_ids": 7 + s * 100 + torch.arange(n), "loss_mask": (torch.arange(n) + s) % 3 > 0,
-            "aux": hs[:, :-1].reshape(n, -1), "last": hs[:, -1]}
+    return {"sample_id": f"s{s}", "input_ids": 7 + s * 100 + torch.arange(n),
+            "loss_mask": (torch.arange(n) + s) % 3 > 0, "aux": hs[:, :-1].reshape(n, -1), "last": hs[:, -1]}
 
 
 def _reference(xs: list[dict], guard: int) -> dict:
