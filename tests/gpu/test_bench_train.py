@@ -413,6 +413,8 @@ def _compiled_run_row(b: Bench, attn: str) -> dict:
     steps = b.run_steps
     packs = run_packs(b, steps)
     row = dict(_row("run", True, None, "auto", attn=attn), attn=attn, compiled=True)  # bench report's key: .../run
+    if b.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # this row's peak, not an earlier row's
     t0, graphs, times = time.perf_counter(), [], []
     try:
         for lengths in packs:
