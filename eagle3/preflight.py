@@ -68,7 +68,7 @@ TRAIN_ATTN = {"sdpa": "sdpa", "varlen": "varlen", "flex": "simple_flex_attention
 def train_attention(attn: str, compile: bool, device: str) -> None:
     """`train --attn flex` where it can train: on CUDA (torch has no flex attention backward on the CPU) and compiled
     (unfused, flex attention computes each query's scores whole: 768 GiB asked for at 32k tokens on the H200)."""
-    if attn not in ("flex", "simple_flex_attention"):
+    if attn not in ("flex", TRAIN_ATTN["flex"]):  # the CLI's name, or TrainConfig's
         return
     if not device.startswith("cuda"):
         raise UsageError("--attn flex: flex attention has no backward on the CPU (torch), so it cannot train there; "

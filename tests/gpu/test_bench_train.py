@@ -407,36 +407,35 @@ def _compiled_run_row(b: Bench, attn: str) -> dict:
     from eagle3.train.compile_watch import RecompileLimitHits
 
     torch._dynamo.reset()
-    hits = RecompileLimitHits().__enter__()  # the trainer's own watch (TrainResult.notes)
-    model = _model(b, attn=attn)
-    opt = _optimizer(b, model)
-    steps = b.run_steps
-    packs = run_packs(b, steps)
-    row = dict(_row("run", True, None, "auto", attn=attn), attn=attn, compiled=True)  # bench report's key: .../run
-    if b.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()  # this row's peak, not an earlier row's
-    t0, graphs, times = time.perf_counter(), [], []
-    try:
-        for lengths in packs:
-            times.append(_steps(model, opt, _inputs(b, sum(lengths), attn, lengths), 1, True, compiled=True))
-            graphs.append(counters["stats"]["unique_graphs"])
-        later = range(steps // 2, steps)
-        tokens = sum(sum(packs[i]) for i in later)
-        rate = tokens / sum(times[i] for i in later)
-        linear = sum(flops.linear_flops(b.shape, N_AUX, b.draft_vocab, TTT).values())
-        attention = sum(n * flops.attention_flops(b.shape, TTT, n) for i in later for n in packs[i]) / tokens
-        return dict(row, pack_tokens=[sum(p) for p in packs], documents=[len(p) for p in packs],
-                    s_per_step=[round(t, 3) for t in times], graphs_after_each_step=graphs,
-                    recompile_limit_hits=hits.messages, tok_per_s=round(rate),
-                    mfu=round(flops.mfu(rate, linear + attention), 4), seconds=round(time.perf_counter() - t0, 1),
-                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if b.device == "cuda" else None)
-    except Exception as e:  # noqa: BLE001 - reported as the row, as _compiled_row's
-        return dict(row, error=failure(e), steps_done=len(times),
-                    recompile_limit_hits=hits.messages, seconds=round(time.perf_counter() - t0, 1))
-    finally:
-        hits.__exit__(None, None, None)
-        del model, opt
-        torch.cuda.empty_cache()
+    with RecompileLimitHits() as hits:  # the trainer's own watch (TrainResult.notes)
+        model = _model(b, attn=attn)
+        opt = _optimizer(b, model)
+        steps = b.run_steps
+        packs = run_packs(b, steps)
+        row = dict(_row("run", True, None, "auto", attn=attn), attn=attn, compiled=True)  # bench report's key: .../run
+        if b.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()  # this row's peak, not an earlier row's
+        t0, graphs, times = time.perf_counter(), [], []
+        try:
+            for lengths in packs:
+                times.append(_steps(model, opt, _inputs(b, sum(lengths), attn, lengths), 1, True, compiled=True))
+                graphs.append(counters["stats"]["unique_graphs"])
+            later = range(steps // 2, steps)
+            tokens = sum(sum(packs[i]) for i in later)
+            rate = tokens / sum(times[i] for i in later)
+            linear = sum(flops.linear_flops(b.shape, N_AUX, b.draft_vocab, TTT).values())
+            attention = sum(n * flops.attention_flops(b.shape, TTT, n) for i in later for n in packs[i]) / tokens
+            return dict(row, pack_tokens=[sum(p) for p in packs], documents=[len(p) for p in packs],
+                        s_per_step=[round(t, 3) for t in times], graphs_after_each_step=graphs,
+                        recompile_limit_hits=hits.messages, tok_per_s=round(rate),
+                        mfu=round(flops.mfu(rate, linear + attention), 4), seconds=round(time.perf_counter() - t0, 1),
+                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if b.device == "cuda" else None)
+        except Exception as e:  # noqa: BLE001 - reported as the row, as _compiled_row's
+            return dict(row, error=failure(e), steps_done=len(times),
+                        recompile_limit_hits=hits.messages, seconds=round(time.perf_counter() - t0, 1))
+        finally:
+            del model, opt
+            torch.cuda.empty_cache()
 
 
 def reader_rate(root, n: int, seq: int, hidden: int = 7168, step_tokens: int = 8192) -> dict:

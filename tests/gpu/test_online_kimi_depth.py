@@ -32,6 +32,7 @@ import torch
 
 from eagle3.data.conversations import random_samples
 from eagle3.extract import extract
+from eagle3.preflight import TRAIN_ATTN
 from eagle3.targets import presets, tiny
 from eagle3.train import online
 from eagle3.train.train import TrainConfig, train
@@ -45,8 +46,8 @@ ONLINE_GOAL = 0.8
 ATTN = os.environ.get("EAGLE3_ONLINE_ATTN", "sdpa")  # the trainer's attention in every run here (sdpa | varlen |
 # flex: speculators' flex attention, compiled; campaign.sh's onlinekd step sets the fastest that its benchtrain step
 # showed working: tests/gpu/pick_trainer.py)
-TRAINERS = {"sdpa": {"attn_impl": "sdpa"}, "varlen": {"attn_impl": "varlen"},
-            "flex": {"attn_impl": "simple_flex_attention", "compile": True}}  # TrainConfig's fields for each
+TRAINERS = {name: {"attn_impl": impl, "compile": name == "flex"}  # TrainConfig's fields for each (`train --attn`'s
+            for name, impl in TRAIN_ATTN.items()}                    # names; flex trains only compiled)
 if ATTN not in TRAINERS:
     raise ValueError(f"EAGLE3_ONLINE_ATTN={ATTN!r}: use one of {', '.join(TRAINERS)}")
 TRAINER = TRAINERS[ATTN]
