@@ -62,6 +62,10 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
     if query.shape[0] != 1:
         raise ValueError(f"attention {NAME!r} takes one packed sequence (batch 1), got batch {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    kind = query.device.type
+    if torch.is_autocast_enabled(kind):  # as autocast casts sdpa's inputs: the drafts' rotary leaves q, k in float32
+        low = torch.get_autocast_dtype(kind)
+        query, key, value = query.to(low), key.to(low), value.to(low)
     out = TTTAttention.apply(query, key, value, cu, float(scale), kwargs.get(LONGEST))
     return out.transpose(1, 2).contiguous(), None
 

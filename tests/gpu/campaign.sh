@@ -9,6 +9,8 @@
 #   default 32 batches of plain count host store disk, ~14 min at 64x512) narrow the benchmarks (tests/gpu/test_bench_extract.py)
 #   E2E_K="trained_draft" narrows the e2e step (default "not online": the draft test and fp8's); EAGLE3_E2E_ARCH=deepseek
 #   runs it on the learnable DeepseekV3 target
+#   EAGLE3_BENCH_TRAIN_PARTS="varlen,compiled" narrows benchtrain's trainer benchmark to those parts (table mla varlen
+#   compiled longest; tests/gpu/test_bench_train.py)
 #   DIRECTBENCH_K="(direct and not preemption) or bench_extract" narrows directbench's value checks (default: all of direct's)
 #   BENCH_TESTS="FILE::test_b FILE::test_a FILE::test_ratios..." runs the mini-Kimi benchmark's tests in that order (a
 #   short lease measures first what matters most; default tests/gpu, in file order)

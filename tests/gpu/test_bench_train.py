@@ -65,13 +65,32 @@ class Bench:
     # attention, index into seqs or "run" (a training run's packs, _compiled_run_row); the least known first (varlen
     # compiled never ran; sdpa compiled at c5ebd37: 35.1 % MFU at 8k)
     run_steps: int = 10                # the compiled run row's steps (its packs)
+    parts: tuple = ()                  # run_bench's parts to measure (PARTS); () all of them
+
+
+PARTS = ("table", "mla", "varlen", "compiled", "longest")  # run_bench's parts, in its order
+
+
+def parts_from_env() -> tuple:
+    """EAGLE3_BENCH_TRAIN_PARTS="varlen,compiled": only those parts (a lease with minutes left measures what it
+    still lacks); unset, all of them."""
+    import os
+
+    names = tuple(p.strip() for p in os.environ.get("EAGLE3_BENCH_TRAIN_PARTS", "").split(",") if p.strip())
+    unknown = [p for p in names if p not in PARTS]
+    if unknown:
+        raise ValueError(f"EAGLE3_BENCH_TRAIN_PARTS names {', '.join(unknown)}: the parts are {', '.join(PARTS)}")
+    if "longest" in names and not {"table", "varlen"} <= set(names):
+        raise ValueError("EAGLE3_BENCH_TRAIN_PARTS: longest searches from the table's and the varlen rows; name "
+                         "table and varlen with it")
+    return names
 
 
 def kimi() -> Bench:
     from eagle3.targets.presets import KIMI_K25_TEXT
     from eagle3.train import mla_draft
 
-    return Bench(flops.kimi_k25_draft(), mla_draft.MLAShape.for_target(KIMI_K25_TEXT))
+    return Bench(flops.kimi_k25_draft(), mla_draft.MLAShape.for_target(KIMI_K25_TEXT), parts=parts_from_env())
 
 
 ATTN = {"sdpa": "sdpa", "flex": "simple_flex_attention", "varlen": "eagle3_varlen"}  # a row's attention -> the
@@ -248,8 +267,46 @@ def run_bench(b: Bench, report, gpu_out) -> None:
     """In the order the goals need them, each reported as it is measured (a lease that ends mid-way keeps what was
     measured): the table; the 8k profile where the MFU goal is missed; the MLA rows; the same with the mask-free
     varlen attention; the compiled rows (minutes of compiling); last the open-ended longest-sequence searches (sdpa,
-    varlen). One draft on the GPU at a time (each 0.99 B parameters with float32 weights, gradients and AdamW
+    varlen). Only b.parts where named (PARTS). One draft on the GPU at a time (each 0.99 B parameters with float32 weights, gradients and AdamW
     state: ~16 GB)."""
+    short, mid, long = b.seqs
+    wanted = set(b.parts or PARTS)
+    rows, mla_rows, varlen, compiled, goals = [], [], [], [], {}
+    if "table" in wanted:
+        rows, goals = table_rows(b, report, gpu_out)
+    if "mla" in wanted:
+        mla_model = _model(b, mla=b.mla)
+        mla_opt = _optimizer(b, mla_model)
+        mla_rows = [_tried(b, mla_model, mla_opt, seq, amp=True, mla=b.mla) for seq in (short, mid)]
+        report("bench_train_kimi_mla_draft", mla_rows)
+        _write_history(gpu_out, rows + mla_rows)
+        mla_model = mla_opt = None
+        torch.cuda.empty_cache()
+    if "varlen" in wanted:
+        varlen, goals = varlen_rows(b, report, gpu_out, goals)
+        _write_history(gpu_out, rows + mla_rows + varlen)
+    # then the compiled rows (minutes of compiling; the 8k MFU goal was met only compiled, and whether a training run
+    # stays under the recompile limit decides what the online step trains with): the varlen attention compiled at 8k
+    # beside its eager row; flex attention (speculators' default: a block mask, not sdpa's dense [T, T x steps] one),
+    # which runs fused only compiled, at 8k, over a training run's packs, and at 32k; sdpa at 8k
+    for attn, k in b.compiled if "compiled" in wanted else ():
+        compiled.append(_compiled_run_row(b, attn) if k == "run" else _compiled_row(b, b.seqs[k], attn))
+        report("bench_train_compiled", compiled)
+        _write_history(gpu_out, rows + mla_rows + varlen + compiled)
+    # last, the open-ended longest-sequence searches (the 32k goal's own row is in the table above)
+    for attn, table, key in (("sdpa", rows, "longest"), ("varlen", varlen, "longest_varlen")) if "longest" in wanted \
+            else ():
+        longest = longest_search(b, attn, table)
+        if attn == "sdpa":
+            report("bench_train_longest_seq", longest)
+            goals = dict(goals, **{"32k_goal_met": (longest or 0) >= long})
+        goals = dict(goals, **{key: longest})
+        report("bench_train_goals", goals)
+
+
+def table_rows(b: Bench, report, gpu_out) -> tuple[list[dict], dict]:
+    """The llama draft's table (2k, 8k, 32k bf16-mixed; fp32 at 8k; speculators' eager loss at 32k; torch's
+    multi-tensor AdamW at 8k), the MFU goal, and the 8k profile where it is missed: (rows, goals)."""
     short, mid, long = b.seqs
     model = _model(b)
     opt = _optimizer(b, model)
@@ -269,34 +326,9 @@ def run_bench(b: Bench, report, gpu_out) -> None:
     report("bench_train_goals", goals)
     if eight["mfu"] < 0.35:  # the goal missed: where an 8k step's time goes (GPU_OUT/profile_8k.txt)
         _profile(b, model, opt, "sdpa", gpu_out / "profile_8k.txt", report, "bench_train_profile_8k")
-    model = opt = None
+    del model, opt
     torch.cuda.empty_cache()
-    mla_model = _model(b, mla=b.mla)
-    mla_opt = _optimizer(b, mla_model)
-    mla_rows = [_tried(b, mla_model, mla_opt, seq, amp=True, mla=b.mla) for seq in (short, mid)]
-    report("bench_train_kimi_mla_draft", mla_rows)
-    _write_history(gpu_out, rows + mla_rows)
-    mla_model = mla_opt = None
-    torch.cuda.empty_cache()
-    varlen, goals = varlen_rows(b, report, gpu_out, goals)
-    _write_history(gpu_out, rows + mla_rows + varlen)
-    # then the compiled rows (minutes of compiling; the 8k MFU goal was met only compiled, and whether a training run
-    # stays under the recompile limit decides what the online step trains with): the varlen attention compiled at 8k
-    # beside its eager row; flex attention (speculators' default: a block mask, not sdpa's dense [T, T x steps] one),
-    # which runs fused only compiled, at 8k, over a training run's packs, and at 32k; sdpa at 8k
-    compiled = []
-    for attn, k in b.compiled:
-        compiled.append(_compiled_run_row(b, attn) if k == "run" else _compiled_row(b, b.seqs[k], attn))
-        report("bench_train_compiled", compiled)
-        _write_history(gpu_out, rows + mla_rows + varlen + compiled)
-    # last, the open-ended longest-sequence searches (the 32k goal's own row is in the table above)
-    for attn, table, key in (("sdpa", rows, "longest"), ("varlen", varlen, "longest_varlen")):
-        longest = longest_search(b, attn, table)
-        if attn == "sdpa":
-            report("bench_train_longest_seq", longest)
-            goals = dict(goals, **{"32k_goal_met": (longest or 0) >= long})
-        goals = dict(goals, **{key: longest})
-        report("bench_train_goals", goals)
+    return rows, goals
 
 
 def _profile(b: Bench, model, opt, attn: str, path, report, key: str) -> None:

@@ -114,6 +114,29 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
             "train_llama_bf16-mixed_compiled/run"} <= keys, keys
 
 
+def test_a_short_lease_measures_only_the_parts_it_names(monkeypatch, tmp_path):
+    """EAGLE3_BENCH_TRAIN_PARTS="varlen,compiled": the varlen rows and the compiled rows, no table, MLA rows nor
+    searches (a lease with minutes left measures what it still lacks); an unknown part is refused by name."""
+    import dataclasses
+
+    monkeypatch.setenv("EAGLE3_BENCH_TRAIN_PARTS", "varlen, compiled")
+    parts = gb.parts_from_env()
+    assert parts == ("varlen", "compiled")
+    got = {}
+    gb.run_bench(dataclasses.replace(SMALL, parts=parts), got.__setitem__, tmp_path)
+    assert [k for k in got if k != "bench_train_goals"] == [
+        "bench_train_varlen", "bench_train_profile_8k_varlen", "bench_train_varlen_mla", "bench_train_compiled"], got
+    assert len(got["bench_train_compiled"]) == len(SMALL.compiled) and "mfu_8k_varlen" in got["bench_train_goals"]
+    keys = {r.key for r in bench.load_history([tmp_path / "benchmark.json"])}
+    assert "train_llama_bf16-mixed_varlen/64" in keys and "train_llama_bf16-mixed/64" not in keys, keys
+    monkeypatch.setenv("EAGLE3_BENCH_TRAIN_PARTS", "varlen,longst")
+    with pytest.raises(ValueError, match="longst.*table, mla, varlen, compiled, longest"):
+        gb.parts_from_env()
+    monkeypatch.setenv("EAGLE3_BENCH_TRAIN_PARTS", "compiled,longest")
+    with pytest.raises(ValueError, match="name table and varlen with it"):
+        gb.parts_from_env()
+
+
 @pytest.mark.parametrize("limit,longest", [(200, 192), (100, 96), (1000, 512), (127, 112), (60, None)])
 def test_the_longest_sequence_is_searched_from_what_the_table_found(limit, longest):
     """Long fits: doubled to the cap, then bisected; long does not fit: bisected between the goal's size and long; the

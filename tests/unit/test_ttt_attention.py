@@ -56,6 +56,22 @@ def test_it_needs_the_samples_boundaries_and_says_how():
         ta.attention(None, q, q, q)
 
 
+def test_under_autocast_it_computes_in_the_autocast_dtype_as_sdpa_does():
+    """The drafts' rotary embedding leaves q and k in float32 under bf16 autocast (float32 cos/sin); sdpa casts them
+    to the autocast dtype, and so must this attention: CUDA's flash kernels take only bf16/fp16 (a float32 query
+    stopped every varlen row of the H100 benchmark). Here the output is bf16 and equals the bf16 inputs' output."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 9, 8, generator=gen)
+    k, v = torch.randn(1, 2, 18, 8, generator=gen), torch.randn(1, 2, 18, 8, generator=gen).bfloat16()
+    cu = ta.forward_kwargs(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1]]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = ta.attention(None, q, k, v, scaling=0.3, **cu)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    want, _ = ta.attention(None, q.bfloat16(), k.bfloat16(), v, scaling=0.3, **cu)
+    assert got.dtype == sdpa.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def draft_step(b, lengths: list[int], attn: str, mla: bool = False, amp: bool = False):
     """One forward and backward of the trainer benchmark's draft (tests/gpu/test_bench_train._model: seed 0, the
     verifier's weights drawn) attending with ``attn`` ("sdpa" or "varlen"), on random states packed as samples of
