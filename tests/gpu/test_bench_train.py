@@ -24,7 +24,9 @@ once dynamo marks the length dynamic, or reach the limit, where a frame runs eag
 8k, each from dynamo's caches cleared (no recompile limit reached through an earlier row).
 Then the same draft with the mask-free TTT attention (`--attn varlen`, eagle3/train/ttt_attention.py: flash attention
 within each sample plus each TTT step's own key, no [T, (s + 1) T] mask) at 2k, 8k and 32k, its longest sequence and,
-where its 8k MFU misses 35 %, its profile (profile_8k_varlen.txt); not yet run on a GPU.
+where its 8k MFU misses 35 %, its profile (profile_8k_varlen.txt); on an H100 at 0ba8398
+(results/2026-12-05-0ba8398-h100-vllm0.26.0) 36.1 % MFU at 8k eager, 46.3 % compiled.
+EAGLE3_BENCH_TRAIN_PARTS="varlen,compiled" (parts_from_env) measures only those parts, for a lease with minutes left.
 Order: the reader (seconds), the table, the profile, the MLA rows, the varlen rows (llama, profile, MLA), the
 compiled rows, the longest-sequence searches (sdpa, varlen; to 128k at most).
 Rows are reported as they are measured; a size that runs out of memory is a row saying so. The rows also go to
@@ -279,12 +281,12 @@ def run_bench(b: Bench, report, gpu_out) -> None:
         mla_opt = _optimizer(b, mla_model)
         mla_rows = [_tried(b, mla_model, mla_opt, seq, amp=True, mla=b.mla) for seq in (short, mid)]
         report("bench_train_kimi_mla_draft", mla_rows)
-        _write_history(gpu_out, rows + mla_rows)
+        _write_history(gpu_out, rows + mla_rows, b.device)
         mla_model = mla_opt = None
         torch.cuda.empty_cache()
     if "varlen" in wanted:
         varlen, goals = varlen_rows(b, report, gpu_out, goals)
-        _write_history(gpu_out, rows + mla_rows + varlen)
+        _write_history(gpu_out, rows + mla_rows + varlen, b.device)
     # then the compiled rows (minutes of compiling; the 8k MFU goal was met only compiled, and whether a training run
     # stays under the recompile limit decides what the online step trains with): the varlen attention compiled at 8k
     # beside its eager row; flex attention (speculators' default: a block mask, not sdpa's dense [T, T x steps] one),
@@ -292,7 +294,7 @@ def run_bench(b: Bench, report, gpu_out) -> None:
     for attn, k in b.compiled if "compiled" in wanted else ():
         compiled.append(_compiled_run_row(b, attn) if k == "run" else _compiled_row(b, b.seqs[k], attn))
         report("bench_train_compiled", compiled)
-        _write_history(gpu_out, rows + mla_rows + varlen + compiled)
+        _write_history(gpu_out, rows + mla_rows + varlen + compiled, b.device)
     # last, the open-ended longest-sequence searches (the 32k goal's own row is in the table above)
     for attn, table, key in (("sdpa", rows, "longest"), ("varlen", varlen, "longest_varlen")) if "longest" in wanted \
             else ():
@@ -383,14 +385,25 @@ def longest_search(b: Bench, attn: str, rows: list[dict]) -> int | None:
         torch.cuda.empty_cache()
 
 
-def _write_history(gpu_out, rows: list[dict]) -> None:
-    """The rows that ran, as pytest-benchmark JSON: `eagle3 bench report --history GPU_OUT/benchmark.json`."""
+def card(name: str) -> str:
+    """A CUDA device's name as a profile's first word: "NVIDIA H100 80GB HBM3" -> h100; else the name, dashed."""
+    import re
+
+    short = re.search(r"\b([ABHL]\d{2,3})\b", name)
+    return short.group(1).lower() if short else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _write_history(gpu_out, rows: list[dict], device: str | None = None) -> None:
+    """The rows that ran, as pytest-benchmark JSON: `eagle3 bench report --history GPU_OUT/benchmark.json`; the
+    profile names the card (h100-kimi-k2.5-draft)."""
     import json
 
     from eagle3.bench import train_history
 
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    where = card(torch.cuda.get_device_name()) if device.startswith("cuda") else device
     (gpu_out / "benchmark.json").write_text(json.dumps(train_history(
-        READER + rows, time.strftime("%Y-%m-%dT%H:%M"), "h200-kimi-k2.5-draft")))
+        READER + rows, time.strftime("%Y-%m-%dT%H:%M"), f"{where}-kimi-k2.5-draft")))
 
 
 def _compiled_row(b: Bench, seq: int, attn: str = "sdpa") -> dict:

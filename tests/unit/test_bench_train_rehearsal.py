@@ -137,6 +137,19 @@ def test_a_short_lease_measures_only_the_parts_it_names(monkeypatch, tmp_path):
         gb.parts_from_env()
 
 
+def test_the_history_names_the_card_it_ran_on(monkeypatch, tmp_path):
+    """The rows' profile in GPU_OUT/benchmark.json names the card (an H100 run's rows said h200)."""
+    assert gb.card("NVIDIA H100 80GB HBM3") == "h100" and gb.card("NVIDIA H200") == "h200"
+    assert gb.card("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
+    monkeypatch.setattr(gb.torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    gb._write_history(tmp_path, [{"draft": "llama", "seq": 64, "precision": "bf16-mixed", "tok_per_s": 5.0}],
+                      "cuda")
+    assert {r.profile for r in bench.load_history([tmp_path / "benchmark.json"])} == {"h100-kimi-k2.5-draft"}
+    gb._write_history(tmp_path, [{"draft": "llama", "seq": 64, "precision": "bf16-mixed", "tok_per_s": 5.0}],
+                      "cpu")
+    assert {r.profile for r in bench.load_history([tmp_path / "benchmark.json"])} == {"cpu-kimi-k2.5-draft"}
+
+
 @pytest.mark.parametrize("limit,longest", [(200, 192), (100, 96), (1000, 512), (127, 112), (60, None)])
 def test_the_longest_sequence_is_searched_from_what_the_table_found(limit, longest):
     """Long fits: doubled to the cap, then bisected; long does not fit: bisected between the goal's size and long; the
