@@ -90,7 +90,7 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   benchtrain) step benchtrain $PT -s -m "gpu or benchmark" tests/gpu/test_ttt_attention_gpu.py tests/gpu/test_bench_train.py \
                  --gpu-out "$OUT/benchtrain" ;;  # the varlen attention's CUDA kernels against the dense mask; the
             # trainer at Kimi-K2.5's draft size: the reader, tok/s, MFU, peak memory at 2k/8k/32k, the MLA draft; the
-            # mask-free varlen attention's rows; compiled rows (varlen 8k, flex 8k, flex over a training run's packs,
+            # mask-free varlen attention's rows; compiled rows (flex over a training run's packs, varlen 8k, flex 8k,
             # flex 32k, sdpa 8k); last, the longest sequences
   fp8)      step fp8 $PT -m e2e tests/gpu -k fp8 --gpu-out "$OUT/fp8" ;;
   probe)    step probe python3 tests/gpu/probe_d2h_interference.py ;;  # ~60 s; the capture's copies, whole vs chunked

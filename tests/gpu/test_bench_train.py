@@ -17,11 +17,11 @@ only where a measurement fails outright (a step that does not run). Where the 8k
 two steps (GPU_OUT/profile_8k.txt; time by kind of work in the report: train/step_profile.py). Every row runs
 as the trainer does: speculators 0.9 compiles Eagle3DraftModel.forward itself wherever CUDA is, and the trainer
 runs it eagerly (torch.compiler.set_stance "force_eager") unless TrainConfig.compile. Last, compiled as
-TrainConfig(compile=True) runs it (with its compile time), as the issue asks: measured with and without; at 8k the
-mask-free varlen attention, flex attention (a block mask instead of sdpa's dense one; fused only when compiled), then
-flex over a training run's packs (ten steps, each pack another length and 3-15 samples: whether the recompiles stop
-once dynamo marks the length dynamic, or reach the limit, where a frame runs eagerly), then flex at 32k and sdpa at
-8k, each from dynamo's caches cleared (no recompile limit reached through an earlier row).
+TrainConfig(compile=True) runs it (with its compile time), as the issue asks: measured with and without: flex attention
+(a block mask instead of sdpa's dense one; fused only when compiled) over a training run's packs (ten steps, each pack
+another length and 3-15 samples: whether the recompiles stop once dynamo marks the length dynamic, or reach the limit,
+where a frame runs eagerly), then at 8k the mask-free varlen attention and flex, then flex at 32k and sdpa at 8k,
+each from dynamo's caches cleared (no recompile limit reached through an earlier row).
 Then the same draft with the mask-free TTT attention (`--attn varlen`, eagle3/train/ttt_attention.py: flash attention
 within each sample plus each TTT step's own key, no [T, (s + 1) T] mask) at 2k, 8k and 32k, its longest sequence and,
 where its 8k MFU misses 35 %, its profile (profile_8k_varlen.txt); on an H100 at 0ba8398
@@ -63,9 +63,9 @@ class Bench:
     seqs: tuple = (2048, 8192, 32768)  # short, the goal's (8k), long (32k): tokens a packed sequence
     longest_cap: int = 131072          # the longest-sequence search stops here (a probe at 128k: ~3 steps of ~10 s)
     longest_step: int = 4096           # and resolves to a multiple of this
-    compiled: tuple = (("varlen", 1), ("flex", 1), ("flex", "run"), ("flex", 2), ("sdpa", 1))  # the compiled rows:
-    # attention, index into seqs or "run" (a training run's packs, _compiled_run_row); the least known first (varlen
-    # compiled never ran; sdpa compiled at c5ebd37: 35.1 % MFU at 8k)
+    compiled: tuple = (("flex", "run"), ("varlen", 1), ("flex", 1), ("flex", 2), ("sdpa", 1))  # the compiled rows:
+    # attention, index into seqs or "run" (a training run's packs, _compiled_run_row); the least known first (the run
+    # row never ran; varlen compiled at 0ba8398 on an H100: 46.3 % MFU at 8k; sdpa at c5ebd37: 35.1 %)
     run_steps: int = 10                # the compiled run row's steps (its packs)
     parts: tuple = ()                  # run_bench's parts to measure (PARTS); () all of them
 
@@ -269,8 +269,8 @@ def run_bench(b: Bench, report, gpu_out) -> None:
     """In the order the goals need them, each reported as it is measured (a lease that ends mid-way keeps what was
     measured): the table; the 8k profile where the MFU goal is missed; the MLA rows; the same with the mask-free
     varlen attention; the compiled rows (minutes of compiling); last the open-ended longest-sequence searches (sdpa,
-    varlen). Only b.parts where named (PARTS). One draft on the GPU at a time (each 0.99 B parameters with float32 weights, gradients and AdamW
-    state: ~16 GB)."""
+    varlen). Only b.parts where named (PARTS). One draft on the GPU at a time (each 0.99 B parameters with float32
+    weights, gradients and AdamW state: ~16 GB)."""
     short, mid, long = b.seqs
     wanted = set(b.parts or PARTS)
     rows, mla_rows, varlen, compiled, goals = [], [], [], [], {}
@@ -287,10 +287,10 @@ def run_bench(b: Bench, report, gpu_out) -> None:
     if "varlen" in wanted:
         varlen, goals = varlen_rows(b, report, gpu_out, goals)
         _write_history(gpu_out, rows + mla_rows + varlen, b.device)
-    # then the compiled rows (minutes of compiling; the 8k MFU goal was met only compiled, and whether a training run
-    # stays under the recompile limit decides what the online step trains with): the varlen attention compiled at 8k
-    # beside its eager row; flex attention (speculators' default: a block mask, not sdpa's dense [T, T x steps] one),
-    # which runs fused only compiled, at 8k, over a training run's packs, and at 32k; sdpa at 8k
+    # then the compiled rows (minutes of compiling; whether a training run stays under the recompile limit decides
+    # what the online step trains with), in b.compiled's order: flex attention (speculators'
+    # default: a block mask, not sdpa's dense [T, T x steps] one; fused only compiled) over a training run's packs;
+    # the varlen attention at 8k beside its eager row; flex at 8k and 32k; sdpa at 8k
     for attn, k in b.compiled if "compiled" in wanted else ():
         compiled.append(_compiled_run_row(b, attn) if k == "run" else _compiled_row(b, b.seqs[k], attn))
         report("bench_train_compiled", compiled)
