@@ -323,13 +323,18 @@ def micro_batches(samples: "StoreSamples", indices: list[int], pack_tokens: int,
             skipped[samples.sample_id(i)] = str(e).split(". Training stopped")[0]
     if pack_tokens <= 0:
         return [[x] for x in xs]
+    return [[xs[i] for i in group] for group in pack_groups([x["input_ids"].shape[0] for x in xs], pack_tokens)]
+
+
+def pack_groups(lengths: list[int], pack_tokens: int) -> list[list[int]]:
+    """Greedy packing in order: indices into ``lengths``, a pack closed before its tokens would pass pack_tokens (a
+    longer item alone in its pack). A prefix of ``lengths`` packs as the whole does, up to its last, open pack."""
     packs, cur, n = [], [], 0
-    for x in xs:
-        t = x["input_ids"].shape[0]
+    for i, t in enumerate(lengths):
         if cur and n + t > pack_tokens:
             packs.append(cur)
             cur, n = [], 0
-        cur.append(x)
+        cur.append(i)
         n += t
     return packs + ([cur] if cur else [])
 

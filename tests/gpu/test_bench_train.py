@@ -428,18 +428,15 @@ def _compiled_row(b: Bench, seq: int, attn: str = "sdpa") -> dict:
 
 
 def run_packs(b: Bench, n: int, seed: int = 0) -> list[list[int]]:
-    """n packs as a training run makes them (train.micro_batches: samples in order, a pack closed before it would pass
-    the goal's size): sample lengths drawn from 1/16 to 1/4 of it, so each pack's length and documents differ."""
+    """n packs as a training run makes them (train.pack_groups, micro_batches' packing: samples in order, a pack closed
+    before it would pass the goal's size): sample lengths drawn from 1/16 to 1/4 of it, so each pack's length and
+    documents differ. A pack holds at most 16 of them, so 16 n + 1 lengths close n packs."""
+    from eagle3.train.train import pack_groups
+
     mid = b.seqs[1]
     g = torch.Generator().manual_seed(seed)
-    packs, cur = [], []
-    while len(packs) < n:
-        t = int(torch.randint(mid // 16, mid // 4 + 1, (1,), generator=g))
-        if cur and sum(cur) + t > mid:
-            packs.append(cur)
-            cur = []
-        cur.append(t)
-    return packs
+    lengths = [int(torch.randint(mid // 16, mid // 4 + 1, (1,), generator=g)) for _ in range(16 * n + 1)]
+    return [[lengths[i] for i in group] for group in pack_groups(lengths, mid)[:n]]
 
 
 def _compiled_run_row(b: Bench, attn: str) -> dict:
