@@ -100,6 +100,7 @@ class Spool:
         self.closed = self.producer_waiting = self.done = False
         self.waiting_for = 0
         self.producer_wait_s = self.consumer_wait_s = 0.0
+        self.producer_waits: list[tuple[float, float]] = []  # (perf_counter from, to) of each wait for room
         for shard in self.store.shards:
             self._index(shard)
         self.committed = sum(s["bytes"] for s in self.store.shards)
@@ -141,6 +142,7 @@ class Spool:
         t0 = time.perf_counter()
         with self.cond:
             self.producer_waiting, self.waiting_for = True, nbytes
+            waited = self._no_room(nbytes) and not self.closed
             while self._no_room(nbytes) and not self.closed:
                 self.cond.notify_all()
                 self.cond.wait(0.5)
@@ -149,7 +151,10 @@ class Spool:
                 raise SpoolClosed("the trainer stopped")
             self.reserved += nbytes
             self._measure()
-        self.producer_wait_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.producer_wait_s += t1 - t0
+        if waited:
+            self.producer_waits.append((t0, t1))
 
     def commit(self, infos, released: int) -> None:
         """Commit finished shards; ``released`` bytes of reservation end with them."""
@@ -378,10 +383,13 @@ class OnlineResult:
     trainer_wait_s: float    # training waited for states (extraction limits)
     selfcheck: str = ""
     commits: list[tuple[float, int]] = field(default_factory=list)  # the extraction's: (perf_counter, tokens) a batch
+    producer_waits: list[tuple[float, float]] = field(default_factory=list)  # its waits for room: (from, to)
 
     def sustained_tokens_per_s(self) -> float:
         """The pipeline's rate once training has begun: the lower of
-        - the extraction's, over its commits from the first after the trainer's first step to the last, and
+        - the extraction's, over its commits from the first after the trainer's first step began to the last, less
+          its waits for room in that time (a stall behind a first step that compiles is not its rate; where training
+          limits, the trainer's figure is the lower anyway), and
         - the trainer's over its later half of steps (TrainResult.sustained_tokens_per_s).
         Where extraction is the slower side the trainer's figure overstates it by a head start taken while the draft
         was built (states it found waiting); where training is, the extraction's does (it catches up in bursts as
@@ -391,7 +399,9 @@ class OnlineResult:
         after = [(t, n) for t, n in self.commits if t >= self.train.started_at]
         if len(after) < 2 or after[-1][0] <= after[0][0]:
             return trainer
-        return min(trainer, sum(n for _, n in after[1:]) / (after[-1][0] - after[0][0]))
+        a, b = after[0][0], after[-1][0]
+        busy = (b - a) - sum(max(0.0, min(b, to) - max(a, fro)) for fro, to in self.producer_waits)
+        return min(trainer, sum(n for _, n in after[1:]) / busy) if busy > 0 else trainer
 
     def lines(self) -> list[str]:
         ex = self.extracted_tokens / self.extract_seconds if self.extract_seconds else 0.0
@@ -451,7 +461,7 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
         raise spool.failed
     out = OnlineResult(result, str(spool.store.root), capacity, spool.peak, spool.peak_files, producer.tokens,
                        spool.shards, producer.seconds, spool.producer_wait_s, spool.consumer_wait_s, check,
-                       producer.commits)
+                       producer.commits, spool.producer_waits)
     if result.samples_seen >= len(plan):
         shutil.rmtree(spool.store.root / SHARDS, ignore_errors=True)  # everything was learned from
     return out

@@ -14,8 +14,10 @@ turns on the GPU (taking_turns: what one shared GPU allows without overlap, and 
 over the whole run, and sustained (training alone over its later half of steps, TrainResult.timeline; online, the
 pipeline once training began, OnlineResult.sustained_tokens_per_s). Asserted: the online run trains every sample
 once in the same steps as the offline one, with finite losses (dummy weights: the losses mean nothing else).
-The trainer's attention (and compile) is EAGLE3_ONLINE_ATTN's: campaign.sh's onlinekd step sets the fastest that its
-benchtrain step showed working (tests/gpu/pick_trainer.py).
+The trainers: EAGLE3_ONLINE_ATTN's, one or several ("varlen,flex"): each trains alone and online beside the same
+engine and the same extraction alone (one engine start for all; the read-ahead control with the first only), so
+their figures compare within one run. campaign.sh's onlinekd step sets the fastest that its benchtrain step showed
+working (tests/gpu/pick_trainer.py) where EAGLE3_ONLINE_ATTN is unset.
 Run on an H200 at c5ebd37 (results/2026-12-05-c5ebd37-h200-vllm0.26.0: PASSED, online 0.666 of min(alone), training
 alone at 3,352 tok/s against its steps' 18,685 in the trainer benchmark; no phases nor read-ahead then). Its code runs
 on CPU against the fake vLLM in tests/unit/test_e2e_rehearsal.py.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 
 import pytest
@@ -43,31 +46,49 @@ from .test_kimi_k25_wrapper import write_verifier_weights
 pytestmark = [pytest.mark.gpu, pytest.mark.kimi_depth]
 N_SAMPLES, SEQ = 512, 512  # 262,144 tokens; the store ~15 GB (4 x 7168 bf16 a token)
 ONLINE_GOAL = 0.8
-ATTN = os.environ.get("EAGLE3_ONLINE_ATTN", "sdpa")  # the trainer's attention in every run here (sdpa | varlen |
-# flex: speculators' flex attention, compiled; campaign.sh's onlinekd step sets the fastest that its benchtrain step
-# showed working: tests/gpu/pick_trainer.py)
 TRAINERS = {name: {"attn_impl": impl, "compile": name == "flex"}  # TrainConfig's fields for each (`train --attn`'s
             for name, impl in TRAIN_ATTN.items()}                    # names; flex trains only compiled)
-if ATTN not in TRAINERS:
-    raise ValueError(f"EAGLE3_ONLINE_ATTN={ATTN!r}: use one of {', '.join(TRAINERS)}")
-TRAINER = TRAINERS[ATTN]
+TRAINERS["varlen-compiled"] = {"attn_impl": "varlen", "compile": True}  # `train --attn varlen --compile`
+
+
+def trainers_from_env() -> tuple:
+    """EAGLE3_ONLINE_ATTN="varlen,flex" (or space-separated): the trainers compared, in that order; sdpa unset.
+    flex: speculators' flex attention, compiled; varlen-compiled: the mask-free varlen attention, compiled."""
+    names = tuple(n for n in re.split(r"[\s,]+", os.environ.get("EAGLE3_ONLINE_ATTN", "sdpa")) if n)
+    unknown = [n for n in names if n not in TRAINERS]
+    if unknown or not names or len(set(names)) < len(names):
+        raise ValueError(f"EAGLE3_ONLINE_ATTN={os.environ.get('EAGLE3_ONLINE_ATTN')!r}: name each trainer once, of "
+                         f"{', '.join(TRAINERS)}")
+    return names
+
+
+ATTNS = trainers_from_env()
 
 
 def test_online_at_kimi_depth_against_extract_alone_and_train_alone(tmp_path_factory, tmp_path, report):
     prof = presets.from_name("kimi-depth")
     folder = tiny.build_model(prof, tmp_path_factory.mktemp("kimi-depth"), dtype="bfloat16")
-    summary = online_beside_the_engine(folder, prof, tmp_path, report)
-    report("online_kd_summary", summary)
-    assert summary["same_steps_and_samples"] and summary["losses_finite"], summary
-    assert summary["spool"]["peak"] <= summary["spool"]["capacity"], summary
+    summaries = online_beside_the_engine(folder, prof, tmp_path, report)
+    for summary in summaries.values():
+        assert summary["same_steps_and_samples"] and summary["losses_finite"], summary
+        assert summary["spool"]["peak"] <= summary["spool"]["capacity"], summary
+
+
+def _fresh(trainer: dict) -> None:
+    """Before a compiled run: dynamo's caches emptied. The draft's forward is one code object for every draft built
+    in this process; each run's 3 TTT steps add their graphs to it, and a third run would pass dynamo's recompile
+    limit (8) and train eagerly (flex attention unfused)."""
+    if trainer["compile"]:
+        torch._dynamo.reset()
 
 
 def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_SAMPLES, seq: int = SEQ,
                              device: str = "cuda", draft_vocab: int = 32000, batch_samples: int = 16,
-                             pack_tokens: int = 8192, extract_batch: int = 32) -> dict:
-    """Extract alone, train alone, then online, on one engine (dummy weights, unit decoder norms, the verifier's
-    head written from the engine's own): the three rates, the waits, the trainer's peak memory. On CPU with the fake
-    vLLM and tiny-kimi in tests/unit/test_e2e_rehearsal.py."""
+                             pack_tokens: int = 8192, extract_batch: int = 32, attns: tuple = ATTNS) -> dict:
+    """Extract alone, then for each trainer of ``attns`` train alone and online, on one engine (dummy weights, unit
+    decoder norms, the verifier's head written from the engine's own): {trainer: its summary (the three rates, the
+    waits, the trainer's peak memory)}, reported as each comes (online_kd_summary). On CPU with the fake vLLM and
+    tiny-kimi in tests/unit/test_e2e_rehearsal.py."""
     from eagle3.extract.vllm_backend import VLLMBackend
 
     spec = extract.store_spec(folder, None, "bfloat16")
@@ -75,15 +96,17 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
     backend = VLLMBackend(str(folder), spec, gpu_memory_utilization=0.55, max_model_len=4096,
                           max_num_batched_tokens=MAX_BATCHED_TOKENS, load_format="dummy", log_level="INFO",
                           extra_engine_args={"enforce_eager": True})
-    seconds = {"engine_start": round(time.perf_counter() - t0, 1)}
+    shared = {"engine_start": round(time.perf_counter() - t0, 1)}
     samples = random_samples(n_samples, seq, prof.vocab_size, seed=91)
     tokens = n_samples * seq
     cuda = device == "cuda"
+    summaries: dict[str, dict] = {}
+    reported = {"trainers": {}}
 
-    def cfg(store, out, read_ahead=True):
+    def cfg(trainer, store, out, read_ahead=True):
         return TrainConfig(store=str(store), out=str(out), device=device, batch_samples=batch_samples,
                            pack_tokens=pack_tokens, epochs=1, lr=1e-4, warmup_steps=1, draft_vocab_size=draft_vocab,
-                           ttt_steps=3, seed=0, checkpoint_minutes=0, read_ahead=read_ahead, **TRAINER)
+                           ttt_steps=3, seed=0, checkpoint_minutes=0, read_ahead=read_ahead, **trainer)
 
     try:
         backend.unit_norms()
@@ -92,29 +115,46 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
                                    batch_size=extract_batch, selfcheck=0)
         t0 = time.perf_counter()
         extract.run(ex, samples=samples, backend=backend, progress=False)
-        seconds["extract_alone"] = round(time.perf_counter() - t0, 1)
-        report("online_kd_seconds", seconds)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        off = train(cfg(tmp_path / "store", tmp_path / "offline"), progress=False)
-        seconds["train_alone"] = round(time.perf_counter() - t0, 1)
-        peak_train = torch.cuda.max_memory_allocated() if cuda else 0
-        report("online_kd_seconds", seconds)
-        t0 = time.perf_counter()
-        between = train(cfg(tmp_path / "store", tmp_path / "between", read_ahead=False), progress=False)
-        seconds["train_alone_reading_between_steps"] = round(time.perf_counter() - t0, 1)
-        report("online_kd_seconds", seconds)
+        shared["extract_alone"] = round(time.perf_counter() - t0, 1)
+        report("online_kd_seconds", dict(shared, **reported))
         store_bytes = sum(p.stat().st_size for p in (tmp_path / "store" / "shards").iterdir())
         capacity = store_bytes // 4
-        t0 = time.perf_counter()
-        on = online.run(cfg(tmp_path / "spool", tmp_path / "online"), ex, samples, capacity, backend=backend,
-                        extract_batch=extract_batch, progress=False)
-        seconds["online"] = round(time.perf_counter() - t0, 1)
+        for i, name in enumerate(attns):
+            trainer, runs = TRAINERS[name], tmp_path / name
+            seconds = reported["trainers"][name] = dict(shared)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            _fresh(trainer)
+            t0 = time.perf_counter()
+            off = train(cfg(trainer, tmp_path / "store", runs / "offline"), progress=False)
+            seconds["train_alone"] = round(time.perf_counter() - t0, 1)
+            peak_train = torch.cuda.max_memory_allocated() if cuda else 0
+            report("online_kd_seconds", dict(shared, **reported))
+            between = None
+            if i == 0:  # the read-ahead's control, once
+                _fresh(trainer)
+                t0 = time.perf_counter()
+                between = train(cfg(trainer, tmp_path / "store", runs / "between", read_ahead=False), progress=False)
+                seconds["train_alone_reading_between_steps"] = round(time.perf_counter() - t0, 1)
+                report("online_kd_seconds", dict(shared, **reported))
+            _fresh(trainer)
+            t0 = time.perf_counter()
+            on = online.run(cfg(trainer, runs / "spool", runs / "online"), ex, samples, capacity, backend=backend,
+                            extract_batch=extract_batch, progress=False)
+            seconds["online"] = round(time.perf_counter() - t0, 1)
+            report("online_kd_seconds", dict(shared, **reported))
+            summaries[name] = summarize(name, seconds, tokens, off, between, on, peak_train, capacity, n_samples)
+            report("online_kd_summary", summaries)
     finally:
         backend.close()
-    rate = {k: round(tokens / max(seconds[k], 0.05)) for k in ("extract_alone", "train_alone", "online",
-                                                                "train_alone_reading_between_steps")}
+    return summaries
+
+
+def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_train: int, capacity: int,
+              n_samples: int) -> dict:
+    """One trainer's figures: its runs (TrainResult alone, alone reading between steps or None, OnlineResult) against
+    the extraction alone."""
+    rate = {k: round(tokens / max(v, 0.05)) for k, v in seconds.items() if k != "engine_start"}
     ratio = rate["online"] / min(rate["extract_alone"], rate["train_alone"])
     # One GPU, shared: were the engine and the trainer's steps to take turns on it (no kernel of one overlapping the
     # other's), online could reach tokens / (extraction's seconds + the steps' seconds). Against min(alone) that is
@@ -125,23 +165,26 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
     taking_turns = {"tok_per_s": turns, "train_steps_tok_per_s": round(tokens / steps_s),
                     "online_vs_it": round(rate["online"] / turns, 3),
                     "it_vs_min_alone": round(turns / min(rate["extract_alone"], rate["train_alone"]), 3)}
-    # Sustained (the issue's word): training alone over its later half of steps (no setup, no first-step warm-up, no
-    # final checkpoint and export, which a 262k-token run cannot amortize); online, the pipeline once training began
-    # (OnlineResult.sustained_tokens_per_s: no head start taken while the draft was built); the extraction alone as
-    # above (its engine already started)
+    # Sustained (the issue's word): training alone over its later half of steps (no setup, no first-step warm-up or
+    # compile, no final checkpoint and export, which a 262k-token run cannot amortize); online, the pipeline once
+    # training began (OnlineResult.sustained_tokens_per_s: no head start taken while the draft was built, no stall
+    # behind a compiling first step); the extraction alone as above (its engine already started)
     steady = {"extract_alone": rate["extract_alone"], "train_alone": round(off.sustained_tokens_per_s()),
               "online": round(on.sustained_tokens_per_s())}
     steady_ratio = steady["online"] / min(steady["extract_alone"], steady["train_alone"])
-    return {"attn": ATTN, "seconds": seconds, "tok_per_s": rate, "online_vs_min_alone": round(ratio, 3),
-            "goal_0.8_met": ratio >= ONLINE_GOAL, "taking_turns": taking_turns,
+    runs = {"train_alone": off, "online": on.train} | ({"train_alone_reading_between_steps": between}
+                                                       if between else {})
+    return {"attn": name, "trainer": TRAINERS[name], "seconds": seconds, "tok_per_s": rate,
+            "online_vs_min_alone": round(ratio, 3), "goal_0.8_met": ratio >= ONLINE_GOAL,
+            "taking_turns": taking_turns,
             "sustained": {"tok_per_s": steady, "online_vs_min_alone": round(steady_ratio, 3),
                           "goal_0.8_met": steady_ratio >= ONLINE_GOAL},
             "lines": on.lines(),
             "waits_s": {"extraction_for_room": round(on.producer_wait_s, 1),
                         "training_for_states": round(on.trainer_wait_s, 1)},
-            "phases_s": {"train_alone": off.phases, "train_alone_reading_between_steps": between.phases,
-                         "online": on.train.phases},
-            "read_ahead_same_losses": off.losses == between.losses,
+            "phases_s": {k: r.phases for k, r in runs.items()},
+            "notes": {k: r.notes for k, r in runs.items() if r.notes},  # a recompile limit reached, among others
+            "read_ahead_same_losses": off.losses == between.losses if between else None,
             "trainer_peak_gib": round(peak_train / 2**30, 1), "spool": {"capacity": capacity, "peak": on.peak_bytes},
             "same_steps_and_samples": on.train.steps == off.steps and on.train.samples_seen == off.samples_seen
             == n_samples, "steps": on.train.steps,

@@ -170,43 +170,60 @@ def test_regenerate_with_vllm_over_held_out_conversations(fake, tiny_kimi, tmp_p
     json.dumps(got)
 
 
-def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path):  # noqa: F811
+def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, monkeypatch):  # noqa: F811
     """tests/gpu/test_online_kimi_depth.py's measurement (issue 42) with tiny-kimi for kimi-depth and a small draft on
-    the CPU: the engine's unit norms and head, extraction alone, training alone, online through a spool a quarter of
-    the store, and the summary the GPU run judges."""
+    the CPU: the engine's unit norms and head, extraction alone, then two trainers (sdpa, varlen) each trained alone
+    and online through a spool a quarter of the store, beside one engine started once, and the summaries the GPU run
+    judges; the read-ahead control with the first trainer only."""
+    from eagle3.extract import vllm_backend
     from eagle3.targets import presets
     from tests.gpu import test_online_kimi_depth as kd
 
     folder = tmp_path / "target"
     shutil.copytree(tiny_kimi, folder)
-    reported = Reported()
-    got = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, reported,
-                                      n_samples=32, seq=64, device="cpu", draft_vocab=128, batch_samples=4,
-                                      pack_tokens=0, extract_batch=2)  # a quarter of the store holds two batches
-    assert got["same_steps_and_samples"] and got["steps"] == 8 and got["losses_finite"], got
-    assert 0 < got["spool"]["peak"] <= got["spool"]["capacity"], got
-    assert set(got["tok_per_s"]) == {"extract_alone", "train_alone", "online", "train_alone_reading_between_steps"}
-    assert got["online_vs_min_alone"] > 0 and got["read_ahead_same_losses"], got
-    assert all(set(p) == {"setup", "reading", "steps", "checkpoints"} for p in got["phases_s"].values()), got
-    assert any(line.startswith("limits") for line in got["lines"]), got["lines"]
-    # one GPU shared: the rate were the two sides to take turns on it (extraction's time + training's steps' time)
-    seconds, steps_s, tokens = got["seconds"], got["phases_s"]["train_alone"]["steps"], 32 * 64
-    turns = got["taking_turns"]
-    assert turns["tok_per_s"] == round(tokens / (seconds["extract_alone"] + steps_s)), got
-    assert turns["train_steps_tok_per_s"] == round(tokens / steps_s), got
-    assert turns["online_vs_it"] == round(got["tok_per_s"]["online"] / turns["tok_per_s"], 3), got
-    alone = min(got["tok_per_s"]["extract_alone"], got["tok_per_s"]["train_alone"])
-    assert turns["it_vs_min_alone"] == round(turns["tok_per_s"] / alone, 3), got
-    # sustained: no setup nor final checkpoint (TrainResult / OnlineResult.sustained_tokens_per_s)
-    steady = got["sustained"]
-    assert set(steady["tok_per_s"]) == {"extract_alone", "train_alone", "online"} and all(
-        v > 0 for v in steady["tok_per_s"].values()), got
-    assert steady["tok_per_s"]["extract_alone"] == got["tok_per_s"]["extract_alone"], got
-    assert steady["online_vs_min_alone"] == round(steady["tok_per_s"]["online"] / min(
-        steady["tok_per_s"]["extract_alone"], steady["tok_per_s"]["train_alone"]), 3), got
-    assert set(reported["online_kd_seconds"]) == {"engine_start", "extract_alone", "train_alone",
-                                                  "train_alone_reading_between_steps"}
-    json.dumps(got)
+    reported, starts = Reported(), []
+    init = vllm_backend.VLLMBackend.__init__
+    monkeypatch.setattr(vllm_backend.VLLMBackend, "__init__", lambda self, *a, **kw: starts.append(1) or init(
+        self, *a, **kw))
+    summaries = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, reported,
+                                            n_samples=32, seq=64, device="cpu", draft_vocab=128, batch_samples=4,
+                                            pack_tokens=0, extract_batch=2,  # a quarter of the store: two batches
+                                            attns=("sdpa", "varlen"))
+    assert list(summaries) == ["sdpa", "varlen"] and len(starts) == 1, (list(summaries), starts)
+    assert reported["online_kd_summary"] == json.loads(json.dumps(summaries))
+    seconds = reported["online_kd_seconds"]
+    assert set(seconds) == {"engine_start", "extract_alone", "trainers"} and list(seconds["trainers"]) == [
+        "sdpa", "varlen"], seconds
+    for name, got in summaries.items():
+        first = name == "sdpa"
+        assert got["attn"] == name and got["trainer"] == kd.TRAINERS[name], got
+        assert got["same_steps_and_samples"] and got["steps"] == 8 and got["losses_finite"], got
+        assert 0 < got["spool"]["peak"] <= got["spool"]["capacity"], got
+        assert set(got["tok_per_s"]) == {"extract_alone", "train_alone", "online"} | (
+            {"train_alone_reading_between_steps"} if first else set()), got
+        assert got["tok_per_s"]["extract_alone"] == summaries["sdpa"]["tok_per_s"]["extract_alone"], got  # one
+        assert got["online_vs_min_alone"] > 0 and got["read_ahead_same_losses"] is (True if first else None), got
+        assert all(set(p) == {"setup", "reading", "steps", "checkpoints"} for p in got["phases_s"].values()), got
+        assert len(got["phases_s"]) == (3 if first else 2), got
+        assert any(line.startswith("limits") for line in got["lines"]), got["lines"]
+        # one GPU shared: the rate were the two sides to take turns on it (extraction's time + training's steps')
+        seconds, steps_s, tokens = got["seconds"], got["phases_s"]["train_alone"]["steps"], 32 * 64
+        assert seconds == reported["online_kd_seconds"]["trainers"][name], (seconds, reported)
+        turns = got["taking_turns"]
+        assert turns["tok_per_s"] == round(tokens / (seconds["extract_alone"] + steps_s)), got
+        assert turns["train_steps_tok_per_s"] == round(tokens / steps_s), got
+        assert turns["online_vs_it"] == round(got["tok_per_s"]["online"] / turns["tok_per_s"], 3), got
+        alone = min(got["tok_per_s"]["extract_alone"], got["tok_per_s"]["train_alone"])
+        assert turns["it_vs_min_alone"] == round(turns["tok_per_s"] / alone, 3), got
+        # sustained: no setup nor final checkpoint (TrainResult / OnlineResult.sustained_tokens_per_s)
+        steady = got["sustained"]
+        assert set(steady["tok_per_s"]) == {"extract_alone", "train_alone", "online"} and all(
+            v > 0 for v in steady["tok_per_s"].values()), got
+        assert steady["tok_per_s"]["extract_alone"] == got["tok_per_s"]["extract_alone"], got
+        assert steady["online_vs_min_alone"] == round(steady["tok_per_s"]["online"] / min(
+            steady["tok_per_s"]["extract_alone"], steady["tok_per_s"]["train_alone"]), 3), got
+        assert set(seconds) == {"engine_start", "extract_alone", "train_alone", "online"} | (
+            {"train_alone_reading_between_steps"} if first else set()), seconds
 
 
 def test_every_trainer_the_online_step_may_pick_is_a_trainer_configuration():
@@ -219,9 +236,29 @@ def test_every_trainer_the_online_step_may_pick_is_a_trainer_configuration():
     report = {"bench_train_kimi_draft": [{}, {"tok_per_s": 1}], "bench_train_varlen": [{"seq": 8192, "tok_per_s": 2}],
               "bench_train_compiled": [{"seq": 8192, "attn": "flex", "tok_per_s": 3},
                                        {"seq": "run", "attn": "flex", "run": True, "recompile_limit_hits": []}]}
-    assert set(pick_trainer.candidates(report, True)) == set(kd.TRAINERS) == {"sdpa", "varlen", "flex"}
+    assert set(pick_trainer.candidates(report, True)) == {"sdpa", "varlen", "flex"} <= set(kd.TRAINERS)
     for kw in kd.TRAINERS.values():
         TrainConfig(store="s", out="o", **kw)
+
+
+@pytest.mark.parametrize("value,want", [(None, ("sdpa",)), ("varlen", ("varlen",)),
+                                        ("varlen,flex", ("varlen", "flex")), (" flex  varlen-compiled ", (
+                                            "flex", "varlen-compiled")),
+                                        ("varlen,falsh", None), ("varlen,varlen", None), (",", None)])
+def test_the_online_step_compares_the_trainers_it_is_told(monkeypatch, value, want):
+    """EAGLE3_ONLINE_ATTN: one trainer or several, by comma or space, in that order; an unknown name, one named twice,
+    or none at all refused with the names there are."""
+    from tests.gpu import test_online_kimi_depth as kd
+
+    if value is None:
+        monkeypatch.delenv("EAGLE3_ONLINE_ATTN", raising=False)
+    else:
+        monkeypatch.setenv("EAGLE3_ONLINE_ATTN", value)
+    if want is None:
+        with pytest.raises(ValueError, match="name each trainer once, of sdpa, varlen, flex, varlen-compiled"):
+            kd.trainers_from_env()
+    else:
+        assert kd.trainers_from_env() == want
 
 
 @pytest.mark.parametrize("fails", [None, "mla-3.1"])
