@@ -9,7 +9,12 @@ the target is decided. Measured on the H200 (the 18bea75 run): only 25% of 32 ra
 32-token outputs with acceptance 0 (no draft token accepted, so the draft cannot have changed them): verifying
 k+1 tokens at once runs the target's MLA and MoE kernels at another shape than one token per step, and a
 random-weight target's top logits are often within bf16 noise of each other. So a divergence must start at a
-near-tie of the target's own plain run (top-1 minus top-2 log-prob <= NEAR_TIE); a larger margin there fails.
+near-tie of the target's own plain run (top-1 minus top-2 log-prob <= evaluate.NEAR_TIE), or where the target itself,
+in the verification forward, chose the speculative token (evaluate.unexplained, the rule test_draft_acceptance
+applies): on an H100 (2026-12-05, vLLM 0.26.0) 31 of 32 outputs diverged, two at plain margins of 0.625 and 0.75
+nats where the verification forward had a near-tie of its own (0.0, 0.094) and chose the token itself, as a MoE's
+expert-routing near-tie flipped at another batch shape does; the H200 runs saw margins of at most 0.0625. A token
+the target did not choose there fails.
 """
 
 from __future__ import annotations
@@ -28,8 +33,6 @@ from eagle3.train import train
 from eagle3.train.draft import DraftShape, export_bytes, speculators_config
 
 pytestmark = pytest.mark.gpu
-
-NEAR_TIE = 0.1  # nats: two bf16 computations of logits of magnitude ~7 differ by up to ~0.03 each
 
 
 def test_a_draft_trained_on_mini_kimi_is_served_with_it(target, engines, tmp_path, gpu_out, report):
@@ -74,7 +77,7 @@ def test_a_draft_trained_on_mini_kimi_is_served_with_it(target, engines, tmp_pat
     report("deepseek_draft_seconds", round(time.perf_counter() - t0, 1))
     report("deepseek_draft_divergences", rep.divergences)
     assert d.drafts > 0 and len(d.per_position) == 3
-    assert all(x["margin"] <= NEAR_TIE for x in rep.divergences), (summary, rep.divergences)
+    assert not evaluate.unexplained(rep.divergences), (summary, rep.divergences)
     assert rep.drafter["shares_embedding"] and rep.drafter["dtype"] == "bfloat16", rep.drafter
     # the RoPE vLLM applies to the draft is the one speculators trained it with
     import copy

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from eagle3.serve.evaluate import divergences
+from eagle3.serve.evaluate import divergences, unexplained
 
 
 def test_divergence_is_located_with_the_plain_runs_margin():
@@ -216,3 +216,22 @@ def test_a_divergence_says_whether_the_target_chose_the_speculative_token():
     assert [(d["prompt"], d["position"], d["spec_top1"]) for d in got] == [(0, 1, True), (1, 1, False)]
     assert math.isclose(got[0]["margin"], 1.9) and math.isclose(got[0]["spec_margin"], 0.1)
     assert "spec_top1" not in divergences(spec, base, base_top2)[0]  # without the speculative top-2: not claimed
+
+
+def test_a_divergence_is_the_target_s_own_at_a_near_tie_or_where_it_chose_the_token_itself():
+    """evaluate.unexplained: what the served-draft tests fail on. Two divergences of the 2026-12-05 H100 run of
+    test_deepseek_draft (mini-Kimi, acceptance 0: no draft token accepted) started where the plain run was decided
+    (0.625, 0.75 nats) and the verification forward itself chose the speculative token at a near-tie of its own:
+    explained. A token the target did not choose there, or one with no speculative top-2 to tell, at a decided
+    position: unexplained. A near-tie of the plain run: explained either way."""
+    h100 = [{"prompt": 10, "position": 7, "margin": 0.625, "spec_top1": True, "spec_margin": 0.0},
+            {"prompt": 18, "position": 15, "margin": 0.75, "spec_top1": True, "spec_margin": 0.09375},
+            {"prompt": 3, "position": 15, "margin": 0.0, "spec_top1": True, "spec_margin": 0.03125},
+            {"prompt": 0, "position": 6, "margin": 0.0625}]
+    assert unexplained(h100) == []
+    wrong = {"prompt": 1, "position": 2, "margin": 0.625, "spec_top1": False, "spec_margin": 0.5}
+    unknown = {"prompt": 2, "position": 3, "margin": 0.75}
+    tie_wrong = {"prompt": 4, "position": 0, "margin": 0.03125, "spec_top1": False, "spec_margin": 1.0}
+    nan = {"prompt": 5, "position": 32, "margin": float("nan")}  # a length difference: no margin to excuse it
+    assert unexplained(h100 + [wrong, unknown, tie_wrong, nan]) == [wrong, unknown, nan]
+    assert unexplained([wrong], near_tie=1.0) == []
