@@ -79,7 +79,8 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   wrapper)  step wrapper $PT -m kimi_depth tests/gpu/test_kimi_k25_wrapper.py --gpu-out "$OUT/wrapper" ;;  # Kimi-K2.5's
             # class, kimi-depth text model: capture, self-check, a served draft (two engine starts of 2-4 min)
   onlinekd) # online at Kimi's depth: kimi-depth's engine and the Kimi-size trainer on one H200 (346 s at c5ebd37; ~7
-            # min now). The trainer: EAGLE3_ONLINE_ATTN where set (sdpa, varlen, flex: compiled); else the fastest at 8k
+            # min now). The trainers: EAGLE3_ONLINE_ATTN where set (sdpa, varlen, flex: compiled, varlen-compiled; several
+            # "varlen,flex" compared beside one engine start); else the fastest at 8k
             # that this campaign's benchtrain step showed working (tests/gpu/pick_trainer.py: varlen only where its
             # CUDA tests passed, flex only where its compiled run of varying packs met no recompile limit); sdpa
             bash tests/gpu/passed.sh "$OUT/benchtrain.log" tests/gpu/test_ttt_attention_gpu.py && vp=1 || vp=0

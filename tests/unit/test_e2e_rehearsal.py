@@ -224,6 +224,9 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
             steady["tok_per_s"]["extract_alone"], steady["tok_per_s"]["train_alone"]), 3), got
         assert set(seconds) == {"engine_start", "extract_alone", "train_alone", "online"} | (
             {"train_alone_reading_between_steps"} if first else set()), seconds
+        for run in ("offline", "online") + (("between",) if first else ()):  # each trained with its own attention
+            states = list((tmp_path / name / run).glob("**/trainer_state.json"))
+            assert states and all(json.loads(f.read_text())["config"]["attn_impl"] == name for f in states), run
 
 
 def test_every_trainer_the_online_step_may_pick_is_a_trainer_configuration():
