@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 import time
 
 import pytest
@@ -82,6 +83,12 @@ def _fresh(trainer: dict) -> None:
         torch._dynamo.reset()
 
 
+def _gone(folder) -> None:
+    """A training run's folder, once its result is taken: at the Kimi-size draft its final checkpoint (float32 weights
+    and AdamW state) and export are ~14 GB, and the host's disk (64 GB) holds the 15 GB store and a few of them."""
+    shutil.rmtree(folder)
+
+
 def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_SAMPLES, seq: int = SEQ,
                              device: str = "cuda", draft_vocab: int = 32000, batch_samples: int = 16,
                              pack_tokens: int = 8192, extract_batch: int = 32, attns: tuple = ATTNS) -> dict:
@@ -129,6 +136,7 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
             off = train(cfg(trainer, tmp_path / "store", runs / "offline"), progress=False)
             seconds["train_alone"] = round(time.perf_counter() - t0, 1)
             peak_train = torch.cuda.max_memory_allocated() if cuda else 0
+            _gone(runs / "offline")
             report("online_kd_seconds", dict(shared, **reported))
             between = None
             if i == 0:  # the read-ahead's control, once
@@ -136,12 +144,14 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
                 t0 = time.perf_counter()
                 between = train(cfg(trainer, tmp_path / "store", runs / "between", read_ahead=False), progress=False)
                 seconds["train_alone_reading_between_steps"] = round(time.perf_counter() - t0, 1)
+                _gone(runs / "between")
                 report("online_kd_seconds", dict(shared, **reported))
             _fresh(trainer)
             t0 = time.perf_counter()
             on = online.run(cfg(trainer, runs / "spool", runs / "online"), ex, samples, capacity, backend=backend,
                             extract_batch=extract_batch, progress=False)
             seconds["online"] = round(time.perf_counter() - t0, 1)
+            _gone(runs)
             report("online_kd_seconds", dict(shared, **reported))
             summaries[name] = summarize(name, seconds, tokens, off, between, on, peak_train, capacity, n_samples)
             report("online_kd_summary", summaries)
