@@ -141,9 +141,9 @@ class Spool:
         """Wait until ``nbytes`` more fit under the capacity, then count them as reserved."""
         t0 = time.perf_counter()
         with self.cond:
-            self.producer_waiting, self.waiting_for = True, nbytes
-            waited = self._no_room(nbytes) and not self.closed
+            self.producer_waiting, self.waiting_for, waited = True, nbytes, False
             while self._no_room(nbytes) and not self.closed:
+                waited = True
                 self.cond.notify_all()
                 self.cond.wait(0.5)
             self.producer_waiting = False

@@ -110,6 +110,9 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
     summaries: dict[str, dict] = {}
     reported = {"trainers": {}}
 
+    def report_seconds():  # as each run ends: a step cut short by its limit keeps what was timed
+        report("online_kd_seconds", dict(shared, **reported))
+
     def cfg(trainer, store, out, read_ahead=True):
         return TrainConfig(store=str(store), out=str(out), device=device, batch_samples=batch_samples,
                            pack_tokens=pack_tokens, epochs=1, lr=1e-4, warmup_steps=1, draft_vocab_size=draft_vocab,
@@ -123,7 +126,7 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
         t0 = time.perf_counter()
         extract.run(ex, samples=samples, backend=backend, progress=False)
         shared["extract_alone"] = round(time.perf_counter() - t0, 1)
-        report("online_kd_seconds", dict(shared, **reported))
+        report_seconds()
         store_bytes = sum(p.stat().st_size for p in (tmp_path / "store" / "shards").iterdir())
         capacity = store_bytes // 4
         for i, name in enumerate(attns):
@@ -137,7 +140,7 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
             seconds["train_alone"] = round(time.perf_counter() - t0, 1)
             peak_train = torch.cuda.max_memory_allocated() if cuda else 0
             _gone(runs / "offline")
-            report("online_kd_seconds", dict(shared, **reported))
+            report_seconds()
             between = None
             if i == 0:  # the read-ahead's control, once
                 _fresh(trainer)
@@ -145,14 +148,14 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
                 between = train(cfg(trainer, tmp_path / "store", runs / "between", read_ahead=False), progress=False)
                 seconds["train_alone_reading_between_steps"] = round(time.perf_counter() - t0, 1)
                 _gone(runs / "between")
-                report("online_kd_seconds", dict(shared, **reported))
+                report_seconds()
             _fresh(trainer)
             t0 = time.perf_counter()
             on = online.run(cfg(trainer, runs / "spool", runs / "online"), ex, samples, capacity, backend=backend,
                             extract_batch=extract_batch, progress=False)
             seconds["online"] = round(time.perf_counter() - t0, 1)
             _gone(runs)
-            report("online_kd_seconds", dict(shared, **reported))
+            report_seconds()
             summaries[name] = summarize(name, seconds, tokens, off, between, on, peak_train, capacity, n_samples)
             report("online_kd_summary", summaries)
     finally:
