@@ -348,7 +348,9 @@ def _reader_line(r: Record, rows: list[Record]) -> str:
     same = [t for t in rows if t.run == r.run and t.profile == r.profile and t.key.endswith(f"/{seq}")
             and not t.key.startswith(READER_KEY + "/")]
     head = (f"- {r.run} {r.profile} {r.key}: the store reader, as training steps read: {r.tokens_per_s:,.0f} tok/s "
-            f"({r.extra.get('gb_per_s', '?')} GB/s; the samples alone {r.extra.get('samples_tok_per_s', 0):,.0f})")
+            f"({r.extra.get('gb_per_s', '?')} GB/s; the samples alone {r.extra.get('samples_tok_per_s', 0):,.0f}"
+            + (f"; checksums in the reader's path {r.extra['checks_inline_tok_per_s']:,.0f}"
+               if "checks_inline_tok_per_s" in r.extra else "") + ")")
     if not same:
         return head + f"; no {seq}-token training figure in its run to set it against"
     need = max(same, key=per_gpu)

@@ -269,6 +269,9 @@ class SpoolSamples(StoreSamples):
     def sample_id(self, i: int) -> str:
         return position_id(i, self.data[self.plan[i]].sample_id)
 
+    def check_ahead(self, order) -> None:
+        """Nothing ahead: a spool's shards are checked as they are read (they arrive while training runs)."""
+
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """From the tokenized samples (the ids and masks a store would hold), before any state exists."""
         counts = torch.zeros(vocab_size, dtype=torch.int64)

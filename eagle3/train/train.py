@@ -29,6 +29,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 
@@ -41,6 +42,7 @@ from eagle3.targets.layers import aux_ids
 from eagle3.targets.presets import config_hash, read_model_config
 from eagle3.train import checkpoint, compile_watch
 from eagle3.train.draft import SERVE_TPS, DraftShape, check_servable, draft_vocab, speculators_config
+from eagle3.train.shard_checks import ShardChecks
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +168,10 @@ FIX = ("run `eagle3 verify --fix {store}` (it quarantines bad shards), then reru
 class StoreSamples:
     """Random access to a store's samples: (input_ids [T], loss_mask [T], aux [T, n_aux*H], last [T, H]).
 
-    Trust nothing read back: a shard's checksum (xxh3_128) is checked against the manifest the first time any of its
-    samples is read (about 12 GB/s of hashing per core, once per shard per run), and every sample's
-    states are checked finite. A bad one raises BadData naming store, shard, sample and the fix."""
+    Trust nothing read back: a shard's checksum (xxh3_128) is checked against the manifest before any of its samples
+    is read (about 12 GB/s of hashing per core, once per shard per run; ahead of the reader where check_ahead was
+    called, train/shard_checks.py), and every sample's states are checked finite. A bad one raises BadData naming
+    store, shard, sample and the fix."""
 
     def __init__(self, store: Store, seed: int = 0, index_shards: bool = True):
         """``index_shards=False``: start with an empty index (the online spool fills it as shards arrive)."""
@@ -177,7 +180,7 @@ class StoreSamples:
         self.store, self.ids, self.seed = store, list(store.spec.layer_ids), seed
         self.index: list[tuple[str, int, int, str]] = []
         self.entry = {s["file"]: s for s in store.shards}  # shard file -> its manifest entry (the checksum)
-        self.verified: set[str] = set()
+        self.checks = ShardChecks(lambda file: checksum_matches(self.store.root / file, self.entry[file]))
         for shard in store.shards if index_shards else ():
             with safe_open(str(store.root / shard["file"]), framework="pt") as f:
                 off = f.get_tensor("offsets").tolist()
@@ -191,8 +194,25 @@ class StoreSamples:
     def batch(self, step: int, steps_per_epoch: int, batch_samples: int) -> list[int]:
         """Indices of step ``step``'s global batch: epoch e's permutation (seed + e), in slices of batch_samples."""
         epoch, k = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + epoch))
-        return order[k * batch_samples : (k + 1) * batch_samples].tolist()
+        return self.epoch_order(epoch)[k * batch_samples : (k + 1) * batch_samples]
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        return torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def check_ahead(self, order: Iterable[int]) -> None:
+        """Check the checksums of the shards of samples ``order`` (the order they will be read) in a background
+        thread, each shard where its first sample comes; get() waits for a shard's check begun there."""
+        def first_reads() -> Iterator[str]:
+            seen: set[str] = set()
+            for i in order:
+                file = self.index[i][0]
+                if file not in seen:
+                    seen.add(file)
+                    yield file
+                    if len(seen) == len(self.entry):
+                        return
+
+        self.checks.ahead(first_reads())
 
     def sample_id(self, i: int) -> str:
         return self.index[i][3]
@@ -211,7 +231,7 @@ class StoreSamples:
         return {}
 
     def close(self) -> None:
-        pass
+        self.checks.close()
 
     def _bad(self, file: str, sid: str | None, what: str) -> BadData:
         where = f"store {self.store.root}, shard {file}" + (f", sample {sid}" if sid else "")
@@ -219,11 +239,8 @@ class StoreSamples:
                        + FIX.format(store=self.store.root))
 
     def verify_shard(self, file: str) -> None:
-        if file in self.verified:
-            return
-        if not checksum_matches(self.store.root / file, self.entry[file]):
+        if not self.checks.matches(file):
             raise self._bad(file, None, "its checksum differs from the manifest's (the file changed after commit)")
-        self.verified.add(file)
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often each token is a training target (loss-masked positions)."""
@@ -307,6 +324,17 @@ def to_device(inputs: dict, device: str, dtype: torch.dtype) -> dict:
     for k in ("hidden_states", "verifier_last_hidden_states"):
         out[k] = out[k].to(dtype)
     return out
+
+
+def reads_from(samples: "StoreSamples", step: int, steps_per_epoch: int, batch_samples: int, rank: int, world: int,
+               epochs: int = 2) -> Iterator[int]:
+    """The sample indices this rank reads from step ``step`` on, in order, to the end of ``epochs`` epochs
+    (StoreSamples.batch, each epoch's permutation drawn once)."""
+    first, k0 = divmod(step, steps_per_epoch)
+    for epoch in range(first, first + epochs):
+        order = samples.epoch_order(epoch)
+        for k in range(k0 if epoch == first else 0, steps_per_epoch):
+            yield from order[k * batch_samples : (k + 1) * batch_samples][rank::world]
 
 
 def micro_batches(samples: "StoreSamples", indices: list[int], pack_tokens: int,
@@ -544,6 +572,9 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
         bad: dict | None = {} if skipped is not None else None
         return read_packs(samples, mine, cfg.pack_tokens, guard, pin, bad), bad
 
+    # the shards' checksums hashed in a background thread, in the order this run reads them (the reader waits only
+    # for a shard it reaches first); stopped with the run
+    samples.check_ahead(reads_from(samples, state["step"], steps_per_epoch, cfg.batch_samples, rank, world))
     ahead = ReadAhead(read_step, cfg.read_ahead)
     t0, tokens_this_run = time.perf_counter(), 0
     phases = {"setup": t0 - entered, "reading": 0.0, "steps": 0.0, "checkpoints": 0.0}
@@ -551,7 +582,8 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     last_save = _clock()
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, desc="train", unit="step")
     watch = compile_watch.RecompileLimitHits()  # dynamo giving up on a function of a compiled run: said in the notes
-    with bar, watch, torch.compiler.set_stance("default" if cfg.compile else "force_eager"):  # the bar ends its line
+    with bar, watch, contextlib.closing(samples.checks), \
+            torch.compiler.set_stance("default" if cfg.compile else "force_eager"):  # the bar ends its line
         while state["step"] < total:
             step = state["step"]
             began = time.perf_counter()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU campaign (run on the GPU host, in the background). Results under /tmp/campaign.
 #   tests/gpu/campaign.sh                 contract, GPU suite, benchmarks + e2e (everything)
-#   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite direct directbench copies new draft depth online
+#   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite (or one of its steps: suite1..suite4)
+#                                         direct directbench copies new draft depth online
 #                                         e2e e2eds wrapper benchtrain onlinekd fp8 aux
 #                                         probe bench benchkd report
 #   tests/gpu/campaign.sh online:660 bench  STEP:SECONDS stops that step (SIGINT, then SIGKILL 30 s later) after SECONDS
@@ -41,6 +42,14 @@ jit() { python3 tests/gpu/jit_in_clock.py "$OUT/$1.log" "$OUT/$1/report.json" > 
 COPIES="hf_reference or indexing or training_states or preemption"  # the capture's copies, value-checked (~10 min: an engine start per test)
 BENCH_OUT=(--gpu-out "$OUT/bench" --benchmark-json="$OUT/bench/benchmark.json" --benchmark-columns=median,rounds)
 NEW="deepseek_draft or preemption or selfcheck_passes or (hf_reference and hooks) or indexing"
+suite_part() {  # the GPU suite's step N of 4 (suite runs them in the order 1 3 2 4)
+  case $1 in
+  1) step suite1 $PT -m gpu tests/gpu/test_extract_vllm.py -k "not kill_and_resume" --gpu-out "$OUT/suite" ;;
+  3) step suite3 $PT -m gpu tests/gpu/test_extract_vllm.py -k kill_and_resume --gpu-out "$OUT/suite3" ;;
+  2) step suite2 $PT -m gpu tests/gpu --ignore tests/gpu/test_extract_vllm.py --ignore tests/gpu/test_preemption.py \
+          --gpu-out "$OUT/suite2" ;;
+  4) step suite4 $PT -m gpu tests/gpu/test_preemption.py --gpu-out "$OUT/suite4" ;;
+  esac; }
 for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" != "$arg" ] && LIMIT=${arg#*:}
   case $s in
   contract) step contract $PT tests/unit/test_vllm_contract.py tests/unit/test_export_options.py ;;  # + vLLM's parser
@@ -49,11 +58,8 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
             # the vLLM extraction (~160 s); a served draft, the self-check, the varlen attention's kernels (~270 s);
             # preemption (~250 s)
             [ "$LIMIT" -gt 0 ] || LIMIT=600
-            step suite1 $PT -m gpu tests/gpu/test_extract_vllm.py -k "not kill_and_resume" --gpu-out "$OUT/suite"
-            step suite3 $PT -m gpu tests/gpu/test_extract_vllm.py -k kill_and_resume --gpu-out "$OUT/suite3"
-            step suite2 $PT -m gpu tests/gpu --ignore tests/gpu/test_extract_vllm.py --ignore tests/gpu/test_preemption.py \
-                 --gpu-out "$OUT/suite2"
-            step suite4 $PT -m gpu tests/gpu/test_preemption.py --gpu-out "$OUT/suite4" ;;
+            for part in 1 3 2 4; do suite_part $part; done ;;
+  suite[1-4]) [ "$LIMIT" -gt 0 ] || LIMIT=600; suite_part "${s#suite}" ;;  # one of the suite's four steps
   new)      step new $PT -m gpu tests/gpu -k "$NEW" --gpu-out "$OUT/suite" ;;
   direct)   step direct $PT tests/unit/test_vllm_contract.py tests/gpu -m "not benchmark and not e2e and not kimi_depth" \
                  -k direct --gpu-out "$OUT/direct" ;;  # the direct capture: contract, states, preemption (~500 s)

@@ -244,7 +244,8 @@ def test_bench_train_store_reader_against_the_trainer(tmp_path, report, gpu_out)
     report("bench_train_reader", {"tokens": got["tokens"], "tok_per_s": row["samples_tok_per_s"],
                                   "gb_per_s": round(got["tokens"] / got["seconds"] * got["bytes_per_token"] / 1e9, 2),
                                   "as_training_steps": {"tok_per_s": row["tok_per_s"], "step_tokens": row["seq"],
-                                                        "pinned": got["pinned"], "gb_per_s": row["gb_per_s"]}})
+                                                        "pinned": got["pinned"], "gb_per_s": row["gb_per_s"],
+                                                        "checks_inline_tok_per_s": row["checks_inline_tok_per_s"]}})
     READER[:] = [row]  # beside the table's rows in GPU_OUT/benchmark.json: `bench report` sets it against them
     _write_history(gpu_out, [])
     assert got["tokens"] == 64 * 2048 and got["steps"] == 16
@@ -258,7 +259,8 @@ def reader_row(got: dict) -> dict:
     steps = got["tokens"] / got["step_seconds"]
     return {"reader": True, "seq": got["step_tokens"], "tok_per_s": round(steps),
             "gb_per_s": round(steps * got["bytes_per_token"] / 1e9, 2),
-            "samples_tok_per_s": round(got["tokens"] / got["seconds"])}
+            "samples_tok_per_s": round(got["tokens"] / got["seconds"]),
+            "checks_inline_tok_per_s": round(got["tokens"] / got["step_seconds_checks_inline"])}
 
 
 def test_bench_train_kimi_draft(report, gpu_out):
@@ -482,9 +484,10 @@ def _compiled_run_row(b: Bench, attn: str) -> dict:
 
 def reader_rate(root, n: int, seq: int, hidden: int = 7168, step_tokens: int = 8192) -> dict:
     """Write n samples of seq tokens of 4 x hidden bf16 states, then read them back through the trainer's
-    StoreSamples (checksums and finiteness checked as in training) twice: the samples alone (seconds), and as the
+    StoreSamples (checksums and finiteness checked as in training): the samples alone (seconds), and as the
     trainer's steps take them (step_seconds: train.read_packs, packs of step_tokens, pinned where CUDA is, the guard
-    of 3 TTT steps), each from a fresh StoreSamples (the shards' checksums again)."""
+    of 3 TTT steps, the checksums hashed ahead as train() does), beside it with the checksums hashed in the reader's
+    path (step_seconds_checks_inline), each from a fresh StoreSamples (the shards' checksums again)."""
     from eagle3.store.folder import Store
     from eagle3.store.format import StoreSpec
     from eagle3.store.writer import ShardWriter
@@ -504,13 +507,21 @@ def reader_rate(root, n: int, seq: int, hidden: int = 7168, step_tokens: int = 8
     t0 = time.perf_counter()
     tokens = sum(samples.get(i)["input_ids"].shape[0] for i in range(len(samples)))
     seconds = time.perf_counter() - t0
-    samples = train_mod.StoreSamples(Store.open(root), 0)
     per_step = max(1, step_tokens // seq)
     pin = torch.cuda.is_available()
-    t0, steps = time.perf_counter(), 0
-    for k in range(0, n, per_step):  # each step's packs dropped before the next (pinned blocks reused, as in training)
-        train_mod.read_packs(samples, list(range(k, min(n, k + per_step))), step_tokens, TTT - 1, pin)
-        steps += 1
-    step_seconds = time.perf_counter() - t0
+
+    def as_steps(ahead: bool) -> tuple[float, int]:
+        samples = train_mod.StoreSamples(Store.open(root), 0)
+        t0, steps = time.perf_counter(), 0
+        if ahead:  # as train() does: the shards' checksums in a background thread, in the order of the reads
+            samples.check_ahead(range(n))
+        for k in range(0, n, per_step):  # each step's packs dropped before the next (pinned blocks reused)
+            train_mod.read_packs(samples, list(range(k, min(n, k + per_step))), step_tokens, TTT - 1, pin)
+            steps += 1
+        return time.perf_counter() - t0, steps
+
+    inline_seconds, _ = as_steps(False)
+    step_seconds, steps = as_steps(True)
     return {"tokens": tokens, "seconds": seconds, "bytes_per_token": 4 * hidden * 2, "steps": steps,
-            "step_tokens": step_tokens, "step_seconds": step_seconds, "pinned": pin}
+            "step_tokens": step_tokens, "step_seconds": step_seconds, "pinned": pin,
+            "step_seconds_checks_inline": inline_seconds}

@@ -188,6 +188,7 @@ def test_the_reader_s_row_reaches_bench_report_beside_the_table(monkeypatch, tmp
     md = bench.report([tmp_path / "benchmark.json"], tmp_path / "r")[0].read_text()
     line = next(x for x in md.splitlines() if "train_reader/80:" in x)
     assert f"as training steps read: {round(160 / got['step_seconds']):,} tok/s" in line, line
+    assert f"checksums in the reader's path {round(160 / got['step_seconds_checks_inline']):,}" in line, line
     assert "the fastest training figure of its run at 80 tokens (train_llama_bf16-mixed/80, 10 tok/s" in line, line
 
 
@@ -203,8 +204,18 @@ def test_the_reader_benchmark_times_the_steps_as_the_trainer_reads_them(monkeypa
         calls.append((list(indices), pack_tokens, guard, pin))
         return real(samples, indices, pack_tokens, guard, pin, skipped)
 
+    ahead, check_ahead = [], train_mod.StoreSamples.check_ahead
+
+    def recorded(self, order):
+        ahead.append((len(calls), list(order)))
+        return check_ahead(self, order)
+
     monkeypatch.setattr(train_mod, "read_packs", read_packs)
+    monkeypatch.setattr(train_mod.StoreSamples, "check_ahead", recorded)
     got = gb.reader_rate(tmp_path / "store", 6, 40, hidden=64, step_tokens=80)
-    assert sorted(i for c in calls for i in c[0]) == list(range(6)) and {c[1:] for c in calls} == {(80, 2, False)}
+    # twice, every sample once a pass: the checksums in the reader's path, then hashed ahead as train() does
+    assert [sorted(i for c in part for i in c[0]) for part in (calls[:3], calls[3:])] == [list(range(6))] * 2
+    assert {c[1:] for c in calls} == {(80, 2, False)} and ahead == [(3, list(range(6)))]
     assert got["step_tokens"] == 80 and got["steps"] == 3 and got["step_seconds"] > 0, got
+    assert got["step_seconds_checks_inline"] > 0 and gb.reader_row(got)["checks_inline_tok_per_s"] > 0
 

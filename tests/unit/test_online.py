@@ -300,6 +300,8 @@ def test_the_online_plan_is_what_the_offline_trainer_draws(max_steps):
     n, batch, epochs, seed = 10, 3, 3, 7  # 3 steps an epoch, one sample left over each
 
     class Store10:  # what StoreSamples.batch reads of a store's samples: their count and the seed
+        epoch_order = StoreSamples.epoch_order
+
         def __len__(self):
             return n
 
