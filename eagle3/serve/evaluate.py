@@ -14,6 +14,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 from eagle3.extract.rpc import Expect, Record, normalize_reply
 from eagle3.extract.vllm_compat import WORKER_EXTENSION, prepare_environment, shutdown_engine
@@ -103,6 +104,8 @@ class EvalReport:
     baseline_tokens_per_s: float | None = None
     outputs_identical: float | None = None
     divergences: list = field(default_factory=list)  # per differing prompt: position and the target's margin there
+    # (judged_divergences: the speculative repeat's, where there is one)
+    spec_repeat_identical: float | None = None       # prompts whose speculative repeat equalled the timed run
     engine_start_s: float = 0.0            # target + draft, eager
     baseline_start_s: float = 0.0          # target alone, eager, same options
     drafter: dict = field(default_factory=dict)  # what vLLM loaded (eagle3_drafter_info)
@@ -139,6 +142,9 @@ class EvalReport:
                 m = sorted(x["margin"] for x in self.divergences)
                 out.append(f"divergences    {len(m)} prompts; the target's top-1 margin where they start: min "
                            f"{m[0]:.4f}, median {m[len(m) // 2]:.4f}, max {m[-1]:.4f} nats")
+            if self.spec_repeat_identical is not None:
+                out.append(f"repeat         the speculative run again (judged above): outputs identical to the timed "
+                           f"run {self.spec_repeat_identical:.0%}")
         return out
 
 
@@ -182,6 +188,21 @@ def divergences(spec: list[list[int]], base: list[list[int]], base_top2: list[li
             d["spec_margin"] = lp[ranked[0]] - lp[ranked[1]] if len(ranked) > 1 else float("nan")
         out.append(d)
     return out
+
+
+def judged_divergences(spec: list[list[int]], base: list[list[int]], base_top2: Callable[[], list[list[dict]]],
+                       repeat: tuple[list[list[int]], list[list[dict]]] | None) -> tuple[list[dict], float | None]:
+    """The divergences to judge (unexplained) and the share of prompts whose speculative repeat equalled the timed
+    run (None without a repeat). ``repeat``: the speculative run again, (tokens, its own top-2 at every token). Its
+    divergences from the plain run are the ones judged: each has the verification forward's top-2 (spec_top1). The
+    timed run's own may differ where the speculative path is not run-to-run deterministic (MoE routing near-ties at
+    another batch composition); that spread is the share returned. Without a repeat, the timed run's divergences with
+    the plain run's margins only. ``base_top2()``: the plain run's top-2 (another generate), asked only where needed."""
+    tokens, top2 = repeat if repeat is not None else (spec, None)
+    repeated = sum(a == b for a, b in zip(spec, repeat[0])) / len(spec) if repeat is not None else None
+    if all(a == b for a, b in zip(tokens, base)):
+        return [], repeated
+    return divergences(tokens, base, base_top2(), top2), repeated
 
 
 NEAR_TIE = 0.1  # nats: two bf16 computations of logits of magnitude ~7 differ by up to ~0.03 each
@@ -290,12 +311,12 @@ def run(cfg: EvalConfig) -> EvalReport:
                               Expect(cfg.tp, Record(DRAFTER_KEYS), reply_rank=0))
     _run(llm, prompts[:8], 16)  # warm-up: the first generate of an engine pays one-time costs
     spec_tokens, draft_run, counters, per = _run_by_traffic(llm, prompts, groups, cfg.max_tokens, spec_counters(llm))
-    spec_top2, notes = None, []
+    repeat, notes = None, []
     if cfg.baseline:  # the same run again, untimed, with the verification's own top-2: what explains a divergence
         try:
             got: list = []
             again, _, (_, counters) = _run(llm, prompts, cfg.max_tokens, counters, top2=got)
-            spec_top2 = [t if x == y else [] for t, x, y in zip(got, again, spec_tokens)]  # only where it repeated
+            repeat = (again, got)
         except Exception as e:  # noqa: BLE001 - an engine that returns no logprobs with a draft: say so, go on
             notes.append(f"the speculative run's top-2 log-probs are not available ({type(e).__name__}: {e}); "
                          "divergences carry the plain run's margin only")
@@ -322,10 +343,14 @@ def run(cfg: EvalConfig) -> EvalReport:
         base_tokens, seconds, _ = _run(base, prompts, cfg.max_tokens)
         report.baseline_tokens_per_s = sum(map(len, base_tokens)) / seconds
         report.outputs_identical = sum(a == b for a, b in zip(spec_tokens, base_tokens)) / len(prompts)
-        if report.outputs_identical < 1:
+
+        def base_top2() -> list:  # the plain run again, timed apart, with margins
             top2: list = []
-            _run(base, prompts, cfg.max_tokens, top2=top2)  # the plain run again, timed apart, with margins
-            report.divergences = divergences(spec_tokens, base_tokens, top2, spec_top2)
+            _run(base, prompts, cfg.max_tokens, top2=top2)
+            return top2
+
+        report.divergences, report.spec_repeat_identical = judged_divergences(spec_tokens, base_tokens, base_top2,
+                                                                              repeat)
         shutdown_engine(base, best_effort=False)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,9 @@ in the verification forward, chose the speculative token (evaluate.unexplained, 
 applies): on an H100 (2026-12-05, vLLM 0.26.0) 31 of 32 outputs diverged, two at plain margins of 0.625 and 0.75
 nats where the verification forward had a near-tie of its own (0.0, 0.094) and chose the token itself, as a MoE's
 expert-routing near-tie flipped at another batch shape does; the H200 runs saw margins of at most 0.0625. A token
-the target did not choose there fails.
+the target did not choose there fails. The divergences judged are the speculative run's repeat's (the one with the
+verification's top-2 at every token, evaluate.judged_divergences): at eb52e7a on an H100 the repeat had differed from
+the timed run at a prompt whose timed divergence (plain margin 0.125) then had no top-2 to tell, and failed.
 """
 
 from __future__ import annotations

@@ -235,3 +235,32 @@ def test_a_divergence_is_the_target_s_own_at_a_near_tie_or_where_it_chose_the_to
     nan = {"prompt": 5, "position": 32, "margin": float("nan")}  # a length difference: no margin to excuse it
     assert unexplained(h100 + [wrong, unknown, tie_wrong, nan]) == [wrong, unknown, nan]
     assert unexplained([wrong], near_tie=1.0) == []
+
+
+def test_divergences_are_judged_on_the_repeat_whose_every_output_has_its_top_2():
+    """The 2026-12-05 H100 run at 8c4eebc: the speculative run's repeat (the one with top-2 log-probs) differed from
+    the timed run at some prompts, so those divergences had no spec_top1 and one, at a plain margin of 0.125, failed
+    test_deepseek_draft as unexplained. The divergences judged are the repeat's against the plain run, every one with
+    the verification forward's own top-2; how often the repeat equalled the timed run is reported beside them (the
+    speculative path's run-to-run spread)."""
+    from eagle3.serve.evaluate import judged_divergences
+
+    base = [[1, 2, 3]] * 4
+    base_top2 = [[{1: -0.1, 0: -4.0}, {2: -0.1, 5: -0.225}, {3: -0.1, 0: -4.0}]] * 4  # margin 0.125 at position 1
+    timed = [[1, 5, 3], [1, 2, 3], [1, 2, 3], [1, 5, 3]]
+    again = [[1, 5, 4], [1, 5, 3], [1, 2, 3], [1, 5, 3]]  # prompt 0 went on otherwise; 1 diverged only here
+    again_top2 = [[{1: -0.1, 0: -4.0}, {5: -0.1, 2: -0.15}, {4: -0.1, 3: -0.2}],
+                  [{1: -0.1, 0: -4.0}, {5: -0.1, 2: -0.12}, {3: -0.1, 0: -4.0}],
+                  [{1: -0.1, 0: -4.0}, {2: -0.1, 5: -0.2}, {3: -0.1, 0: -4.0}],
+                  [{1: -0.1, 0: -4.0}, {5: -0.1, 2: -0.12}, {3: -0.1, 0: -4.0}]]
+    got, repeated = judged_divergences(timed, base, lambda: base_top2, (again, again_top2))
+    assert [(d["prompt"], d["position"], d["spec_top1"]) for d in got] == [(0, 1, True), (1, 1, True), (3, 1, True)]
+    assert unexplained(got) == [] and repeated == 2 / 4
+    old = divergences(timed, base, base_top2, [t if x == y else [] for t, x, y in zip(again_top2, again, timed)])
+    assert unexplained(old) == [old[0]]  # the rule before: prompt 0 unexplained, for want of its top-2
+    # without a repeat (an engine that gave no log-probs): the timed run's, with the plain run's margins only
+    got, repeated = judged_divergences(timed, base, lambda: base_top2, None)
+    assert [(d["prompt"], d["position"]) for d in got] == [(0, 1), (3, 1)] and "spec_top1" not in got[0]
+    assert repeated is None
+    # where neither run diverged, the plain run's top-2 is never asked for (another generate)
+    assert judged_divergences(base, base, lambda: 1 / 0, (base, base_top2)) == ([], 1.0)
