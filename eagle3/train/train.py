@@ -274,7 +274,22 @@ def model_inputs(xs: list[dict], device: str, dtype: torch.dtype, guard: int = 0
     return to_device(pack_inputs(xs, guard), device, dtype)
 
 
-def pack_inputs(xs: list[dict], guard: int = 0, pin: bool = False) -> dict:
+FLEX_BLOCK = 128  # flex attention's block: speculators' mask for TTT steps covers whole blocks of it
+
+
+def pack_multiple(attn_impl: str) -> int:
+    """Rows a pack is padded to a multiple of: FLEX_BLOCK for flex attention, whose per-TTT-step mask
+    (speculators' extend_mask_for_draft_tokens, BlockMask.from_kv_blocks) is made for whole blocks and which torch's
+    flex_attention refuses for a shorter sequence; 1 for the others."""
+    return FLEX_BLOCK if attn_impl == "simple_flex_attention" else 1
+
+
+def sample_rows(pack: dict) -> int:
+    """The samples' rows of a pack (pack_inputs), its padding left out: a pad row has position 0, a sample's 1..T-1."""
+    return int(pack["position_ids"].count_nonzero())
+
+
+def pack_inputs(xs: list[dict], guard: int = 0, pin: bool = False, multiple: int = 1) -> dict:
     """Samples shifted as speculators expects (input_ids[1:], aux[:-1], last[1:], loss_mask[1:],
     positions 1..T-1), packed into one sequence of batch dim 1 with a document id per sample.
 
@@ -285,8 +300,12 @@ def pack_inputs(xs: list[dict], guard: int = 0, pin: bool = False) -> dict:
 
     Each sample's rows are copied once, into tensors allocated whole first: pinned where ``pin`` (host_empty), so
     the copy to the GPU needs no second one (concatenating, then pinning, copied the states twice, the first time
-    into freshly faulted pages: tests/unit/test_pack.py)."""
-    n = sum(x["input_ids"].shape[0] - 1 for x in xs)
+    into freshly faulted pages: tests/unit/test_pack.py).
+
+    ``multiple`` (pack_multiple): rows padded after the samples up to a multiple of it, as a document of their own
+    (no sample's row attends to them) with loss mask 0 (no loss reads them as targets), zero states and position 0."""
+    real = sum(x["input_ids"].shape[0] - 1 for x in xs)
+    n = -(-real // multiple) * multiple
     first = xs[0]
 
     def empty(like: torch.Tensor) -> torch.Tensor:  # [1, n, *like's row shape], like's dtype (the store's)
@@ -308,6 +327,9 @@ def pack_inputs(xs: list[dict], guard: int = 0, pin: bool = False) -> dict:
         torch.arange(1, t + 1, out=out["position_ids"][0, at : at + t])
         out["document_ids"][0, at : at + t].fill_(d)
         at += t
+    if n > real:
+        for k, v in out.items():
+            v[0, real:] = len(xs) if k == "document_ids" else 0
     return out
 
 
@@ -368,10 +390,11 @@ def pack_groups(lengths: list[int], pack_tokens: int) -> list[list[int]]:
 
 
 def read_packs(samples: "StoreSamples", indices: list[int], pack_tokens: int, guard: int, pin: bool,
-               skipped: dict[str, str] | None = None) -> list[tuple[list[str], dict]]:
+               skipped: dict[str, str] | None = None, multiple: int = 1) -> list[tuple[list[str], dict]]:
     """The samples ``indices`` as a training step takes them (the reader thread's work, train/read_ahead.py): read
-    and checked, packed, pinned where ``pin``. (sample ids, host inputs) a pack."""
-    return [([x["sample_id"] for x in p], pack_inputs(p, guard, pin))
+    and checked, packed (padded to a multiple of ``multiple`` rows), pinned where ``pin``. (sample ids, host
+    inputs) a pack."""
+    return [([x["sample_id"] for x in p], pack_inputs(p, guard, pin, multiple))
             for p in micro_batches(samples, indices, pack_tokens, skipped)]
 
 
@@ -570,7 +593,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
         """This rank's part of step ``step``: (sample ids, host inputs) per pack, and the samples it skipped."""
         mine = samples.batch(step, steps_per_epoch, cfg.batch_samples)[rank::world]
         bad: dict | None = {} if skipped is not None else None
-        return read_packs(samples, mine, cfg.pack_tokens, guard, pin, bad), bad
+        return read_packs(samples, mine, cfg.pack_tokens, guard, pin, bad, pack_multiple(cfg.attn_impl)), bad
 
     # the shards' checksums hashed in a background thread, in the order this run reads them (the reader waits only
     # for a shard it reaches first); stopped with the run
@@ -613,7 +636,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                             "Lower --lr, or check those samples with `eagle3 verify`.")
                     (loss * weight * world / cfg.batch_samples).backward()
                 sums[0] += float(loss.detach()) * weight
-                sums[1] += inputs["input_ids"].shape[1]
+                sums[1] += sample_rows(host)  # the samples' rows, not flex's padding
                 for name, v in metrics.items():
                     if name.startswith("full_acc_"):
                         accept_sums[name] = accept_sums.get(name, 0.0) + float(v)

@@ -129,20 +129,28 @@ def _model(b: Bench, mla=None, attn: str = "sdpa"):
 
 def _inputs(b: Bench, seq: int, attn: str = "sdpa", lengths: list[int] | None = None):
     """One packed sequence of seq tokens: one sample (the attention's worst case: causal over all of it), or samples
-    of ``lengths`` (summing to seq) with their document ids and positions as pack_inputs makes them."""
+    of ``lengths`` (summing to seq) with their document ids and positions as pack_inputs makes them; for flex, padded
+    as the trainer pads (train.pack_multiple: whole 128-token blocks, a document of zero states no loss reads)."""
     from eagle3.train import ttt_attention
+    from eagle3.preflight import TRAIN_ATTN
+    from eagle3.train.train import pack_multiple
 
     h, device = b.shape.hidden_size, b.device
     g = torch.Generator(device=device).manual_seed(1)
     lengths = lengths or [seq]
-    docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    pad = -seq % pack_multiple(TRAIN_ATTN.get(attn, attn))
+    rows = seq + pad
+    docs = torch.repeat_interleave(torch.arange(len(lengths) + 1), torch.tensor(lengths + [pad]))[None]
     extra = ttt_attention.forward_kwargs(docs, device) if attn == "varlen" else {}
-    return dict(extra, input_ids=torch.randint(0, b.draft_vocab, (1, seq), device=device, generator=g),
-                hidden_states=torch.randn(1, seq, N_AUX * h, device=device, generator=g, dtype=torch.bfloat16).float(),
-                verifier_last_hidden_states=torch.randn(1, seq, h, device=device, generator=g,
-                                                        dtype=torch.bfloat16).float(),
-                loss_mask=torch.ones(1, seq, dtype=torch.bool, device=device),
-                position_ids=torch.cat([torch.arange(1, n + 1) for n in lengths])[None].to(device),
+    real = (torch.arange(rows) < seq)[None, :, None].to(device)  # the pad's states zero
+    return dict(extra, input_ids=torch.randint(0, b.draft_vocab, (1, rows), device=device, generator=g),
+                hidden_states=torch.randn(1, rows, N_AUX * h, device=device, generator=g,
+                                          dtype=torch.bfloat16).float() * real,
+                verifier_last_hidden_states=torch.randn(1, rows, h, device=device, generator=g,
+                                                        dtype=torch.bfloat16).float() * real,
+                loss_mask=real[..., 0].clone(),
+                position_ids=torch.cat([torch.arange(1, n + 1) for n in lengths]
+                                       + [torch.zeros(pad, dtype=torch.long)])[None].to(device),
                 document_ids=docs.to(device))
 
 
