@@ -25,7 +25,7 @@ def candidates(report: dict, varlen_passed: bool) -> dict[str, float]:
         out["varlen"] = eight["tok_per_s"]
     compiled = [r for r in report.get("bench_train_compiled") or [] if r.get("attn") == "flex"]
     flex = next((r for r in compiled if r.get("seq") == 8192), {})
-    run = next((r for r in compiled if r.get("run")), None)
+    run = next((r for r in compiled if r.get("seq") == "run"), None)  # _compiled_run_row's key: .../run
     if flex.get("tok_per_s") and run and "error" not in run and not run.get("recompile_limit_hits"):
         out["flex"] = flex["tok_per_s"]
     return out

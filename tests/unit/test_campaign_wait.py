@@ -115,8 +115,10 @@ def _bench_report(sdpa=18685, varlen=None, flex=None, run=None) -> dict:
     compiled = [{"seq": 8192, "attn": "varlen", "compiled": True, "tok_per_s": 99999}]  # not a candidate: not in a run
     if flex is not None:
         compiled.append({"seq": 8192, "attn": "flex", "compiled": True, **flex})
-    if run is not None:
-        compiled.append({"seq": "run", "attn": "flex", "compiled": True, "run": True, **run})
+    if run is not None:  # the run row's keys as _compiled_run_row writes them (its seq "run")
+        from tests.gpu import test_bench_train as gb
+
+        compiled.append(dict(gb._row("run", True, None, "auto", attn="flex"), attn="flex", compiled=True, **run))
     out["bench_train_compiled"] = compiled
     return out
 
@@ -153,3 +155,20 @@ def test_the_online_step_trains_with_the_fastest_configuration_the_benchmark_sho
         got = subprocess.run([sys.executable, str(PICK), str(tmp_path / name), "1"], capture_output=True, text=True,
                              check=True)
         assert got.stdout.split()[0] == "sdpa", (name, got.stderr)
+
+
+def test_the_online_step_does_not_pick_flex_where_its_run_row_failed_on_the_gpu():
+    """The eb52e7a run's own benchtrain report (an H100): compiled flex measured 30,580 tok/s at 8k, fixed-length,
+    but its row over a training run's packs failed (the block-mask error, since padded away): not picked."""
+    import json
+
+    report = json.loads((Path(__file__).resolve().parents[2] / "results/2026-12-05-eb52e7a-h100-vllm0.26.0/"
+                         "benchtrain-report.json").read_text())
+    from tests.gpu import pick_trainer
+
+    assert "error" in next(r for r in report["bench_train_compiled"] if r["seq"] == "run")
+    assert "flex" not in pick_trainer.candidates(report, True)
+    rows = [{k: v for k, v in r.items() if k != "error"} if r["seq"] == "run" else r
+            for r in report["bench_train_compiled"]]
+    ok = dict(report, bench_train_compiled=rows)
+    assert pick_trainer.candidates(ok, True)["flex"] == 30580  # the same rows, the run row without its error

@@ -247,7 +247,7 @@ def test_every_trainer_the_online_step_may_pick_is_a_trainer_configuration():
 
     report = {"bench_train_kimi_draft": [{}, {"tok_per_s": 1}], "bench_train_varlen": [{"seq": 8192, "tok_per_s": 2}],
               "bench_train_compiled": [{"seq": 8192, "attn": "flex", "tok_per_s": 3},
-                                       {"seq": "run", "attn": "flex", "run": True, "recompile_limit_hits": []}]}
+                                       {"seq": "run", "attn": "flex", "recompile_limit_hits": []}]}
     assert set(pick_trainer.candidates(report, True)) == {"sdpa", "varlen", "flex"} <= set(kd.TRAINERS)
     for kw in kd.TRAINERS.values():
         TrainConfig(store="s", out="o", **kw)
