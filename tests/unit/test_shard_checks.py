@@ -6,6 +6,7 @@ checked once, a bad one stops training where it is read, and nothing else change
 import json
 import shutil
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -21,18 +22,19 @@ from .test_read_ahead import _cfg
 @pytest.fixture
 def checks(monkeypatch):
     """Every checksum check: (file, thread name), in order; gate[file] (an Event) holds the background thread
-    before it checks that file."""
-    seen, gate, real = [], {}, train_mod.checksum_matches
+    before it checks that file, and held[file] is set once it waits there."""
+    seen, gate, held, real = [], {}, {}, train_mod.checksum_matches
 
     def recorded(path, entry):
         name = threading.current_thread().name
         if name == shard_checks.NAME and entry["file"] in gate:
+            held.setdefault(entry["file"], threading.Event()).set()
             assert gate[entry["file"]].wait(10)
         seen.append((entry["file"], name))
         return real(path, entry)
 
     monkeypatch.setattr(train_mod, "checksum_matches", recorded)
-    return seen, gate
+    return seen, gate, held
 
 
 def _first_files(samples, order):
@@ -45,7 +47,7 @@ def _first_files(samples, order):
 
 
 def test_shards_are_checked_ahead_in_the_order_first_read_and_never_again(small_store, checks):
-    seen, _ = checks
+    seen, _, _ = checks
     samples = StoreSamples(Store.open(small_store))
     order = list(reversed(range(len(samples))))  # the last shard first
     files = _first_files(samples, order)
@@ -59,7 +61,7 @@ def test_shards_are_checked_ahead_in_the_order_first_read_and_never_again(small_
 
 
 def test_the_reader_checks_a_shard_the_thread_has_not_reached_and_the_thread_skips_it(small_store, checks):
-    seen, gate = checks
+    seen, gate, held = checks
     samples = StoreSamples(Store.open(small_store))
     order = list(range(len(samples)))
     files = _first_files(samples, order)
@@ -96,7 +98,7 @@ def test_a_bad_shard_checked_ahead_stops_the_read_of_its_samples_only(small_stor
 def test_train_checks_its_shards_ahead_in_the_order_it_reads_them(small_store, tmp_path, checks, monkeypatch):
     """Each shard checked once, by the background thread, in the order of this run's reads (epochs 0 and 1 of 4
     samples a step). The reader's first read waits for the thread to finish, so no shard is the reader's."""
-    seen, _ = checks
+    seen, _, _ = checks
     get = StoreSamples.get
 
     def after_the_checks(self, i):
@@ -120,7 +122,7 @@ def test_reads_from_is_this_ranks_part_of_each_step_from_a_step_on(small_store):
 
 
 def test_the_reader_waits_for_a_shard_the_thread_is_checking(small_store, checks):
-    seen, gate = checks
+    seen, gate, held = checks
     samples = StoreSamples(Store.open(small_store))
     order = list(range(len(samples)))
     first = samples.index[0][0]
@@ -143,3 +145,22 @@ def test_the_reader_waits_for_a_shard_the_thread_is_checking(small_store, checks
     assert not errors and got == [samples.sample_id(0)]
     samples.checks.join(10)
     assert Counter(f for f, _ in seen)[first] == 1 and (first, shard_checks.NAME) in seen
+
+
+def test_a_closed_source_stops_its_checks_between_shards(small_store, checks):
+    """train() closes the checks with the run: a short run over a large store does not go on hashing the rest of
+    it. The thread finishes the shard it is hashing and starts no other."""
+    seen, gate, held = checks
+    samples = StoreSamples(Store.open(small_store))
+    order = list(range(len(samples)))
+    files = _first_files(samples, order)
+    gate[files[0]] = threading.Event()
+    samples.check_ahead(order)
+    for _ in range(1000):  # until the thread holds inside the first shard's check
+        if files[0] in held:
+            break
+        time.sleep(0.01)
+    samples.close()
+    gate[files[0]].set()
+    samples.checks.join(10)
+    assert not samples.checks.thread.is_alive() and seen == [(files[0], shard_checks.NAME)]
