@@ -211,9 +211,10 @@ NEAR_TIE = 0.1  # nats: two bf16 computations of logits of magnitude ~7 differ b
 def unexplained(divs: list[dict], near_tie: float = NEAR_TIE) -> list[dict]:
     """The divergences (divergences()) neither computation's numerics explain: the plain run decided (top-1 margin
     over ``near_tie``) and the speculative token not the target's own top-1 in the verification forward (or that
-    unknown: no speculative top-2 where the run did not repeat). The rest are the target's own: a near-tie, or the
-    target at the verification's batch shape choosing otherwise (an expert-routing near-tie flipped in a MoE: margins
-    of 0.19-1.75 nats seen on the DeepseekV3 target on an H200, 0.625 and 0.75 on mini-Kimi on an H100)."""
+    unknown: no speculative top-2, where the engine gave no repeat with log-probs). The rest are the target's own: a
+    near-tie, or the target at the verification's batch shape choosing otherwise (an expert-routing near-tie flipped
+    in a MoE: margins of 0.19-1.75 nats seen on the DeepseekV3 target on an H200, 0.625 and 0.75 on mini-Kimi on an
+    H100)."""
     return [d for d in divs if not d["margin"] <= near_tie and not d.get("spec_top1")]
 
 
