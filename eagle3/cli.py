@@ -182,6 +182,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--gpu-mem", type=FRACTION, default=0.5,
                    help="--online, vllm backend: the engine's share of the GPU; the trainer uses the rest")
     o.add_argument("--tp", type=POSITIVE, default=1, help="--online, vllm backend: tensor parallel size")
+    o.add_argument("--engine-in-process", action="store_true",
+                   help="--online, vllm backend: the engine in this process, not in one of its own (one CUDA context "
+                        "with the trainer, so their kernels may overlap on the GPU; docs/online.md)")
     o.add_argument("--state-dtype", choices=["bfloat16", "fp8"], default="bfloat16",
                    help="--online: states in the spool (fp8: e4m3 + a scale per token and layer, half the bytes)")
     p.add_argument("--steps", type=POSITIVE, default=None, help="stop after this many optimizer steps (default: epochs)")
@@ -262,7 +265,8 @@ def cmd_train_online(a):
     ex = extract.ExtractConfig(model=a.target, out=cfg.store, backend=a.backend, layer_ids=a.layer_ids,
                                dtype=_state_dtype(a.state_dtype),
                                device=a.extract_device or a.device, tp=a.tp,
-                               vllm_kwargs={"gpu_memory_utilization": a.gpu_mem},
+                               vllm_kwargs={"gpu_memory_utilization": a.gpu_mem,
+                                            **({"in_process": True} if a.engine_in_process else {})},
                                data=DataConfig(a.data, max_len=a.max_len, rejects_path=str(Path(a.out) / "rejects.jsonl")))
     samples, report = extract.load_dataset(ex)
     print(f"data       {report.summary()}")
@@ -569,6 +573,11 @@ def preflight(a) -> None:
             pf.data_files(a.data)
             if a.backend == "vllm":
                 pf.vllm_installed("train --online --backend vllm")
+            elif a.engine_in_process:
+                raise pf.UsageError("--engine-in-process places vLLM's engine: it needs --backend vllm (the hf "
+                                    "backend always extracts in this process)")
+        elif a.engine_in_process:
+            raise pf.UsageError("--engine-in-process is for train --online --backend vllm")
         elif not a.store:
             raise pf.UsageError("train needs --store STORE (made by `eagle3 extract`), or --online --target T --data D")
         else:

@@ -33,7 +33,8 @@ class VLLMBackend:
                  gpu_memory_utilization: float = 0.85, max_model_len: int | None = None,
                  load_format: str = "auto", skip_tokenizer_init: bool = True,
                  max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                 extra_engine_args: dict | None = None, log_level: str | None = None):
+                 extra_engine_args: dict | None = None, log_level: str | None = None, in_process: bool = False):
+        """in_process: the engine core in this process (compat.engine_in_process), not in a process of its own."""
         import vllm
 
         self.spec = spec
@@ -48,8 +49,14 @@ class VLLMBackend:
             max_num_seqs=max_num_seqs, extra=extra_engine_args)
         # an engine with prefix caching (extract --regenerate's): a prefill to capture must compute every row
         self.read_cache = {"skip_reading_prefix_cache": True} if kwargs.get("enable_prefix_caching") else {}
+        self.in_process = in_process
+        self._restore = compat.engine_in_process() if in_process else None
         t0 = time.perf_counter()
-        self.llm = vllm.LLM(**kwargs)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except BaseException:
+            self._put_back()
+            raise
         self.start_seconds = time.perf_counter() - t0
         records = self.call("eagle3_setup", {"layer_ids": list(spec.layer_ids), "strategy": self.strategy,
                                              "log_level": os.environ.get("EAGLE3_LOG_LEVEL")},
@@ -112,6 +119,12 @@ class VLLMBackend:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             compat.shutdown_engine(llm)
+        self._put_back()
+
+    def _put_back(self) -> None:
+        restore, self._restore = getattr(self, "_restore", None), None
+        if restore is not None:
+            restore()
 
 
 def _some(ids: list[str]) -> str:

@@ -124,6 +124,41 @@ def prepare_environment(log_level: str | None = None) -> None:
         os.environ["EAGLE3_LOG_LEVEL"] = log_level
 
 
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def engine_in_process():
+    """Before LLM(): vLLM's engine core (and, at TP 1, its one worker) in this process instead of a process of its
+    own. One CUDA context then holds the engine and whatever else this process runs on the GPU (the online trainer),
+    so their kernels may overlap; two processes share a GPU by time slices. The engine core caches vLLM's environment
+    once it starts (envs.enable_envs_cache), so the cache is dropped first, and the returned function, called once
+    the engine is shut down, drops it again and puts the variable back: a later engine of this process reads it
+    afresh. The engine in this process also initializes torch.distributed (a world of one)."""
+    envs = _envs()
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    before = os.environ.get(MULTIPROCESSING)
+    os.environ[MULTIPROCESSING] = "0"
+
+    def restore() -> None:
+        if hasattr(envs, "disable_envs_cache"):
+            envs.disable_envs_cache()
+        if before is None:
+            os.environ.pop(MULTIPROCESSING, None)
+        else:
+            os.environ[MULTIPROCESSING] = before
+
+    return restore
+
+
+def _envs():
+    try:
+        from vllm import envs
+    except ImportError:  # a vLLM without the module (the CPU suite's fake has one)
+        return None
+    return envs
+
+
 def engine_kwargs(model: str, *, strategy: str, layer_ids: tuple[int, ...], tp: int = 1, dtype: str = "bfloat16",
                   gpu_memory_utilization: float = 0.85, max_model_len: int | None = None,
                   load_format: str = "auto", skip_tokenizer_init: bool = True,

@@ -306,12 +306,27 @@ class SpoolSamples(StoreSamples):
                 "waits": f"extract {sp.producer_wait_s:.0f}s train {sp.consumer_wait_s:.0f}s"}
 
 
+ENGINE_STREAM_PRIORITY = -1  # CUDA's: negative is higher than the default 0
+
+
+def engine_stream(backend):
+    """The CUDA stream the producer thread drives an engine in this process on (`--engine-in-process`: vLLM's forward
+    runs in the thread that calls generate, on that thread's current stream), or None (an engine in a process of its
+    own, or no CUDA). Not the trainer's stream, so their kernels may run at once; of a higher priority, so the GPU
+    schedules the engine's blocks first and the trainer's fill the SMs it leaves idle: on one GPU the extraction is
+    the slower side at Kimi's size (docs/online.md), and the trainer keeps up in the gaps."""
+    if not getattr(backend, "in_process", False) or not torch.cuda.is_available():
+        return None
+    return torch.cuda.Stream(priority=ENGINE_STREAM_PRIORITY)
+
+
 class Producer:
     """The extraction side: a thread that extracts plan[p] for p = start... into the spool, batch by batch."""
 
     def __init__(self, spool: Spool, data: Sequence[Sample], plan: list[int], backend, extract_cfg, batch: int):
         self.spool, self.data, self.plan, self.backend, self.cfg, self.batch = (spool, data, plan, backend,
                                                                                  extract_cfg, batch)
+        self.stream = engine_stream(backend)
         self.thread: threading.Thread | None = None
         self.seconds = self.t0 = 0.0
         self.commits: list[tuple[float, int]] = []  # per extraction batch: (time.perf_counter() at its commit, tokens)
@@ -334,6 +349,9 @@ class Producer:
         spec = self.spool.store.spec
         t0 = self.t0 = time.perf_counter()
         try:
+            if self.stream is not None:  # an engine in this process runs its forward in this thread
+                torch.cuda.synchronize()  # what other threads did to the engine (its norms, an extraction) done first
+                torch.cuda.set_stream(self.stream)  # this thread's own (vLLM's stream bookkeeping follows it)
             session = open_session(self.backend, self.spool.store, self.cfg, self.cfg.fault or faults.from_env(),
                                    seal_each_batch=True)
             pending: list[int] = []  # estimates of submitted samples, in order

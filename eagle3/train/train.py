@@ -399,9 +399,12 @@ def read_packs(samples: "StoreSamples", indices: list[int], pack_tokens: int, gu
 
 
 def _dist():
+    """(torch.distributed, rank, world) where training is data-parallel; (None, 0, 1) otherwise, a world of one
+    included: vLLM's engine in this process (train --online --engine-in-process) initializes one, NCCL on a GPU,
+    which has no CPU all_reduce."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist, dist.get_rank(), dist.get_world_size()
     return None, 0, 1
 

@@ -64,6 +64,19 @@ def trainers_from_env() -> tuple:
 
 
 ATTNS = trainers_from_env()
+ENGINES = ("process", "in-process")  # vLLM's engine core in a process of its own (vLLM's default), or in this one
+
+
+def engine_from_env() -> str:
+    """EAGLE3_ONLINE_ENGINE: where the engine runs, beside the trainer (`train --online --engine-in-process`);
+    process unset."""
+    engine = os.environ.get("EAGLE3_ONLINE_ENGINE", "process").strip()
+    if engine not in ENGINES:
+        raise ValueError(f"EAGLE3_ONLINE_ENGINE={engine!r}: one of {', '.join(ENGINES)}")
+    return engine
+
+
+ENGINE = engine_from_env()
 
 
 def test_online_at_kimi_depth_against_extract_alone_and_train_alone(tmp_path_factory, tmp_path, report):
@@ -91,7 +104,8 @@ def _gone(folder) -> None:
 
 def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_SAMPLES, seq: int = SEQ,
                              device: str = "cuda", draft_vocab: int = 32000, batch_samples: int = 16,
-                             pack_tokens: int = 8192, extract_batch: int = 32, attns: tuple = ATTNS) -> dict:
+                             pack_tokens: int = 8192, extract_batch: int = 32, attns: tuple = ATTNS,
+                             engine: str = ENGINE) -> dict:
     """Extract alone, then for each trainer of ``attns`` train alone and online, on one engine (dummy weights, unit
     decoder norms, the verifier's head written from the engine's own): {trainer: its summary (the three rates, the
     waits, the trainer's peak memory)}, reported as each comes (online_kd_summary). On CPU with the fake vLLM and
@@ -102,8 +116,8 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
     t0 = time.perf_counter()
     backend = VLLMBackend(str(folder), spec, gpu_memory_utilization=0.55, max_model_len=4096,
                           max_num_batched_tokens=MAX_BATCHED_TOKENS, load_format="dummy", log_level="INFO",
-                          extra_engine_args={"enforce_eager": True})
-    shared = {"engine_start": round(time.perf_counter() - t0, 1)}
+                          extra_engine_args={"enforce_eager": True}, in_process=engine == "in-process")
+    shared = {"engine": engine, "engine_start": round(time.perf_counter() - t0, 1)}
     samples = random_samples(n_samples, seq, prof.vocab_size, seed=91)
     tokens = n_samples * seq
     cuda = device == "cuda"
@@ -132,23 +146,26 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
         for i, name in enumerate(attns):
             trainer, runs = TRAINERS[name], tmp_path / name
             seconds = reported["trainers"][name] = dict(shared)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            _fresh(trainer)
-            t0 = time.perf_counter()
-            off = train(cfg(trainer, tmp_path / "store", runs / "offline"), progress=False)
-            seconds["train_alone"] = round(time.perf_counter() - t0, 1)
-            peak_train = torch.cuda.max_memory_allocated() if cuda else 0
-            _gone(runs / "offline")
-            report_seconds()
             between = None
-            if i == 0:  # the read-ahead's control, once
+            if i == 0:  # the read-ahead's control, once, first: a fresh host's first compiled run compiles cold (~90
+                # s at Kimi's size, the 2026-12-05 H200 run), the runs after it from inductor's warm cache, the timed
+                # train-alone run then as the online one
                 _fresh(trainer)
                 t0 = time.perf_counter()
                 between = train(cfg(trainer, tmp_path / "store", runs / "between", read_ahead=False), progress=False)
                 seconds["train_alone_reading_between_steps"] = round(time.perf_counter() - t0, 1)
                 _gone(runs / "between")
                 report_seconds()
+            base = torch.cuda.memory_allocated() if cuda else 0  # an engine in this process: its weights and cache
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            _fresh(trainer)
+            t0 = time.perf_counter()
+            off = train(cfg(trainer, tmp_path / "store", runs / "offline"), progress=False)
+            seconds["train_alone"] = round(time.perf_counter() - t0, 1)
+            peak_train = (torch.cuda.max_memory_allocated() if cuda else 0) - base
+            _gone(runs / "offline")
+            report_seconds()
             _fresh(trainer)
             t0 = time.perf_counter()
             on = online.run(cfg(trainer, runs / "spool", runs / "online"), ex, samples, capacity, backend=backend,
@@ -167,7 +184,7 @@ def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_trai
               n_samples: int) -> dict:
     """One trainer's figures: its runs (TrainResult alone, alone reading between steps or None, OnlineResult) against
     the extraction alone."""
-    rate = {k: round(tokens / max(v, 0.05)) for k, v in seconds.items() if k != "engine_start"}
+    rate = {k: round(tokens / max(v, 0.05)) for k, v in seconds.items() if k not in ("engine", "engine_start")}
     ratio = rate["online"] / min(rate["extract_alone"], rate["train_alone"])
     # One GPU, shared: were the engine and the trainer's steps to take turns on it (no kernel of one overlapping the
     # other's), online could reach tokens / (extraction's seconds + the steps' seconds). Against min(alone) that is
@@ -187,7 +204,8 @@ def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_trai
     steady_ratio = steady["online"] / min(steady["extract_alone"], steady["train_alone"])
     runs = {"train_alone": off, "online": on.train} | ({"train_alone_reading_between_steps": between}
                                                        if between else {})
-    return {"attn": name, "trainer": TRAINERS[name], "seconds": seconds, "tok_per_s": rate,
+    return {"attn": name, "trainer": TRAINERS[name], "engine": seconds["engine"], "seconds": seconds,
+            "tok_per_s": rate,
             "online_vs_min_alone": round(ratio, 3), "goal_0.8_met": ratio >= ONLINE_GOAL,
             "taking_turns": taking_turns,
             "sustained": {"tok_per_s": steady, "online_vs_min_alone": round(steady_ratio, 3),

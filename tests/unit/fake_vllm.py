@@ -16,6 +16,7 @@ id (again in chunks). ``preemptions`` counts them.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import random
 import sys
@@ -195,6 +196,7 @@ class FakeLLM:
 
         assert kw.get("worker_extension_cls", WORKER_EXTENSION) == WORKER_EXTENSION  # or none: regenerate's engine
         self.kw = kw
+        self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")  # as the engine read it at its start
         self.tp = kw.get("tensor_parallel_size", 1)
         self.aux = kw.get("speculative_config") is not None
         n_layers = FakeLLM.n_layers
@@ -421,6 +423,15 @@ def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits
     FakeLLM.reference_logits = staticmethod(reference_logits)
     vllm = types.ModuleType("vllm")
     vllm.LLM, vllm.SamplingParams, vllm.__version__ = FakeLLM, SamplingParams, "0.26.0"
+    envs = types.ModuleType("vllm.envs")  # vLLM's environment cache: how often it was dropped
+    envs.dropped = 0
+    envs.environment_variables = {"VLLM_ENABLE_V1_MULTIPROCESSING": None}
+
+    def disable_envs_cache():
+        envs.dropped += 1
+
+    envs.disable_envs_cache = disable_envs_cache
+    vllm.envs = envs
     engine = types.ModuleType("vllm.engine")
     arg_utils = types.ModuleType("vllm.engine.arg_utils")
     arg_utils.EngineArgs = EngineArgs
@@ -440,7 +451,7 @@ def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits
     runner_mod = types.ModuleType("vllm.v1.worker.gpu_model_runner")
     runner_mod.GPUModelRunner = runner_cls
     v1, worker = types.ModuleType("vllm.v1"), types.ModuleType("vllm.v1.worker")
-    mods = {"vllm": vllm, "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils, "vllm.config": config,
+    mods = {"vllm": vllm, "vllm.envs": envs, "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils, "vllm.config": config,
             "vllm.config.speculative": speculative, "vllm.distributed": distributed,
             "vllm.distributed.parallel_state": ps, "vllm.v1": v1, "vllm.v1.worker": worker,
             "vllm.v1.worker.gpu_model_runner": runner_mod}

@@ -39,3 +39,26 @@ def test_two_process_ddp_matches_one_process(small_store, tmp_path, one_thread):
     assert (state["samples_seen"], state["tokens_seen"]) == (one.samples_seen, one.tokens_seen)  # both ranks'
     # all-reduced gradients sum in another order than one process's accumulation: float noise only
     assert double == pytest.approx(single, rel=1e-4), (single, double)
+
+
+def test_a_world_of_one_initialized_by_someone_else_trains_without_collectives(small_store, tmp_path, monkeypatch):
+    """vLLM's engine in this process (train --online --engine-in-process) initializes torch.distributed with a world
+    of one (NCCL on a GPU: it has no CPU all_reduce). The trainer is then not data-parallel: it must neither wrap DDP
+    nor call a collective, and trains as it does alone."""
+    import torch.distributed as dist
+
+    alone = train(TrainConfig(store=str(small_store), out=str(tmp_path / "alone"), draft_vocab_size=256,
+                              batch_samples=4, lr=3e-3, max_steps=2), progress=False)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        def refuse(*a, **k):
+            raise RuntimeError("a collective in a world of one (vLLM's NCCL group has no CPU all_reduce)")
+
+        for name in ("all_reduce", "barrier", "broadcast"):
+            monkeypatch.setattr(dist, name, refuse)
+        beside = train(TrainConfig(store=str(small_store), out=str(tmp_path / "beside"), draft_vocab_size=256,
+                                   batch_samples=4, lr=3e-3, max_steps=2), progress=False)
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+    assert beside.losses == alone.losses and beside.tokens_seen == alone.tokens_seen

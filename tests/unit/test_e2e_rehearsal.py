@@ -7,6 +7,7 @@ are checked here only where the fake decides them: its states are exact, so one 
 step; and where regenerate then extract stores a turn cut at max_tokens, it learns no end-of-turn token there."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -174,8 +175,9 @@ def test_regenerate_with_vllm_over_held_out_conversations(fake, tiny_kimi, tmp_p
 def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, monkeypatch):  # noqa: F811
     """tests/gpu/test_online_kimi_depth.py's measurement (issue 42) with tiny-kimi for kimi-depth and a small draft on
     the CPU: the engine's unit norms and head, extraction alone, then two trainers (sdpa, varlen) each trained alone
-    and online through a spool a quarter of the store, beside one engine started once, and the summaries the GPU run
-    judges; the read-ahead control with the first trainer only."""
+    and online through a spool a quarter of the store, beside one engine started once (here in this process, as
+    EAGLE3_ONLINE_ENGINE=in-process starts it), and the summaries the GPU run judges; the read-ahead control with the
+    first trainer only, before its timed runs (it takes a fresh host's cold compile)."""
     from eagle3.extract import vllm_backend
     from eagle3.targets import presets
     from tests.gpu import test_online_kimi_depth as kd
@@ -196,15 +198,16 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
     summaries = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, reported,
                                             n_samples=32, seq=64, device="cpu", draft_vocab=128, batch_samples=4,
                                             pack_tokens=0, extract_batch=2,  # a quarter of the store: two batches
-                                            attns=("sdpa", "varlen"))
+                                            attns=("sdpa", "varlen"), engine="in-process")
     assert list(summaries) == ["sdpa", "varlen"] and len(starts) == 1, (list(summaries), starts)
+    assert fake.last.multiprocessing == "0" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     assert reported["online_kd_summary"] == json.loads(json.dumps(summaries))
     seconds = reported["online_kd_seconds"]
-    assert set(seconds) == {"engine_start", "extract_alone", "trainers"} and list(seconds["trainers"]) == [
-        "sdpa", "varlen"], seconds
+    assert set(seconds) == {"engine", "engine_start", "extract_alone", "trainers"} and list(seconds["trainers"]) == [
+        "sdpa", "varlen"] and seconds["engine"] == "in-process", seconds
     for name, got in summaries.items():
         first = name == "sdpa"
-        assert got["attn"] == name and got["trainer"] == kd.TRAINERS[name], got
+        assert got["attn"] == name and got["trainer"] == kd.TRAINERS[name] and got["engine"] == "in-process", got
         assert got["same_steps_and_samples"] and got["steps"] == 8 and got["losses_finite"], got
         assert 0 < got["spool"]["peak"] <= got["spool"]["capacity"], got
         assert set(got["tok_per_s"]) == {"extract_alone", "train_alone", "online"} | (
@@ -230,11 +233,11 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
         assert steady["tok_per_s"]["extract_alone"] == got["tok_per_s"]["extract_alone"], got
         assert steady["online_vs_min_alone"] == round(steady["tok_per_s"]["online"] / min(
             steady["tok_per_s"]["extract_alone"], steady["tok_per_s"]["train_alone"]), 3), got
-        assert set(seconds) == {"engine_start", "extract_alone", "train_alone", "online"} | (
+        assert set(seconds) == {"engine", "engine_start", "extract_alone", "train_alone", "online"} | (
             {"train_alone_reading_between_steps"} if first else set()), seconds
         # each run trained with its own attention, and its folder (at Kimi's size ~14 GB) gone once its figures were
         runs = [(Path(c.out).name, c.attn_impl) for c in configs if Path(c.out).parent == tmp_path / name]
-        assert runs == [("offline", name)] + ([("between", name)] if first else []) + [("online", name)], runs
+        assert runs == ([("between", name)] if first else []) + [("offline", name), ("online", name)], runs
         assert not (tmp_path / name).exists(), list((tmp_path / name).rglob("*"))
 
 
@@ -271,6 +274,23 @@ def test_the_online_step_compares_the_trainers_it_is_told(monkeypatch, value, wa
             kd.trainers_from_env()
     else:
         assert kd.trainers_from_env() == want
+
+
+@pytest.mark.parametrize("value,want", [(None, "process"), ("in-process", "in-process"), (" process ", "process"),
+                                        ("inprocess", None)])
+def test_the_online_step_starts_the_engine_where_it_is_told(monkeypatch, value, want):
+    """EAGLE3_ONLINE_ENGINE: process (vLLM's default) unless in-process is named; a misspelling refused."""
+    from tests.gpu import test_online_kimi_depth as kd
+
+    if value is None:
+        monkeypatch.delenv("EAGLE3_ONLINE_ENGINE", raising=False)
+    else:
+        monkeypatch.setenv("EAGLE3_ONLINE_ENGINE", value)
+    if want is None:
+        with pytest.raises(ValueError, match="one of process, in-process"):
+            kd.engine_from_env()
+    else:
+        assert kd.engine_from_env() == want
 
 
 @pytest.mark.parametrize("fails", [None, "mla-3.1"])

@@ -563,6 +563,49 @@ def test_close_ends_the_engine_once(fake, tiny_kimi, monkeypatch):
     assert ended == [1] and backend.llm is None
 
 
+@pytest.mark.parametrize("before", [None, "1"])
+def test_an_engine_in_process_starts_with_multiprocessing_off_and_puts_the_environment_back(
+        fake, tiny_kimi, monkeypatch, before):
+    """in_process=True (train --online --engine-in-process): the engine starts with VLLM_ENABLE_V1_MULTIPROCESSING=0,
+    vLLM's environment cache dropped first (an earlier engine core of this process cached the variable); closing puts
+    the variable back as it was and drops the cache again, so the next engine starts as the user set it. The default
+    leaves the variable alone."""
+    from eagle3.extract.extract import store_spec
+    from eagle3.extract.vllm_backend import VLLMBackend
+
+    key, envs = "VLLM_ENABLE_V1_MULTIPROCESSING", sys.modules["vllm.envs"]
+    if before is None:
+        monkeypatch.delenv(key, raising=False)
+    else:
+        monkeypatch.setenv(key, before)
+    spec = store_spec(tiny_kimi, IDS, "float32")
+    backend = VLLMBackend(str(tiny_kimi), spec, tp=1, capture="hooks", in_process=True)
+    assert (fake_vllm.FakeLLM.last.multiprocessing, envs.dropped) == ("0", 1)
+    assert backend.call("eagle3_setup", {"layer_ids": list(IDS), "strategy": "hooks", "log_level": None},
+                        keys=frozenset({"rank", "tp_rank", "tp_size", "owner", "num_layers", "layer_ids", "strategy"}))
+    backend.close()
+    assert (os.environ.get(key), envs.dropped) == (before, 2)
+    backend.close()
+    assert envs.dropped == 2  # once
+    VLLMBackend(str(tiny_kimi), spec, tp=1, capture="hooks").close()
+    assert (fake_vllm.FakeLLM.last.multiprocessing, envs.dropped) == (before, 2)
+
+
+def test_an_engine_in_process_that_fails_to_start_puts_the_environment_back(fake, tiny_kimi, monkeypatch):
+    from eagle3.extract.extract import store_spec
+    from eagle3.extract.vllm_backend import VLLMBackend
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+
+    def no_memory(**kw):
+        raise ValueError("Free memory on device is less than desired GPU memory utilization")
+
+    monkeypatch.setattr(sys.modules["vllm"], "LLM", no_memory)
+    with pytest.raises(ValueError, match="Free memory"):
+        VLLMBackend(str(tiny_kimi), store_spec(tiny_kimi, IDS, "float32"), tp=1, capture="hooks", in_process=True)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ and sys.modules["vllm.envs"].dropped == 2
+
+
 def test_unit_norms_sets_every_rank_s_layer_rmsnorms_to_one_and_nothing_else(fake, tiny_kimi):
     """The kimi-depth GPU test's dummy weights: vLLM draws every parameter in +-1e-3 from one seed per shape, so
     layer updates vanish below bf16 resolution; unit_norms sets each rank's decoder-layer RMSNorm weights (and only
@@ -607,6 +650,81 @@ def test_online_training_through_the_vllm_backend_uses_every_sample_once(fake, t
     assert res.train.samples_seen == 96 and res.train.steps == 12
     assert res.shards == 96 // 6  # one per extraction batch (shards left open between batches were cut small)
     assert res.peak_bytes <= cap and res.peak_files_bytes <= cap
+
+
+def test_cli_train_online_engine_in_process(fake, tiny_kimi, small_data, tmp_path, capsys, monkeypatch):
+    """train --online --backend vllm --engine-in-process: the engine starts with multiprocessing off, and the variable
+    is back as it was when the command ends; without the flag the engine starts as the environment says. The flag
+    with the hf backend, or without --online, is refused before anything starts."""
+    from eagle3 import cli
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    seen = []
+    start = fake_vllm.FakeLLM.__init__
+    monkeypatch.setattr(fake_vllm.FakeLLM, "__init__", lambda self, **kw: (start(self, **kw),
+                                                                           seen.append(self.multiprocessing))[0])
+    base = ["train", "--online", "--target", str(tiny_kimi), "--data", str(small_data), "--spool-mb", "2",
+            "--extract-batch", "4", "--max-len", "96", "--steps", "2", "--batch", "8", "--draft-vocab", "256",
+            "--backend", "vllm"]
+    for i, flag in enumerate((["--engine-in-process"], [])):
+        assert cli.main(base + ["--out", str(tmp_path / f"run{i}")] + flag) == 0, capsys.readouterr()
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    assert seen == ["0", None]
+    assert cli.main(base[:-2] + ["--out", str(tmp_path / "hf"), "--engine-in-process"]) == 2
+    assert "needs --backend vllm" in capsys.readouterr().err
+    assert cli.main(["train", "--store", str(tmp_path), "--out", str(tmp_path / "x"), "--engine-in-process"]) == 2
+    assert "is for train --online --backend vllm" in capsys.readouterr().err
+    assert len(seen) == 2
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_an_engine_in_process_extracts_on_a_stream_of_its_own_of_higher_priority(fake, tiny_kimi, tmp_path,
+                                                                                monkeypatch, in_process):
+    """train --online --engine-in-process: vLLM's forward runs in the producer thread, on that thread's current
+    stream. The producer gives it a stream of its own (not the trainer's: their kernels may overlap) of a priority above
+    the default, after synchronizing with what other threads did on the engine; every prefill then runs in that
+    thread after the switch. An engine in a process of its own gets none (and so does a host without CUDA)."""
+    import threading
+
+    from eagle3.train import online
+    from eagle3.train.train import TrainConfig
+
+    events = []
+    monkeypatch.setattr(online.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(online.torch.cuda, "Stream", lambda priority=0: ("stream", priority))
+    monkeypatch.setattr(online.torch.cuda, "synchronize", lambda: events.append(("sync", threading.get_ident())))
+    monkeypatch.setattr(online.torch.cuda, "set_stream", lambda st: events.append(("set", threading.get_ident(), st)))
+    generate = fake_vllm.FakeLLM.generate
+    monkeypatch.setattr(fake_vllm.FakeLLM, "generate", lambda self, *a, **k: (
+        events.append(("generate", threading.get_ident())), generate(self, *a, **k))[1])
+    samples = random_samples(16, [40, 7, 64, 33] * 4, vocab_size=1024, seed=5)
+    ex = _cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture="aux", layer_ids=IDS, selfcheck=0,
+              vllm_kwargs={"in_process": in_process})
+    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    backend = extract.make_backend(ex, spec)
+    assert online.engine_stream(backend) == (("stream", online.ENGINE_STREAM_PRIORITY) if in_process else None)
+    assert online.ENGINE_STREAM_PRIORITY < 0  # CUDA's default is 0; lower is scheduled first
+    monkeypatch.setattr(online.torch.cuda, "is_available", lambda: False)  # from here the trainer's own (CPU) path
+    assert online.engine_stream(backend) is None  # no CUDA, no stream
+    ours = online.engine_stream
+    with monkeypatch.context() as m:  # the producer's stream as it would be with CUDA
+        m.setattr(online.torch.cuda, "is_available", lambda: True)
+        want = ours(backend)
+    monkeypatch.setattr(online, "engine_stream", lambda b: want if b is backend else ours(b))
+    cfg = TrainConfig(store=str(tmp_path / "spool"), out=str(tmp_path / "run"), batch_samples=8, epochs=1, seed=3,
+                      ttt_steps=1, draft_vocab_size=256, checkpoint_minutes=0)
+    try:
+        res = online.run(cfg, ex, samples, 10**8, backend=backend, extract_batch=4, progress=False)
+    finally:
+        backend.close()
+    assert res.train.samples_seen == 16
+    producer = {e[1] for e in events if e[0] == "generate"}
+    assert len(producer) == 1 and producer != {threading.get_ident()}  # the producer thread's prefills
+    if in_process:
+        assert events[:2] == [("sync", *producer), ("set", *producer, ("stream", online.ENGINE_STREAM_PRIORITY))]
+        assert [e[0] for e in events[2:]] == ["generate"] * 4
+    else:
+        assert [e[0] for e in events] == ["generate"] * 4
 
 
 @pytest.mark.parametrize("strategy", ["aux", "direct"])

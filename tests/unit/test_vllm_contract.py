@@ -138,6 +138,25 @@ def test_the_flashinfer_sampler_switch_is_one_vllm_reads():
     assert "envs.VLLM_USE_FLASHINFER_SAMPLER" in _src(topk_topp_sampler.flashinfer_sampler_supported)
 
 
+def test_the_in_process_switch_is_one_the_llm_engine_reads_and_its_cache_can_be_dropped(monkeypatch):
+    """engine_in_process sets VLLM_ENABLE_V1_MULTIPROCESSING=0 and drops vLLM's environment cache: the variable is
+    vLLM's, the LLM's engine reads it, and with the cache on a later change would go unseen until dropped."""
+    from vllm import envs
+    from vllm.v1.engine import llm_engine
+
+    assert vllm_compat.MULTIPROCESSING in envs.environment_variables
+    assert "envs.VLLM_ENABLE_V1_MULTIPROCESSING" in _src(llm_engine.LLMEngine.from_engine_args)
+    monkeypatch.delenv(vllm_compat.MULTIPROCESSING, raising=False)
+    envs.enable_envs_cache()  # as an engine core of this process does once it starts
+    assert envs.VLLM_ENABLE_V1_MULTIPROCESSING is True
+    restore = vllm_compat.engine_in_process()
+    try:
+        assert envs.VLLM_ENABLE_V1_MULTIPROCESSING is False
+    finally:
+        restore()
+    assert envs.VLLM_ENABLE_V1_MULTIPROCESSING is True
+
+
 def test_engine_encoded_tensors_are_what_the_normalizer_expects():
     """Encode with vLLM's own msgpack encoder, decode untyped (as utility replies are): small tensors
     arrive inline and are rebuilt; large ones arrive as an index into buffers the reply lost."""
