@@ -77,6 +77,7 @@ def engine_from_env() -> str:
 
 
 ENGINE = engine_from_env()
+CONTROL = os.environ.get("EAGLE3_ONLINE_CONTROL", "1") != "0"  # 0: no read-ahead control run (a short lease)
 
 
 def test_online_at_kimi_depth_against_extract_alone_and_train_alone(tmp_path_factory, tmp_path, report):
@@ -105,7 +106,7 @@ def _gone(folder) -> None:
 def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_SAMPLES, seq: int = SEQ,
                              device: str = "cuda", draft_vocab: int = 32000, batch_samples: int = 16,
                              pack_tokens: int = 8192, extract_batch: int = 32, attns: tuple = ATTNS,
-                             engine: str = ENGINE) -> dict:
+                             engine: str = ENGINE, control: bool = CONTROL) -> dict:
     """Extract alone, then for each trainer of ``attns`` train alone and online, on one engine (dummy weights, unit
     decoder norms, the verifier's head written from the engine's own): {trainer: its summary (the three rates, the
     waits, the trainer's peak memory)}, reported as each comes (online_kd_summary). On CPU with the fake vLLM and
@@ -147,7 +148,7 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
             trainer, runs = TRAINERS[name], tmp_path / name
             seconds = reported["trainers"][name] = dict(shared)
             between = None
-            if i == 0:  # the read-ahead's control, once, first: a fresh host's first compiled run compiles cold (~90
+            if i == 0 and control:  # the read-ahead's control, once, first: a fresh host's first compiled run compiles cold (~90
                 # s at Kimi's size, the 2026-12-05 H200 run), the runs after it from inductor's warm cache, the timed
                 # train-alone run then as the online one
                 _fresh(trainer)

@@ -276,6 +276,29 @@ def test_the_online_step_compares_the_trainers_it_is_told(monkeypatch, value, wa
         assert kd.trainers_from_env() == want
 
 
+def test_the_online_step_without_its_control_run_trains_alone_then_online(fake, tiny_kimi, tmp_path,  # noqa: F811
+                                                                          monkeypatch):
+    """EAGLE3_ONLINE_CONTROL=0 (a lease too short for it): no run reading between steps; the rest as with it."""
+    from eagle3.targets import presets
+    from tests.gpu import test_online_kimi_depth as kd
+
+    folder = tmp_path / "target"
+    shutil.copytree(tiny_kimi, folder)
+    outs = []
+
+    class Recorded(kd.TrainConfig):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            outs.append(Path(self.out).name)
+
+    monkeypatch.setattr(kd, "TrainConfig", Recorded)
+    got = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, Reported(), n_samples=32,
+                                      seq=64, device="cpu", draft_vocab=128, batch_samples=4, pack_tokens=0,
+                                      extract_batch=2, attns=("sdpa",), control=False)["sdpa"]
+    assert outs == ["offline", "online"] and got["read_ahead_same_losses"] is None, (outs, got)
+    assert "train_alone_reading_between_steps" not in got["seconds"] and got["same_steps_and_samples"], got
+
+
 @pytest.mark.parametrize("value,want", [(None, "process"), ("in-process", "in-process"), (" process ", "process"),
                                         ("inprocess", None)])
 def test_the_online_step_starts_the_engine_where_it_is_told(monkeypatch, value, want):
