@@ -106,7 +106,7 @@ def _gone(folder) -> None:
 def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_SAMPLES, seq: int = SEQ,
                              device: str = "cuda", draft_vocab: int = 32000, batch_samples: int = 16,
                              pack_tokens: int = 8192, extract_batch: int = 32, attns: tuple = ATTNS,
-                             engine: str = ENGINE, control: bool = CONTROL) -> dict:
+                             engine: str = ENGINE, control: bool = CONTROL, gpu_mem: float = 0.55) -> dict:
     """Extract alone, then for each trainer of ``attns`` train alone and online, on one engine (dummy weights, unit
     decoder norms, the verifier's head written from the engine's own): {trainer: its summary (the three rates, the
     waits, the trainer's peak memory)}, reported as each comes (online_kd_summary). On CPU with the fake vLLM and
@@ -115,7 +115,7 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
 
     spec = extract.store_spec(folder, None, "bfloat16")
     t0 = time.perf_counter()
-    backend = VLLMBackend(str(folder), spec, gpu_memory_utilization=0.55, max_model_len=4096,
+    backend = VLLMBackend(str(folder), spec, gpu_memory_utilization=gpu_mem, max_model_len=4096,
                           max_num_batched_tokens=MAX_BATCHED_TOKENS, load_format="dummy", log_level="INFO",
                           extra_engine_args={"enforce_eager": True}, in_process=engine == "in-process")
     shared = {"engine": engine, "engine_start": round(time.perf_counter() - t0, 1)}

@@ -1,0 +1,49 @@
+"""The engine in the trainer's process (`train --online --engine-in-process`) on a real vLLM, at a size one H100 holds.
+
+mini-Kimi (8 layers at Kimi's widths, dummy weights, 0.3 of the GPU) extracted alone and online beside the Kimi-size
+draft's trainer (varlen, eager), through tests/gpu/test_online_kimi_depth.py's measurement with the engine in the test's
+process. Asserted: vLLM's engine core ran in this process (its in-process client, no engine process), the producer
+drove it on a stream of its own of higher priority than the default, the trainer trained in vLLM's world of one
+without taking it for data-parallel training, and the online run trained every sample once in the same steps as the
+offline one, with finite losses, the spool within its capacity. The rates are reported, not judged: at this depth the
+extraction is far faster than the trainer (issue 42's goal is the kimi-depth test's, on an H200).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3.extract import vllm_backend
+from eagle3.targets import presets, tiny
+from eagle3.train import online
+
+from .test_online_kimi_depth import online_beside_the_engine
+
+pytestmark = [pytest.mark.gpu]
+
+
+def test_online_with_the_engine_in_the_trainer_s_process(tmp_path_factory, tmp_path, report, monkeypatch):
+    prof = presets.from_name("mini-kimi")
+    folder = tiny.build_model(prof, tmp_path_factory.mktemp("mini-kimi"), dtype="bfloat16")
+    engines, streams = [], []
+    init, pick = vllm_backend.VLLMBackend.__init__, online.engine_stream
+
+    def started(self, *a, **kw):
+        init(self, *a, **kw)
+        engines.append(type(self.llm.llm_engine.engine_core).__name__)
+
+    def stream(backend):
+        s = pick(backend)
+        streams.append(None if s is None else s.priority)
+        return s
+
+    monkeypatch.setattr(vllm_backend.VLLMBackend, "__init__", started)
+    monkeypatch.setattr(online, "engine_stream", stream)
+    summaries = online_beside_the_engine(folder, prof, tmp_path, report, n_samples=256, seq=512, extract_batch=16,
+                                         attns=("varlen",), engine="in-process", control=False, gpu_mem=0.3)
+    summary = summaries["varlen"]
+    report("in_process", {"engine_core": engines, "stream_priorities": streams})
+    assert engines == ["InprocClient"], engines
+    assert len(streams) == 1 and streams[0] is not None and streams[0] < 0, streams
+    assert summary["engine"] == "in-process" and summary["same_steps_and_samples"] and summary["losses_finite"], summary
+    assert summary["spool"]["peak"] <= summary["spool"]["capacity"], summary
