@@ -53,6 +53,13 @@ def _selects_positively(markexpr: str, name: str) -> bool:
 CPU_TEST_TIMEOUT_S = 300
 
 
+def run_last(items: list) -> list:
+    """The tests of modules that set RUN_LAST = True moved after every other, in their order: a vLLM engine started in
+    the test process (tests/gpu/test_online_in_process.py) may keep part of its GPU memory after it closes (vLLM
+    freezes the process's heap at its start), which an engine started later in the same run would not find."""
+    return sorted(items, key=lambda i: bool(getattr(getattr(i, "module", None), "RUN_LAST", False)))
+
+
 def pytest_collection_modifyitems(config, items):
     markexpr = config.getoption("-m") or ""
     if config.pluginmanager.hasplugin("timeout"):
@@ -66,6 +73,7 @@ def pytest_collection_modifyitems(config, items):
                 config.hook.pytest_deselected(items=dropped)
                 items[:] = [i for i in items if opt_in not in i.keywords]
 
+    items[:] = run_last(items)
     gpu_items = [i for i in items if "gpu" in i.keywords]
     if not gpu_items:
         return

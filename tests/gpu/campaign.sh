@@ -55,7 +55,7 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   contract) step contract $PT tests/unit/test_vllm_contract.py tests/unit/test_export_options.py ;;  # + vLLM's parser
   suite)    # the GPU suite (pytest -m gpu) in four steps of under 600 s each (as one step: 762 s on the H200; as two,
             # 599 + 522 s at a8a7b85): the capture's engines against the hf reference (~430 s); kill -9 and resume of
-            # the vLLM extraction (~160 s); a served draft, the self-check, the varlen attention's kernels (~270 s);
+            # the vLLM extraction (~160 s); a served draft, the self-check, the varlen attention's kernels, last the engine in the test process (~470 s);
             # preemption (~250 s)
             [ "$LIMIT" -gt 0 ] || LIMIT=600
             for part in 1 3 2 4; do suite_part $part; done ;;

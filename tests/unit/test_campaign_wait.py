@@ -172,3 +172,15 @@ def test_the_online_step_does_not_pick_flex_where_its_run_row_failed_on_the_gpu(
             for r in report["bench_train_compiled"]]
     ok = dict(report, bench_train_compiled=rows)
     assert pick_trainer.candidates(ok, True)["flex"] == 30580  # the same rows, the run row without its error
+
+
+def test_the_gpu_suite_runs_the_engine_in_the_test_process_last():
+    """`pytest -m gpu`: tests/gpu/test_online_in_process.py (its engine in the test process, which may keep GPU memory
+    after it closes) after every other test of the run; the others in their own order."""
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
+                             "gpu", "tests/gpu"], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[2])
+    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    assert len(ids) > 10 and "test_online_in_process.py" in ids[-1], listed.stdout[-2000:] + listed.stderr[-2000:]
+    files = [i.split("::")[0] for i in ids[:-1]]
+    assert files == sorted(files) and "test_online_in_process.py" not in " ".join(files), files  # pytest's order
