@@ -174,6 +174,29 @@ def test_the_online_step_does_not_pick_flex_where_its_run_row_failed_on_the_gpu(
     assert pick_trainer.candidates(ok, True)["flex"] == 30580  # the same rows, the run row without its error
 
 
+def test_the_online_step_picks_flex_where_only_the_metrics_reached_the_recompile_limit():
+    """The 6c7a0aa run's own benchtrain report (an H200): the compiled flex run over a training run's packs trained,
+    but dynamo's recompile limit was reached in speculators' compute_metrics (the accuracies, eager after it; the
+    run's rate 0.95x the fixed-length row), not in the draft's forward, where flex attention would fall back unfused:
+    flex (30,944 tok/s at 8k) is picked over varlen (24,400). A limit reached anywhere else still rules it out."""
+    import json
+
+    from tests.gpu import pick_trainer
+
+    report = json.loads((Path(__file__).resolve().parents[2] / "results/2026-12-05-6c7a0aa-h200-vllm0.26.0/"
+                         "benchtrain-report.json").read_text())
+    run = next(r for r in report["bench_train_compiled"] if r["seq"] == "run")
+    assert ["compute_metrics" in h for h in run["recompile_limit_hits"]] == [True]
+    assert pick_trainer.candidates(report, True) == {"sdpa": 0, "varlen": 24400, "flex": 30944}
+    got = subprocess.run([sys.executable, str(PICK), str(Path(__file__).resolve().parents[2] / "results/"
+                          "2026-12-05-6c7a0aa-h200-vllm0.26.0/benchtrain-report.json"), "1"],
+                         capture_output=True, text=True, check=True)
+    assert got.stdout.split()[0] == "flex", got
+    forward = [dict(r, recompile_limit_hits=r["recompile_limit_hits"] + ["function: 'forward' (.../eagle3/core.py:1)"])
+               if r["seq"] == "run" else r for r in report["bench_train_compiled"]]
+    assert "flex" not in pick_trainer.candidates(dict(report, bench_train_compiled=forward), True)
+
+
 def test_the_gpu_suite_runs_the_engine_in_the_test_process_last():
     """`pytest -m gpu`: tests/gpu/test_online_in_process.py (its engine in the test process, which may keep GPU memory
     after it closes) after every other test of the run; the others in their own order."""
