@@ -88,7 +88,7 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
             # min now). The trainers: EAGLE3_ONLINE_ATTN where set (sdpa, varlen, flex: compiled, varlen-compiled; several
             # "varlen,flex" compared beside one engine start); else the fastest at 8k
             # that this campaign's benchtrain step showed working (tests/gpu/pick_trainer.py: varlen only where its
-            # CUDA tests passed, flex only where its compiled run of varying packs met no recompile limit); sdpa
+            # CUDA tests passed, flex only where its compiled run of varying packs met no recompile limit but in compute_metrics); sdpa
             bash tests/gpu/passed.sh "$OUT/benchtrain.log" tests/gpu/test_ttt_attention_gpu.py && vp=1 || vp=0
             pick=$(python3 tests/gpu/pick_trainer.py "$OUT/benchtrain/report.json" $vp)
             attn=${EAGLE3_ONLINE_ATTN:-${pick%% *}}
