@@ -55,8 +55,8 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
   contract) step contract $PT tests/unit/test_vllm_contract.py tests/unit/test_export_options.py ;;  # + vLLM's parser
   suite)    # the GPU suite (pytest -m gpu) in four steps of under 600 s each (as one step: 762 s on the H200; as two,
             # 599 + 522 s at a8a7b85): the capture's engines against the hf reference (~430 s); kill -9 and resume of
-            # the vLLM extraction (~160 s); a served draft, the self-check, the varlen attention's kernels, last the engine in the test process (~470 s);
-            # preemption (~250 s)
+            # the vLLM extraction (~160 s); a served draft, the self-check, the varlen attention's kernels, last the
+            # engine in the test process (~470 s); preemption (~250 s)
             [ "$LIMIT" -gt 0 ] || LIMIT=600
             for part in 1 3 2 4; do suite_part $part; done ;;
   suite[1-4]) [ "$LIMIT" -gt 0 ] || LIMIT=600; suite_part "${s#suite}" ;;  # one of the suite's four steps
@@ -88,7 +88,8 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
             # min now). The trainers: EAGLE3_ONLINE_ATTN where set (sdpa, varlen, flex: compiled, varlen-compiled; several
             # "varlen,flex" compared beside one engine start); else the fastest at 8k
             # that this campaign's benchtrain step showed working (tests/gpu/pick_trainer.py: varlen only where its
-            # CUDA tests passed, flex only where its compiled run of varying packs met no recompile limit but in compute_metrics); sdpa
+            # CUDA tests passed, flex only where its compiled run of varying packs met no recompile limit but in
+            # compute_metrics); sdpa
             bash tests/gpu/passed.sh "$OUT/benchtrain.log" tests/gpu/test_ttt_attention_gpu.py && vp=1 || vp=0
             pick=$(python3 tests/gpu/pick_trainer.py "$OUT/benchtrain/report.json" $vp)
             attn=${EAGLE3_ONLINE_ATTN:-${pick%% *}}

@@ -148,9 +148,9 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
             trainer, runs = TRAINERS[name], tmp_path / name
             seconds = reported["trainers"][name] = dict(shared)
             between = None
-            if i == 0 and control:  # the read-ahead's control, once, first: a fresh host's first compiled run compiles cold (~90
-                # s at Kimi's size, the 2026-12-05 H200 run), the runs after it from inductor's warm cache, the timed
-                # train-alone run then as the online one
+            if i == 0 and control:  # the read-ahead's control, once, first: a fresh host's first compiled run
+                # compiles cold (~90 s at Kimi's size, the 2026-12-05 H200 run), the runs after it from inductor's
+                # warm cache, the timed train-alone run then as the online one
                 _fresh(trainer)
                 t0 = time.perf_counter()
                 between = train(cfg(trainer, tmp_path / "store", runs / "between", read_ahead=False), progress=False)

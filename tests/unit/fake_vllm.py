@@ -451,7 +451,8 @@ def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits
     runner_mod = types.ModuleType("vllm.v1.worker.gpu_model_runner")
     runner_mod.GPUModelRunner = runner_cls
     v1, worker = types.ModuleType("vllm.v1"), types.ModuleType("vllm.v1.worker")
-    mods = {"vllm": vllm, "vllm.envs": envs, "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils, "vllm.config": config,
+    mods = {"vllm": vllm, "vllm.envs": envs,
+            "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils, "vllm.config": config,
             "vllm.config.speculative": speculative, "vllm.distributed": distributed,
             "vllm.distributed.parallel_state": ps, "vllm.v1": v1, "vllm.v1.worker": worker,
             "vllm.v1.worker.gpu_model_runner": runner_mod}

@@ -172,6 +172,27 @@ def test_regenerate_with_vllm_over_held_out_conversations(fake, tiny_kimi, tmp_p
     json.dumps(got)
 
 
+# tests/gpu/test_online_kimi_depth.online_beside_the_engine at tiny-kimi's size on the CPU (a quarter of the store:
+# two extraction batches)
+SMALL_ONLINE = dict(n_samples=32, seq=64, device="cpu", draft_vocab=128, batch_samples=4, pack_tokens=0,
+                    extract_batch=2)
+
+
+def _recorded_train_configs(monkeypatch) -> list:
+    """Every TrainConfig the online Kimi-depth test builds from here on, in order."""
+    from tests.gpu import test_online_kimi_depth as kd
+
+    configs = []
+
+    class Recorded(kd.TrainConfig):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            configs.append(self)
+
+    monkeypatch.setattr(kd, "TrainConfig", Recorded)
+    return configs
+
+
 def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, monkeypatch):  # noqa: F811
     """tests/gpu/test_online_kimi_depth.py's measurement (issue 42) with tiny-kimi for kimi-depth and a small draft on
     the CPU: the engine's unit norms and head, extraction alone, then two trainers (sdpa, varlen) each trained alone
@@ -184,21 +205,12 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
 
     folder = tmp_path / "target"
     shutil.copytree(tiny_kimi, folder)
-    reported, starts, configs = Reported(), [], []
+    reported, starts, configs = Reported(), [], _recorded_train_configs(monkeypatch)
     init = vllm_backend.VLLMBackend.__init__
     monkeypatch.setattr(vllm_backend.VLLMBackend, "__init__", lambda self, *a, **kw: starts.append(1) or init(
         self, *a, **kw))
-
-    class Recorded(kd.TrainConfig):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            configs.append(self)
-
-    monkeypatch.setattr(kd, "TrainConfig", Recorded)
     summaries = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, reported,
-                                            n_samples=32, seq=64, device="cpu", draft_vocab=128, batch_samples=4,
-                                            pack_tokens=0, extract_batch=2,  # a quarter of the store: two batches
-                                            attns=("sdpa", "varlen"), engine="in-process")
+                                            attns=("sdpa", "varlen"), engine="in-process", **SMALL_ONLINE)
     assert list(summaries) == ["sdpa", "varlen"] and len(starts) == 1, (list(summaries), starts)
     assert fake.last.multiprocessing == "0" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     assert reported["online_kd_summary"] == json.loads(json.dumps(summaries))
@@ -265,15 +277,8 @@ def test_the_online_step_compares_the_trainers_it_is_told(monkeypatch, value, wa
     or none at all refused with the names there are."""
     from tests.gpu import test_online_kimi_depth as kd
 
-    if value is None:
-        monkeypatch.delenv("EAGLE3_ONLINE_ATTN", raising=False)
-    else:
-        monkeypatch.setenv("EAGLE3_ONLINE_ATTN", value)
-    if want is None:
-        with pytest.raises(ValueError, match="name each trainer once, of sdpa, varlen, flex, varlen-compiled"):
-            kd.trainers_from_env()
-    else:
-        assert kd.trainers_from_env() == want
+    _read_env(monkeypatch, "EAGLE3_ONLINE_ATTN", value, kd.trainers_from_env, want,
+              "name each trainer once, of sdpa, varlen, flex, varlen-compiled")
 
 
 def test_the_online_step_without_its_control_run_trains_alone_then_online(fake, tiny_kimi, tmp_path,  # noqa: F811
@@ -284,17 +289,10 @@ def test_the_online_step_without_its_control_run_trains_alone_then_online(fake, 
 
     folder = tmp_path / "target"
     shutil.copytree(tiny_kimi, folder)
-    outs = []
-
-    class Recorded(kd.TrainConfig):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            outs.append(Path(self.out).name)
-
-    monkeypatch.setattr(kd, "TrainConfig", Recorded)
-    got = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, Reported(), n_samples=32,
-                                      seq=64, device="cpu", draft_vocab=128, batch_samples=4, pack_tokens=0,
-                                      extract_batch=2, attns=("sdpa",), control=False)["sdpa"]
+    configs = _recorded_train_configs(monkeypatch)
+    got = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, Reported(), attns=("sdpa",),
+                                      control=False, **SMALL_ONLINE)["sdpa"]
+    outs = [Path(c.out).name for c in configs]
     assert outs == ["offline", "online"] and got["read_ahead_same_losses"] is None, (outs, got)
     assert "train_alone_reading_between_steps" not in got["seconds"] and got["same_steps_and_samples"], got
 
@@ -305,15 +303,21 @@ def test_the_online_step_starts_the_engine_where_it_is_told(monkeypatch, value, 
     """EAGLE3_ONLINE_ENGINE: process (vLLM's default) unless in-process is named; a misspelling refused."""
     from tests.gpu import test_online_kimi_depth as kd
 
+    _read_env(monkeypatch, "EAGLE3_ONLINE_ENGINE", value, kd.engine_from_env, want, "one of process, in-process")
+
+
+def _read_env(monkeypatch, name: str, value, read, want, refusal: str) -> None:
+    """read() with the variable ``name`` set to ``value`` (None: unset) returns ``want``; where want is None it
+    raises a ValueError matching ``refusal``."""
     if value is None:
-        monkeypatch.delenv("EAGLE3_ONLINE_ENGINE", raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv("EAGLE3_ONLINE_ENGINE", value)
+        monkeypatch.setenv(name, value)
     if want is None:
-        with pytest.raises(ValueError, match="one of process, in-process"):
-            kd.engine_from_env()
+        with pytest.raises(ValueError, match=refusal):
+            read()
     else:
-        assert kd.engine_from_env() == want
+        assert read() == want
 
 
 @pytest.mark.parametrize("fails", [None, "mla-3.1"])
