@@ -106,11 +106,13 @@ def _gone(folder) -> None:
 def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_SAMPLES, seq: int = SEQ,
                              device: str = "cuda", draft_vocab: int = 32000, batch_samples: int = 16,
                              pack_tokens: int = 8192, extract_batch: int = 32, attns: tuple = ATTNS,
-                             engine: str = ENGINE, control: bool = CONTROL, gpu_mem: float = 0.55) -> dict:
+                             engine: str = ENGINE, control: bool = CONTROL, gpu_mem: float = 0.55,
+                             again: bool = True) -> dict:
     """Extract alone, then for each trainer of ``attns`` train alone and online, on one engine (dummy weights, unit
     decoder norms, the verifier's head written from the engine's own): {trainer: its summary (the three rates, the
-    waits, the trainer's peak memory)}, reported as each comes (online_kd_summary). On CPU with the fake vLLM and
-    tiny-kimi in tests/unit/test_e2e_rehearsal.py."""
+    waits, the trainer's peak memory)}, reported as each comes (online_kd_summary). again: the extraction alone once
+    more after the online runs (online_kd_extraction_twice: the spread of the goal's denominator). On CPU with the fake
+    vLLM and tiny-kimi in tests/unit/test_e2e_rehearsal.py."""
     from eagle3.extract.vllm_backend import VLLMBackend
 
     spec = extract.store_spec(folder, None, "bfloat16")
@@ -176,6 +178,14 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
             report_seconds()
             summaries[name] = summarize(name, seconds, tokens, off, between, on, peak_train, capacity, n_samples)
             report("online_kd_summary", summaries)
+        if again:  # the denominator's run-to-run spread, measured after the online runs (the host as they found it)
+            shutil.rmtree(tmp_path / "store")
+            t0 = time.perf_counter()
+            extract.run(ex, samples=samples, backend=backend, progress=False)
+            reported["extract_alone_again"] = round(time.perf_counter() - t0, 1)
+            report_seconds()
+            report("online_kd_extraction_twice", extraction_twice(shared["extract_alone"],
+                                                                  reported["extract_alone_again"], tokens, summaries))
     finally:
         backend.close()
     return summaries
@@ -221,3 +231,18 @@ def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_trai
             "same_steps_and_samples": on.train.steps == off.steps and on.train.samples_seen == off.samples_seen
             == n_samples, "steps": on.train.steps,
             "losses_finite": all(math.isfinite(x) for x in off.losses + on.train.losses)}
+
+
+def extraction_twice(first_s: float, again_s: float, tokens: int, summaries: dict) -> dict:
+    """The extraction alone, timed before the trainers and again after them: both rates, their spread (the difference
+    over the faster), and each trainer's sustained online rate against min(the slower or the faster extraction, its
+    training alone): the goal's ratio as the spread moves it."""
+    rates = [round(tokens / max(s, 0.05)) for s in (first_s, again_s)]
+    out = {"seconds": [first_s, again_s], "tok_per_s": rates, "spread": round(abs(rates[0] - rates[1]) / max(rates), 3),
+           "sustained_online_vs_min_alone": {}}
+    for name, got in summaries.items():
+        steady = got["sustained"]["tok_per_s"]
+        out["sustained_online_vs_min_alone"][name] = {
+            which: round(steady["online"] / min(rate, steady["train_alone"]), 3)
+            for which, rate in (("slower", min(rates)), ("faster", max(rates)))}
+    return out

@@ -215,8 +215,19 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
     assert fake.last.multiprocessing == "0" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     assert reported["online_kd_summary"] == json.loads(json.dumps(summaries))
     seconds = reported["online_kd_seconds"]
-    assert set(seconds) == {"engine", "engine_start", "extract_alone", "trainers"} and list(seconds["trainers"]) == [
-        "sdpa", "varlen"] and seconds["engine"] == "in-process", seconds
+    assert set(seconds) == {"engine", "engine_start", "extract_alone", "extract_alone_again", "trainers"} and list(
+        seconds["trainers"]) == ["sdpa", "varlen"] and seconds["engine"] == "in-process", seconds
+    # the extraction alone once more after the online runs: the spread of the goal's denominator
+    twice, tokens = reported["online_kd_extraction_twice"], 32 * 64
+    rates = [round(tokens / seconds[k]) for k in ("extract_alone", "extract_alone_again")]
+    assert twice["seconds"] == [seconds["extract_alone"], seconds["extract_alone_again"]], twice
+    assert twice["tok_per_s"] == rates and twice["spread"] == round(abs(rates[0] - rates[1]) / max(rates), 3), twice
+    for name, by in twice["sustained_online_vs_min_alone"].items():
+        steady = summaries[name]["sustained"]["tok_per_s"]
+        assert by == {"slower": round(steady["online"] / min(min(rates), steady["train_alone"]), 3),
+                      "faster": round(steady["online"] / min(max(rates), steady["train_alone"]), 3)}, (name, twice)
+    assert list(twice["sustained_online_vs_min_alone"]) == ["sdpa", "varlen"], twice
+    assert (tmp_path / "store" / "shards").is_dir(), "the second extraction alone wrote a whole store"
     for name, got in summaries.items():
         first = name == "sdpa"
         assert got["attn"] == name and got["trainer"] == kd.TRAINERS[name] and got["engine"] == "in-process", got
