@@ -38,7 +38,7 @@ from eagle3.data.conversations import random_samples
 from eagle3.extract import extract
 from eagle3.preflight import TRAIN_ATTN
 from eagle3.targets import presets, tiny
-from eagle3.train import online
+from eagle3.train import gpu_window, online
 from eagle3.train.train import TrainConfig, train
 
 from .conftest import MAX_BATCHED_TOKENS
@@ -80,6 +80,24 @@ ENGINE = engine_from_env()
 CONTROL = os.environ.get("EAGLE3_ONLINE_CONTROL", "1") != "0"  # 0: no read-ahead control run (a short lease)
 
 
+def window_from_env() -> tuple | None:
+    """EAGLE3_ONLINE_PROFILE="AFTER:SECONDS": each online run's GPU kernels by stream over that window of it
+    (train/gpu_window.py; CUPTI slows the run it records: not for the run whose rates are judged); unset: none."""
+    value = os.environ.get("EAGLE3_ONLINE_PROFILE", "").strip()
+    if not value:
+        return None
+    try:
+        after, seconds = (float(x) for x in value.split(":"))
+        assert after >= 0 and seconds > 0
+    except (ValueError, AssertionError):
+        raise ValueError(f"EAGLE3_ONLINE_PROFILE={value!r}: AFTER:SECONDS, the window's start from the online run's "
+                         "start and its length, e.g. 25:4") from None
+    return after, seconds
+
+
+WINDOW = window_from_env()
+
+
 def test_online_at_kimi_depth_against_extract_alone_and_train_alone(tmp_path_factory, tmp_path, report):
     prof = presets.from_name("kimi-depth")
     folder = tiny.build_model(prof, tmp_path_factory.mktemp("kimi-depth"), dtype="bfloat16")
@@ -107,12 +125,13 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
                              device: str = "cuda", draft_vocab: int = 32000, batch_samples: int = 16,
                              pack_tokens: int = 8192, extract_batch: int = 32, attns: tuple = ATTNS,
                              engine: str = ENGINE, control: bool = CONTROL, gpu_mem: float = 0.55,
-                             again: bool = True) -> dict:
+                             again: bool = True, window: tuple | None = WINDOW) -> dict:
     """Extract alone, then for each trainer of ``attns`` train alone and online, on one engine (dummy weights, unit
     decoder norms, the verifier's head written from the engine's own): {trainer: its summary (the three rates, the
     waits, the trainer's peak memory)}, reported as each comes (online_kd_summary). again: the extraction alone once
-    more after the online runs (online_kd_extraction_twice: the spread of the goal's denominator). On CPU with the fake
-    vLLM and tiny-kimi in tests/unit/test_e2e_rehearsal.py."""
+    more after the online runs (online_kd_extraction_twice: the spread of the goal's denominator). window: (after,
+    seconds) of each online run profiled by stream (the summary's gpu_window). On CPU with the fake vLLM and tiny-kimi
+    in tests/unit/test_e2e_rehearsal.py."""
     from eagle3.extract.vllm_backend import VLLMBackend
 
     spec = extract.store_spec(folder, None, "bfloat16")
@@ -170,13 +189,23 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
             _gone(runs / "offline")
             report_seconds()
             _fresh(trainer)
+            profiled = gpu_window.Window(*window, cuda=cuda) if window else None
             t0 = time.perf_counter()
-            on = online.run(cfg(trainer, runs / "spool", runs / "online"), ex, samples, capacity, backend=backend,
-                            extract_batch=extract_batch, progress=False)
+            try:
+                if profiled:
+                    profiled.start()
+                on = online.run(cfg(trainer, runs / "spool", runs / "online"), ex, samples, capacity,
+                                backend=backend, extract_batch=extract_batch, progress=False)
+            finally:
+                if profiled:
+                    profiled.stop()
             seconds["online"] = round(time.perf_counter() - t0, 1)
             _gone(runs)
             report_seconds()
             summaries[name] = summarize(name, seconds, tokens, off, between, on, peak_train, capacity, n_samples)
+            if profiled:
+                summaries[name]["gpu_window"] = {"after_s": window[0], "seconds": window[1],
+                                                 "streams_busy": profiled.summary, "error": profiled.error}
             report("online_kd_summary", summaries)
         if again:  # the denominator's run-to-run spread, measured after the online runs (the host as they found it)
             shutil.rmtree(tmp_path / "store")

@@ -317,6 +317,39 @@ def test_the_online_step_starts_the_engine_where_it_is_told(monkeypatch, value, 
     _read_env(monkeypatch, "EAGLE3_ONLINE_ENGINE", value, kd.engine_from_env, want, "one of process, in-process")
 
 
+@pytest.mark.parametrize("value,want", [(None, None), ("", None), ("25:4", (25.0, 4.0)), (" 0:0.5 ", (0.0, 0.5)),
+                                        ("25", "refused"), ("25:0", "refused"), ("-1:4", "refused"),
+                                        ("a:b", "refused")])
+def test_the_online_step_profiles_the_window_it_is_told(monkeypatch, value, want):
+    """EAGLE3_ONLINE_PROFILE="AFTER:SECONDS": each online run's kernels over that window; unset or empty: none; a
+    window without a length, of no length or starting before the run refused with the form."""
+    from tests.gpu import test_online_kimi_depth as kd
+
+    if want == "refused":
+        _read_env(monkeypatch, "EAGLE3_ONLINE_PROFILE", value, kd.window_from_env, None, "AFTER:SECONDS")
+    else:
+        monkeypatch.setenv("EAGLE3_ONLINE_PROFILE", value) if value is not None else monkeypatch.delenv(
+            "EAGLE3_ONLINE_PROFILE", raising=False)
+        assert kd.window_from_env() == want
+
+
+def test_a_profiled_online_run_carries_its_window_in_its_summary(fake, tiny_kimi, tmp_path):  # noqa: F811
+    """window=(0, 60): the online run's profile (the CPU: no kernels; a GPU: its streams), ended with the run, in the
+    summary; the runs alone are not profiled."""
+    from eagle3.targets import presets
+    from tests.gpu import test_online_kimi_depth as kd
+
+    folder = tmp_path / "target"
+    shutil.copytree(tiny_kimi, folder)
+    got = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, Reported(), attns=("sdpa",),
+                                      control=False, again=False, window=(0, 60), **SMALL_ONLINE)["sdpa"]
+    window = got["gpu_window"]
+    assert window["after_s"] == 0 and window["seconds"] == 60 and window["error"] is None, window
+    assert window["streams_busy"] == {"span_s": 0.0, "busy_s": 0.0, "idle_share": None, "overlap_s": 0.0,
+                                      "streams": {}}, window
+    assert got["seconds"]["online"] < 60, got["seconds"]  # the window closed with the run, not after its length
+
+
 def _read_env(monkeypatch, name: str, value, read, want, refusal: str) -> None:
     """read() with the variable ``name`` set to ``value`` (None: unset) returns ``want``; where want is None it
     raises a ValueError matching ``refusal``."""
