@@ -5,8 +5,10 @@ draft's trainer (varlen, eager), through tests/gpu/test_online_kimi_depth.py's m
 process. Asserted: vLLM's engine core ran in this process (its in-process client, no engine process), the producer
 drove it on a stream of its own of higher priority than the default, the trainer trained in vLLM's world of one
 without taking it for data-parallel training, and the online run trained every sample once in the same steps as the
-offline one, with finite losses, the spool within its capacity. The rates are reported, not judged: at this depth the
-extraction is far faster than the trainer (issue 42's goal is the kimi-depth test's, on an H200).
+offline one, with finite losses, the spool within its capacity, and the GPU's kernels over a window of the online run
+(train/gpu_window.py) came on two streams at least (the engine's and the trainer's, in one CUDA context). The rates
+are reported, not judged: at this depth the extraction is far faster than the trainer (issue 42's goal is the
+kimi-depth test's, on an H200).
 Run on an H100 at 021b20c (results/2026-12-05-021b20c-h100-vllm0.26.0): PASSED in 198 s (engine start 57 s).
 """
 
@@ -22,6 +24,7 @@ from .test_online_kimi_depth import online_beside_the_engine
 
 pytestmark = [pytest.mark.gpu]
 RUN_LAST = True  # after every other test of the run (conftest.run_last): this engine lives in the test process
+WINDOW = (1.5, 5.0)  # seconds into the online run (its draft built in ~1 s; extraction ~6 s at 021b20c): both sides
 
 
 def test_online_with_the_engine_in_the_trainer_s_process(tmp_path_factory, tmp_path, report, monkeypatch):
@@ -42,9 +45,14 @@ def test_online_with_the_engine_in_the_trainer_s_process(tmp_path_factory, tmp_p
     monkeypatch.setattr(vllm_backend.VLLMBackend, "__init__", started)
     monkeypatch.setattr(online, "engine_stream", stream)
     summaries = online_beside_the_engine(folder, prof, tmp_path, report, n_samples=256, seq=512, extract_batch=16,
-                                         attns=("varlen",), engine="in-process", control=False, gpu_mem=0.3)
+                                         attns=("varlen",), engine="in-process", control=False, gpu_mem=0.3,
+                                         again=False, window=WINDOW)
     summary = summaries["varlen"]
-    report("in_process", {"engine_core": engines, "stream_priorities": streams})
+    window = summary["gpu_window"]
+    report("in_process", {"engine_core": engines, "stream_priorities": streams, "gpu_window": window})
+    # one CUDA context: the window's trace holds the engine's kernels (on the producer's stream) beside the trainer's
+    busy = window["streams_busy"]
+    assert window["error"] is None and busy is not None and len(busy["streams"]) >= 2, window
     assert engines == ["InprocClient"], engines
     assert len(streams) == 1 and streams[0] is not None and streams[0] < 0, streams
     assert summary["engine"] == "in-process" and summary["same_steps_and_samples"] and summary["losses_finite"], summary
