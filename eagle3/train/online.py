@@ -25,6 +25,7 @@ assigned round-robin), each with its own capacity.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -42,6 +43,7 @@ from eagle3.data.conversations import Sample
 from eagle3.store.folder import Store
 from eagle3.store.format import SHARDS, StoreError, StoreSpec
 from eagle3.train import checkpoint
+from eagle3.train.compile_gate import CompileGate
 from eagle3.train.train import StoreSamples, TrainConfig, TrainResult, train
 
 log = logging.getLogger(__name__)
@@ -327,6 +329,8 @@ class Producer:
         self.spool, self.data, self.plan, self.backend, self.cfg, self.batch = (spool, data, plan, backend,
                                                                                  extract_cfg, batch)
         self.stream = engine_stream(backend)
+        # an engine in this process: its batches and the trainer's compiles kept apart (train/compile_gate.py)
+        self.gate = CompileGate() if self.stream is not None else None
         self.thread: threading.Thread | None = None
         self.seconds = self.t0 = 0.0
         self.commits: list[tuple[float, int]] = []  # per extraction batch: (time.perf_counter() at its commit, tokens)
@@ -360,10 +364,12 @@ class Producer:
                 est = [sample_bytes(len(s), spec) for s in batch]
                 self.spool.reserve(sum(est) + SHARD_MARGIN)
                 pending += est[:-1] + [est[-1] + SHARD_MARGIN]
-                infos = session.submit(batch)
+                with self._engine():
+                    infos = session.submit(batch)
                 self.spool.commit(infos, self._release(pending, infos))
                 self.commits.append((time.perf_counter(), sum(len(s) for s in batch)))
-            infos = session.finish()
+            with self._engine():
+                infos = session.finish()
             self.spool.commit(infos, self._release(pending, infos))
             self.spool.finished()
         except SpoolClosed:
@@ -373,6 +379,9 @@ class Producer:
             self.spool.fail(e)
         finally:
             self.seconds = time.perf_counter() - t0
+
+    def _engine(self):
+        return self.gate.engine() if self.gate is not None else contextlib.nullcontext()
 
     @staticmethod
     def _release(pending: list[int], infos) -> int:
@@ -405,6 +414,8 @@ class OnlineResult:
     selfcheck: str = ""
     commits: list[tuple[float, int]] = field(default_factory=list)  # the extraction's: (perf_counter, tokens) a batch
     producer_waits: list[tuple[float, float]] = field(default_factory=list)  # its waits for room: (from, to)
+    compile_waits: list[tuple[float, float]] = field(default_factory=list)  # an engine in this process: the
+    compiles: int = 0  # extraction's waits behind the trainer's compiles (train/compile_gate.py), and how many
 
     def sustained_tokens_per_s(self) -> float:
         """The pipeline's rate once training has begun: the lower of
@@ -421,7 +432,8 @@ class OnlineResult:
         if len(after) < 2 or after[-1][0] <= after[0][0]:
             return trainer
         a, b = after[0][0], after[-1][0]
-        busy = (b - a) - sum(max(0.0, min(b, to) - max(a, fro)) for fro, to in self.producer_waits)
+        busy = (b - a) - sum(max(0.0, min(b, to) - max(a, fro))
+                             for fro, to in self.producer_waits + self.compile_waits)
         return min(trainer, sum(n for _, n in after[1:]) / busy) if busy > 0 else trainer
 
     def lines(self) -> list[str]:
@@ -435,7 +447,8 @@ class OnlineResult:
             "began",
             f"limits     {limit}: extraction waited {self.producer_wait_s:.1f} s for room, training waited "
             f"{self.trainer_wait_s:.1f} s for states",
-        ]
+        ] + ([f"compile    the engine in this process waited {sum(b - a for a, b in self.compile_waits):.1f} s "
+              f"behind {self.compiles} compiles of the trainer"] if self.compiles else [])
 
 
 def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int, backend=None,
@@ -471,8 +484,12 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
         if not (cfg.resume and checkpoint.latest(Path(cfg.out)) is not None):
             producer.start_once(0)  # a fresh run extracts while the trainer builds its draft (a resumed one starts
             # where its checkpoint says, at the trainer's first batch)
+        if producer.gate is not None:
+            producer.gate.install()
         result = train(cfg, progress=progress, source=SpoolSamples(spool, samples, plan, producer, cfg.seed))
     finally:
+        if producer.gate is not None:
+            producer.gate.remove()
         spool.close()
         producer.join()
         spool.store.release()
@@ -482,7 +499,8 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
         raise spool.failed
     out = OnlineResult(result, str(spool.store.root), capacity, spool.peak, spool.peak_files, producer.tokens,
                        spool.shards, producer.seconds, spool.producer_wait_s, spool.consumer_wait_s, check,
-                       producer.commits, spool.producer_waits)
+                       producer.commits, spool.producer_waits,
+                       producer.gate.waits if producer.gate else [], producer.gate.compiles if producer.gate else 0)
     if result.samples_seen >= len(plan):
         shutil.rmtree(spool.store.root / SHARDS, ignore_errors=True)  # everything was learned from
     return out

@@ -25,6 +25,7 @@ on CPU against the fake vLLM in tests/unit/test_e2e_rehearsal.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -78,6 +79,7 @@ def engine_from_env() -> str:
 
 ENGINE = engine_from_env()
 CONTROL = os.environ.get("EAGLE3_ONLINE_CONTROL", "1") != "0"  # 0: no read-ahead control run (a short lease)
+AGAIN = os.environ.get("EAGLE3_ONLINE_AGAIN", "1") != "0"  # 0: no second extraction alone (a short lease)
 
 
 def window_from_env() -> tuple | None:
@@ -115,6 +117,15 @@ def _fresh(trainer: dict) -> None:
         torch._dynamo.reset()
 
 
+def warm(ex, samples, backend, out) -> None:
+    """After _fresh, with the engine in this process: one extraction batch of the online run's shape, so that vLLM's
+    own torch.compile'd helpers (grouped_topk, dynamic=True), whose code dynamo's reset emptied too, compile again
+    here and not in the producer thread beside the trainer (train/compile_gate.py; in `train --online` they compile
+    while the engine starts)."""
+    extract.run(dataclasses.replace(ex, out=str(out)), samples=samples, backend=backend, progress=False)
+    shutil.rmtree(out)
+
+
 def _gone(folder) -> None:
     """A training run's folder, once its result is taken: at the Kimi-size draft its final checkpoint (float32 weights
     and AdamW state) and export are ~14 GB, and the host's disk (64 GB) holds the 15 GB store and a few of them."""
@@ -125,7 +136,7 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
                              device: str = "cuda", draft_vocab: int = 32000, batch_samples: int = 16,
                              pack_tokens: int = 8192, extract_batch: int = 32, attns: tuple = ATTNS,
                              engine: str = ENGINE, control: bool = CONTROL, gpu_mem: float = 0.55,
-                             again: bool = True, window: tuple | None = WINDOW) -> dict:
+                             again: bool = AGAIN, window: tuple | None = WINDOW) -> dict:
     """Extract alone, then for each trainer of ``attns`` train alone and online, on one engine (dummy weights, unit
     decoder norms, the verifier's head written from the engine's own): {trainer: its summary (the three rates, the
     waits, the trainer's peak memory)}, reported as each comes (online_kd_summary). again: the extraction alone once
@@ -189,6 +200,8 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
             _gone(runs / "offline")
             report_seconds()
             _fresh(trainer)
+            if engine == "in-process" and trainer["compile"]:
+                warm(ex, samples[:extract_batch], backend, tmp_path / "warm")
             profiled = gpu_window.Window(*window, cuda=cuda) if window else None
             t0 = time.perf_counter()
             try:

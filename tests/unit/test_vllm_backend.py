@@ -695,8 +695,9 @@ def test_an_engine_in_process_extracts_on_a_stream_of_its_own_of_higher_priority
     monkeypatch.setattr(online.torch.cuda, "synchronize", lambda: events.append(("sync", threading.get_ident())))
     monkeypatch.setattr(online.torch.cuda, "set_stream", lambda st: events.append(("set", threading.get_ident(), st)))
     generate = fake_vllm.FakeLLM.generate
+    gated = []  # per prefill: for each compile gate installed in dynamo, whether this thread holds it
     monkeypatch.setattr(fake_vllm.FakeLLM, "generate", lambda self, *a, **k: (
-        events.append(("generate", threading.get_ident())), generate(self, *a, **k))[1])
+        events.append(("generate", threading.get_ident())), gated.append(_gates_held()), generate(self, *a, **k))[2])
     samples = random_samples(16, [40, 7, 64, 33] * 4, vocab_size=1024, seed=5)
     ex = _cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture="aux", layer_ids=IDS, selfcheck=0,
               vllm_kwargs={"in_process": in_process})
@@ -725,6 +726,19 @@ def test_an_engine_in_process_extracts_on_a_stream_of_its_own_of_higher_priority
         assert [e[0] for e in events[2:]] == ["generate"] * 4
     else:
         assert [e[0] for e in events] == ["generate"] * 4
+    # in this process every prefill ran holding the compile gate, which dynamo's callbacks held the trainer's compiles
+    # to (train/compile_gate.py); the gate gone with the run. In its own process: no gate.
+    assert gated == ([[True]] * 4 if in_process else [[]] * 4), gated
+    assert _gates_held() == [] and res.compile_waits == [] and res.compiles == 0
+
+
+def _gates_held() -> list[bool]:
+    from torch._dynamo.callback import callback_handler
+
+    from eagle3.train.compile_gate import CompileGate
+
+    return [cb.__self__._lock._is_owned() for cb in callback_handler.start_callbacks  # noqa: SLF001
+            if isinstance(getattr(cb, "__self__", None), CompileGate)]
 
 
 @pytest.mark.parametrize("strategy", ["aux", "direct"])

@@ -1,0 +1,132 @@
+"""train/compile_gate.py: an engine in the trainer's process and the trainer's torch.compile kept apart, with
+dynamo's own compile callbacks (the 2026-12-05 H200 run: vLLM's forward in the producer thread failed while the
+trainer's first compiled step was being traced). A compile here uses a backend that records when it ran, and an
+"engine batch" is the producer thread inside gate.engine()."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from eagle3.train.compile_gate import CompileGate
+
+
+@pytest.fixture
+def gate():
+    torch._dynamo.reset()
+    g = CompileGate(timeout=5).install()
+    yield g
+    g.remove()
+    torch._dynamo.reset()
+
+
+def compiled(log, seconds=0.0):
+    """A fresh function compiled with a backend that logs (start, end) of the compile and sleeps ``seconds`` in it."""
+    def backend(gm, inputs):
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        log.append((t0, time.perf_counter()))
+        return gm.forward
+
+    def f(x):
+        return x * 2 + 1
+
+    return torch.compile(f, backend=backend)
+
+
+def test_a_compile_waits_for_the_engine_batch_in_flight(gate):
+    log, inside, released = [], threading.Event(), []
+
+    def batch():
+        with gate.engine():
+            inside.set()
+            time.sleep(0.4)
+            released.append(time.perf_counter())
+
+    t = threading.Thread(target=batch)
+    t.start()
+    inside.wait()
+    compiled(log)(torch.ones(3))
+    t.join()
+    assert len(log) == 1 and log[0][0] >= released[0], (log, released)  # traced only once the batch was done
+    assert gate.compiles == 1 and gate.waits == []
+
+
+def test_an_engine_batch_waits_for_a_compile_and_the_wait_is_kept(gate):
+    log, started = [], []
+    fn = compiled(log, seconds=0.5)
+    t = threading.Thread(target=fn, args=(torch.ones(3),))
+    t.start()
+    while not gate._lock._is_owned() and t.is_alive() and not log:  # noqa: SLF001 - the compile holds it
+        if gate.compiles:
+            break
+        time.sleep(0.005)
+    with gate.engine():
+        started.append(time.perf_counter())
+    t.join()
+    assert log and started[0] >= log[0][1], (log, started)  # the batch began after the compile had ended
+    (a, b), = gate.waits
+    assert b - a >= 0.2 and gate.waited_s == pytest.approx(b - a), gate.waits
+
+
+def test_a_compile_in_the_engine_s_own_thread_goes_through(gate):
+    """vLLM compiling a helper inside a batch (the producer holds the gate): it re-enters, no wait, no deadlock."""
+    log, done = [], []
+
+    def batch():
+        with gate.engine():
+            compiled(log)(torch.ones(2))
+            done.append(1)
+
+    t = threading.Thread(target=batch)
+    t.start()
+    t.join(10)
+    assert done == [1] and len(log) == 1 and gate.compiles == 1 and gate.waits == []
+
+
+def test_a_compile_that_cannot_get_the_gate_fails_with_a_message_instead_of_hanging():
+    torch._dynamo.reset()
+    g = CompileGate(timeout=0.3).install()
+    hold, stop = threading.Event(), threading.Event()
+
+    def stuck():
+        with g.engine():
+            hold.set()
+            stop.wait(10)
+
+    t = threading.Thread(target=stuck)
+    t.start()
+    hold.wait()
+    try:
+        with pytest.raises(Exception, match="waited 0 s for the engine's batch in flight"):
+            compiled([])(torch.ones(2))
+        stop.set()
+        t.join()
+        compiled([])(torch.ones(2))  # the next compile takes the gate again (dynamo's pending count came back)
+        assert g.compiles == 1 and not g._lock._is_owned()  # noqa: SLF001
+    finally:
+        stop.set()
+        t.join()
+        g.remove()
+        torch._dynamo.reset()
+
+
+def test_removed_the_gate_takes_no_part_and_a_reset_before_removal_is_harmless():
+    from torch._dynamo.callback import callback_handler
+
+    torch._dynamo.reset()
+    before = (len(callback_handler.start_callbacks), len(callback_handler.end_callbacks))
+    g = CompileGate().install()
+    assert (len(callback_handler.start_callbacks), len(callback_handler.end_callbacks)) == (before[0] + 1,
+                                                                                         before[1] + 1)
+    g.remove()
+    assert (len(callback_handler.start_callbacks), len(callback_handler.end_callbacks)) == before
+    compiled([])(torch.ones(2))
+    assert g.compiles == 0
+    g2 = CompileGate().install()
+    torch._dynamo.reset()  # clears every callback
+    g2.remove()  # no error
+    torch._dynamo.reset()
