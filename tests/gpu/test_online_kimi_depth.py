@@ -265,7 +265,9 @@ def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_trai
                           "goal_0.8_met": steady_ratio >= ONLINE_GOAL},
             "lines": on.lines(),
             "waits_s": {"extraction_for_room": round(on.producer_wait_s, 1),
-                        "training_for_states": round(on.trainer_wait_s, 1)},
+                        "training_for_states": round(on.trainer_wait_s, 1),
+                        "extraction_behind_compiles": round(sum(b - a for a, b in on.compile_waits), 1)},
+            "compiles_gated": on.compiles,  # the engine in this process: the trainer's compiles it waited for
             "phases_s": {k: r.phases for k, r in runs.items()},
             "notes": {k: r.notes for k, r in runs.items() if r.notes},  # a recompile limit reached, among others
             "read_ahead_same_losses": off.losses == between.losses if between else None,
