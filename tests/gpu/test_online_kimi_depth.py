@@ -25,12 +25,14 @@ on CPU against the fake vLLM in tests/unit/test_e2e_rehearsal.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +45,7 @@ from eagle3.train import gpu_window, online
 from eagle3.train.train import TrainConfig, train
 
 from .conftest import MAX_BATCHED_TOKENS
+from .stacks import PeriodicStacks
 from .test_kimi_k25_wrapper import write_verifier_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kimi_depth]
@@ -100,10 +103,10 @@ def window_from_env() -> tuple | None:
 WINDOW = window_from_env()
 
 
-def test_online_at_kimi_depth_against_extract_alone_and_train_alone(tmp_path_factory, tmp_path, report):
+def test_online_at_kimi_depth_against_extract_alone_and_train_alone(tmp_path_factory, tmp_path, report, gpu_out):
     prof = presets.from_name("kimi-depth")
     folder = tiny.build_model(prof, tmp_path_factory.mktemp("kimi-depth"), dtype="bfloat16")
-    summaries = online_beside_the_engine(folder, prof, tmp_path, report)
+    summaries = online_beside_the_engine(folder, prof, tmp_path, report, stacks_dir=gpu_out)
     for summary in summaries.values():
         assert summary["same_steps_and_samples"] and summary["losses_finite"], summary
         assert summary["spool"]["peak"] <= summary["spool"]["capacity"], summary
@@ -136,13 +139,15 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
                              device: str = "cuda", draft_vocab: int = 32000, batch_samples: int = 16,
                              pack_tokens: int = 8192, extract_batch: int = 32, attns: tuple = ATTNS,
                              engine: str = ENGINE, control: bool = CONTROL, gpu_mem: float = 0.55,
-                             again: bool = AGAIN, window: tuple | None = WINDOW) -> dict:
+                             again: bool = AGAIN, window: tuple | None = WINDOW,
+                             stacks_dir=None, stacks_every: float = 30.0) -> dict:
     """Extract alone, then for each trainer of ``attns`` train alone and online, on one engine (dummy weights, unit
     decoder norms, the verifier's head written from the engine's own): {trainer: its summary (the three rates, the
     waits, the trainer's peak memory)}, reported as each comes (online_kd_summary). again: the extraction alone once
     more after the online runs (online_kd_extraction_twice: the spread of the goal's denominator). window: (after,
-    seconds) of each online run profiled by stream (the summary's gpu_window). On CPU with the fake vLLM and tiny-kimi
-    in tests/unit/test_e2e_rehearsal.py."""
+    seconds) of each online run profiled by stream (the summary's gpu_window). stacks_dir: every thread's stack each
+    stacks_every seconds of each online run, to stacks_dir/online-stacks-TRAINER.txt. On CPU with the fake vLLM and
+    tiny-kimi in tests/unit/test_e2e_rehearsal.py."""
     from eagle3.extract.vllm_backend import VLLMBackend
 
     spec = extract.store_spec(folder, None, "bfloat16")
@@ -204,11 +209,14 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
                 warm(ex, samples[:extract_batch], backend, tmp_path / "warm")
             profiled = gpu_window.Window(*window, cuda=cuda) if window else None
             t0 = time.perf_counter()
+            dumps = (PeriodicStacks(Path(stacks_dir) / f"online-stacks-{name}.txt", every=stacks_every)
+                     if stacks_dir else contextlib.nullcontext())
             try:
                 if profiled:
                     profiled.start()
-                on = online.run(cfg(trainer, runs / "spool", runs / "online"), ex, samples, capacity,
-                                backend=backend, extract_batch=extract_batch, progress=False)
+                with dumps:  # a slow or stuck online run says where each thread is
+                    on = online.run(cfg(trainer, runs / "spool", runs / "online"), ex, samples, capacity,
+                                    backend=backend, extract_batch=extract_batch, progress=False)
             finally:
                 if profiled:
                     profiled.stop()

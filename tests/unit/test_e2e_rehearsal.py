@@ -342,12 +342,15 @@ def test_a_profiled_online_run_carries_its_window_in_its_summary(fake, tiny_kimi
     folder = tmp_path / "target"
     shutil.copytree(tiny_kimi, folder)
     got = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, Reported(), attns=("sdpa",),
-                                      control=False, again=False, window=(0, 60), **SMALL_ONLINE)["sdpa"]
+                                      control=False, again=False, window=(0, 60), stacks_dir=tmp_path,
+                                      stacks_every=0.05, **SMALL_ONLINE)["sdpa"]
     window = got["gpu_window"]
     assert window["after_s"] == 0 and window["seconds"] == 60 and window["error"] is None, window
     assert window["streams_busy"] == {"span_s": 0.0, "busy_s": 0.0, "idle_share": None, "overlap_s": 0.0,
                                       "streams": {}}, window
     assert got["seconds"]["online"] < 60, got["seconds"]  # the window closed with the run, not after its length
+    # every thread's stack each stacks_every seconds of the online run: the producer's among them
+    assert "eagle3-producer" in (tmp_path / "online-stacks-sdpa.txt").read_text()
 
 
 def _read_env(monkeypatch, name: str, value, read, want, refusal: str) -> None:
