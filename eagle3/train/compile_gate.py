@@ -4,7 +4,7 @@ While dynamo and AOTAutograd trace a graph, torch.fx marks the whole process as 
 torch.nn.Module.__call__ for every thread. vLLM's forward, run by the producer thread at that moment, then goes
 through the tracer and fails in its first torch.compile'd helper ("Detected that you are using FX to symbolically
 trace a dynamo-optimized function": the trainer's first compiled step beside kimi-depth's engine on an H200,
-2026-12-05, at 2aef3de). The gate: the producer holds it while the engine runs a batch; a compile takes it first
+2026-12-05, at 08e9a75). The gate: the producer holds it while the engine runs a batch; a compile takes it first
 (dynamo's start and end callbacks, which also wrap AOTAutograd's lazy backward compile), so a compile waits for the
 batch in flight and the next batch waits for the compile. The producer's waits behind a compile are kept as
 (from, to), like its waits for room in the spool.
