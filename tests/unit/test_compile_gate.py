@@ -130,3 +130,23 @@ def test_removed_the_gate_takes_no_part_and_a_reset_before_removal_is_harmless()
     torch._dynamo.reset()  # clears every callback
     g2.remove()  # no error
     torch._dynamo.reset()
+
+
+def test_the_extraction_s_waits_behind_compiles_are_not_its_rate():
+    """OnlineResult.sustained_tokens_per_s: the extraction's commits once training began, less its waits for room
+    and its waits behind the trainer's compiles (compile_waits), as golden numbers; the lines name the compiles."""
+    from eagle3.train.online import OnlineResult
+    from eagle3.train.train import TrainResult
+
+    # the trainer: started at t=10, its later half at 10,000 tok/s (far faster than the extraction)
+    train = TrainResult("o", "d", 4, 64, 40_000, 4.0, [1.0] * 4, {}, timeline=[(1, 10_000), (2, 10_000),
+                                                                               (3, 10_000), (4, 10_000)],
+                        started_at=10.0)
+    commits = [(11.0, 1000), (13.0, 1000), (15.0, 1000), (17.0, 1000)]  # 3,000 tokens after the first in 6 s
+    plain = OnlineResult(train, "s", 1, 0, 0, 4000, 4, 7.0, 0.0, 0.0, commits=commits)
+    assert plain.sustained_tokens_per_s() == pytest.approx(500.0)
+    waited = OnlineResult(train, "s", 1, 0, 0, 4000, 4, 7.0, 0.0, 0.0, commits=commits,
+                          producer_waits=[(11.0, 12.0)], compile_waits=[(13.0, 15.0), (20.0, 30.0)], compiles=2)
+    assert waited.sustained_tokens_per_s() == pytest.approx(3000 / 3)  # 6 s less 1 s for room, 2 s behind compiles
+    assert any(line.startswith("compile ") and "waited 12.0 s behind 2 compiles" in line for line in waited.lines())
+    assert not any(line.startswith("compile ") for line in plain.lines())
