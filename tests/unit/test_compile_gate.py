@@ -13,6 +13,8 @@ import torch
 
 from eagle3.train.compile_gate import CompileGate
 
+from .test_vllm_backend import fake, reference_logits, reference_states  # noqa: F401 - fixtures
+
 
 @pytest.fixture
 def gate():
@@ -150,3 +152,76 @@ def test_the_extraction_s_waits_behind_compiles_are_not_its_rate():
     assert waited.sustained_tokens_per_s() == pytest.approx(3000 / 3)  # 6 s less 1 s for room, 2 s behind compiles
     assert any(line.startswith("compile ") and "waited 12.0 s behind 2 compiles" in line for line in waited.lines())
     assert not any(line.startswith("compile ") for line in plain.lines())
+
+
+def test_a_compile_in_the_trainer_s_thread_no_longer_breaks_the_engine_s_forward(fake, tiny_kimi, tmp_path,  # noqa: F811
+                                                                                   monkeypatch):
+    """The 08e9a75 H200 failure on the CPU: online.run with an engine in this process (the fake vLLM), whose every
+    prefill, like vLLM's forward, keeps calling a torch.compile'd helper for 0.2 s and fails as torch 2.11's dynamo
+    does where any thread FX-traces (torch 2.13 no longer raises there, so the fake checks the flag itself); the
+    trainer compiles a 40-layer module (aot_eager: AOTAutograd's tracing, forward and lazy backward) before it
+    trains, while the producer extracts. With the gate every prefill ran outside the traces, and the producer's
+    waits behind them are kept. (Without it, the prefill fails: tests/MUTATIONS.md.)"""
+    import torch.fx._symbolic_trace as fx_trace
+
+    from eagle3.data.conversations import random_samples
+    from eagle3.extract import extract
+    from eagle3.train import online
+    from eagle3.train.train import TrainConfig
+
+    from . import fake_vllm
+    from .test_vllm_backend import IDS, _cfg
+
+    helper = torch.compile(lambda x: torch.topk(x.softmax(-1), 2).values, dynamic=True, backend="eager")
+    helper(torch.randn(4, 8))  # compiled before the run, as vLLM's helpers are while the engine starts
+    generate, traced, extracting = fake_vllm.FakeLLM.generate, [], threading.Event()
+
+    def forward(self, *a, **k):
+        extracting.set()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.2:
+            if fx_trace._is_fx_tracing_flag:  # noqa: SLF001 - set for every thread while any traces
+                traced.append(threading.get_ident())
+                raise RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function")
+            helper(torch.randn(4, 8))
+        return generate(self, *a, **k)
+
+    class Deep(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(40))
+
+        def forward(self, x):
+            for layer in self.layers:
+                for _ in range(8):  # a graph long enough to trace for a while (~2,000 nodes)
+                    x = torch.nn.functional.gelu(x) * 1.01 + x.sin()
+                x = layer(x)
+            return x
+
+    real_train = online.train
+
+    def compiles_then_trains(cfg, **kw):  # the trainer's first compiled step, then the (eager, CPU) training
+        assert extracting.wait(30)  # as on the H200: the engine at work when the trainer's first step compiles
+        torch.compile(Deep(), backend="aot_eager")(torch.randn(4, 16, requires_grad=True)).sum().backward()
+        return real_train(cfg, **kw)
+
+    monkeypatch.setattr(fake_vllm.FakeLLM, "generate", forward)
+    monkeypatch.setattr(online, "train", compiles_then_trains)
+    monkeypatch.setattr(online, "engine_stream", lambda b: "the producer's stream")  # the engine in this process
+    monkeypatch.setattr(online.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(online.torch.cuda, "set_stream", lambda st: None)
+    torch._dynamo.reset()
+    samples = random_samples(32, [40, 7, 64, 33] * 8, vocab_size=1024, seed=5)
+    ex = _cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture="aux", layer_ids=IDS, selfcheck=0,
+              vllm_kwargs={"in_process": True})
+    backend = extract.make_backend(ex, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
+    cfg = TrainConfig(store=str(tmp_path / "spool"), out=str(tmp_path / "run"), batch_samples=8, epochs=1, seed=3,
+                      ttt_steps=1, draft_vocab_size=256, checkpoint_minutes=0)
+    try:
+        res = online.run(cfg, ex, samples, 10**8, backend=backend, extract_batch=2, progress=False)
+    finally:
+        backend.close()
+        torch._dynamo.reset()
+    assert traced == [] and res.train.samples_seen == 32, traced
+    assert res.compiles >= 2 and res.compile_waits, (res.compiles, res.compile_waits)  # forward and backward graphs;
+    # the producer was extracting when the trainer compiled, and waited
