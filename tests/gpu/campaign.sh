@@ -3,7 +3,7 @@
 #   tests/gpu/campaign.sh                 contract, GPU suite, benchmarks + e2e (everything)
 #   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite (or one of its steps: suite1..suite4)
 #                                         direct directbench copies new draft depth online
-#                                         e2e e2eds wrapper benchtrain onlinekd fp8 aux
+#                                         e2e e2eds wrapper benchtrain onlinekd inproc fp8 aux
 #                                         probe bench benchkd report
 #   tests/gpu/campaign.sh online:660 bench  STEP:SECONDS stops that step (SIGINT, then SIGKILL 30 s later) after SECONDS
 #   BENCH_SHAPES=64x512 BENCH_MODES="plain host" (mini-Kimi), BENCHKD_SHAPES / _MODES / _BATCHES (kimi-depth; by
@@ -18,7 +18,7 @@
 set -u
 OUT=/tmp/campaign
 SRC=/tmp/eagle3-src          # a private copy: the working tree may be re-synced while this runs
-rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" "$OUT/suite2" "$OUT/suite3" "$OUT/suite4" "$OUT/e2eds" "$OUT/wrapper" "$OUT/benchtrain" "$OUT/onlinekd" && cp -r . "$SRC" && cd "$SRC"
+rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" "$OUT/suite2" "$OUT/suite3" "$OUT/suite4" "$OUT/e2eds" "$OUT/wrapper" "$OUT/benchtrain" "$OUT/onlinekd" "$OUT/inproc" && cp -r . "$SRC" && cd "$SRC"
 rm -f "$OUT/DONE"; echo $$ > "$OUT/pid"  # for wait.sh: a campaign that died without DONE ends its wait
 export PYTHONPATH="$SRC:/tmp/site:/tmp/gpu:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 # Every engine warms up FlashInfer's top-p/top-k sampler, JIT-compiled on a fresh host (flashinfer_python, no
@@ -82,6 +82,8 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
             # extract (256 conversations, four engines: ~3 min), these two on the trained target alone; then the
             # draft variants: llama + 3.1, mla, mla + 3.1, short and long prompts in one engine each (~6 min more),
             # their seed spreads (~5 min), llama and mla under CUDA graphs (~4 min)
+  inproc)   step inproc $PT -m gpu tests/gpu/test_online_in_process.py --gpu-out "$OUT/inproc" ;;  # the engine in the
+            # test's process beside the Kimi-size trainer (mini-Kimi; EAGLE3_INPROC_TRAINER=flex: compiled, ~6 min)
   wrapper)  step wrapper $PT -m kimi_depth tests/gpu/test_kimi_k25_wrapper.py --gpu-out "$OUT/wrapper" ;;  # Kimi-K2.5's
             # class, kimi-depth text model: capture, self-check, a served draft (two engine starts of 2-4 min)
   onlinekd) # online at Kimi's depth: kimi-depth's engine and the Kimi-size trainer on one H200 (346 s at c5ebd37; ~7

@@ -57,6 +57,26 @@ def test_a_running_campaign_is_waited_for_until_it_writes_done(tmp_path):
     assert "finished: yes" in out.stdout, out.stdout
 
 
+@pytest.mark.parametrize("step", ["onlinekd", "inproc"])
+def test_the_online_steps_figures_and_stack_dumps_come_back(tmp_path, step):
+    """A finished campaign's online step: its report.json shown and copied to $OUT as STEP-report.json, and its stack
+    dumps (online-stacks-TRAINER.txt, written beside the report) in $OUT/campaign.tgz."""
+    import tarfile
+
+    c, out = tmp_path / "campaign", tmp_path / "out"
+    (c / step).mkdir(parents=True)
+    out.mkdir()
+    (c / "DONE").write_text("DONE\n")
+    (c / step / "report.json").write_text('{"online_kd_seconds": {"engine": "in-process"}}')
+    (c / step / "online-stacks-flex.txt").write_text("--- stacks at 20 s\n")
+    res = subprocess.run(["bash", str(WAIT), "5"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         env=dict(os.environ, CAMPAIGN=str(c), OUT=str(out), WAIT_GRACE="1"), check=False)
+    assert f"== {step}/report.json" in res.stdout and '"engine": "in-process"' in res.stdout, res.stdout
+    assert (out / f"{step}-report.json").read_text() == (c / step / "report.json").read_text()
+    with tarfile.open(out / "campaign.tgz") as tar:
+        assert f"campaign/{step}/online-stacks-flex.txt" in tar.getnames()
+
+
 def test_a_campaign_started_a_moment_before_the_poll_is_waited_for(tmp_path):
     """`campaign.sh ... & wait.sh 420` in one command: the poll may look before campaign.sh has made its folder."""
     c = tmp_path / "campaign"
