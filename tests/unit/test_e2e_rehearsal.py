@@ -353,6 +353,33 @@ def test_a_profiled_online_run_carries_its_window_in_its_summary(fake, tiny_kimi
     assert "eagle3-producer" in (tmp_path / "online-stacks-sdpa.txt").read_text()
 
 
+def test_a_compiled_trainer_beside_an_engine_in_process_finds_vllm_s_helpers_compiled(fake, tiny_kimi, tmp_path,  # noqa: F811
+                                                                                       monkeypatch):
+    """dynamo's reset before each compiled run empties vLLM's torch.compile'd helpers too; beside an engine in this
+    process they would compile again in the producer thread, next to the trainer's compile. So before the online
+    run (not before training alone), one extraction batch of the online run's shape in this thread, its folder gone;
+    an eager trainer or an engine in its own process: none. (The CPU trains "varlen-compiled" eagerly.)"""
+    from eagle3.targets import presets
+    from tests.gpu import test_online_kimi_depth as kd
+
+    folder = tmp_path / "target"
+    shutil.copytree(tiny_kimi, folder)
+    events, warm, run = [], kd.warm, kd.online.run
+    monkeypatch.setattr(kd, "warm", lambda ex, samples, backend, out: (
+        events.append(("warm", len(samples), Path(out).name)), warm(ex, samples, backend, out))[1])
+    monkeypatch.setattr(kd.online, "run", lambda cfg, *a, **k: (events.append(("online", cfg.attn_impl)),
+                                                                run(cfg, *a, **k))[1])
+    for engine, attn in (("in-process", "varlen-compiled"), ("in-process", "varlen"), ("process", "varlen-compiled")):
+        events.clear()
+        (tmp_path / engine / attn).mkdir(parents=True)
+        kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path / engine / attn, Reported(),
+                                    attns=(attn,), engine=engine, control=False, again=False, **SMALL_ONLINE)
+        want = ([("warm", SMALL_ONLINE["extract_batch"], "warm")] if (engine, attn) == ("in-process",
+                                                                                       "varlen-compiled") else [])
+        assert events == want + [("online", "varlen")], (engine, attn, events)
+        assert not (tmp_path / engine / attn / "warm").exists()
+
+
 def _read_env(monkeypatch, name: str, value, read, want, refusal: str) -> None:
     """read() with the variable ``name`` set to ``value`` (None: unset) returns ``want``; where want is None it
     raises a ValueError matching ``refusal``."""
