@@ -30,7 +30,6 @@ class CompileGate:
         self.timeout = timeout
         self.waits: list[tuple[float, float]] = []  # the producer's, behind a compile: (perf_counter from, to)
         self.compiles = 0  # compiles that took the gate (dynamo frames and lazy backward graphs)
-        self._installed = False
         self._mine = threading.local()  # compiles this thread holds the gate for (an _end after a failed _start: none)
 
     @contextmanager
@@ -69,18 +68,14 @@ class CompileGate:
 
         callback_handler.register_start_callback(self._start)
         callback_handler.register_end_callback(self._end)
-        self._installed = True
         return self
 
     def remove(self) -> None:
         from torch._dynamo.callback import callback_handler
 
-        if not self._installed:
-            return
-        self._installed = False
         for remove, cb in ((callback_handler.remove_start_callback, self._start),
                            (callback_handler.remove_end_callback, self._end)):
             try:
                 remove(cb)
-            except ValueError:  # torch._dynamo.reset() cleared them
+            except ValueError:  # never installed, or torch._dynamo.reset() cleared them
                 pass

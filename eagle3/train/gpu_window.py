@@ -49,10 +49,11 @@ def streams_busy(trace: dict, top: int = 3) -> dict:
         return {"span_s": 0.0, "busy_s": 0.0, "idle_share": None, "overlap_s": 0.0, "streams": {}}
     span = (max(b for _, b in every) - min(a for a, _ in every)) * US
     busy = union_s(every)
+    own = {stream: union_s(ivs) for stream, ivs in by_stream.items()}
     streams = {}
-    for stream, ivs in sorted(by_stream.items(), key=lambda kv: -union_s(kv[1])):
-        own = union_s(ivs)
-        streams[stream] = {"kernels": len(ivs), "busy_s": round(own, 6), "share": round(own / span, 3) if span else 0,
+    for stream in sorted(own, key=lambda k: -own[k]):
+        streams[stream] = {"kernels": len(by_stream[stream]), "busy_s": round(own[stream], 6),
+                           "share": round(own[stream] / span, 3) if span else 0,
                            "top": [n[:80] for n, _ in sorted(names[stream].items(), key=lambda kv: -kv[1])[:top]]}
     overlap = sum(s["busy_s"] for s in streams.values()) - busy
     return {"span_s": round(span, 6), "busy_s": round(busy, 6), "idle_share": round(1 - busy / span, 3) if span else 0,
@@ -61,7 +62,8 @@ def streams_busy(trace: dict, top: int = 3) -> dict:
 
 class Window:
     """torch.profiler over [after_s, after_s + seconds) from start(), in a thread of its own; stop() ends it (early if
-    the run ended first: then only what was recorded, or None where the window had not opened)."""
+    the run ended first: then only what was recorded, or None where the window had not opened). ``with Window(...)``
+    starts and stops it around a run."""
 
     def __init__(self, after_s: float, seconds: float, cuda: bool = True):
         self.after_s, self.seconds, self.cuda = after_s, seconds, cuda
@@ -97,3 +99,9 @@ class Window:
         self._stop.set()
         self._thread.join()
         return self.summary
+
+    def __enter__(self) -> "Window":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

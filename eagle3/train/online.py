@@ -417,6 +417,10 @@ class OnlineResult:
     compile_waits: list[tuple[float, float]] = field(default_factory=list)  # an engine in this process: the
     compiles: int = 0  # extraction's waits behind the trainer's compiles (train/compile_gate.py), and how many
 
+    @property
+    def compile_wait_s(self) -> float:
+        return sum(b - a for a, b in self.compile_waits)
+
     def sustained_tokens_per_s(self) -> float:
         """The pipeline's rate once training has begun: the lower of
         - the extraction's, over its commits from the first after the trainer's first step began to the last, less
@@ -447,7 +451,7 @@ class OnlineResult:
             "began",
             f"limits     {limit}: extraction waited {self.producer_wait_s:.1f} s for room, training waited "
             f"{self.trainer_wait_s:.1f} s for states",
-        ] + ([f"compile    the engine in this process waited {sum(b - a for a, b in self.compile_waits):.1f} s "
+        ] + ([f"compile    the engine in this process waited {self.compile_wait_s:.1f} s "
               f"behind {self.compiles} compiles of the trainer"] if self.compiles else [])
 
 

@@ -208,18 +208,13 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
             if engine == "in-process" and trainer["compile"]:
                 warm(ex, samples[:extract_batch], backend, tmp_path / "warm")
             profiled = gpu_window.Window(*window, cuda=cuda) if window else None
-            t0 = time.perf_counter()
             dumps = (PeriodicStacks(Path(stacks_dir) / f"online-stacks-{name}.txt", every=stacks_every)
                      if stacks_dir else contextlib.nullcontext())
-            try:
-                if profiled:
-                    profiled.start()
-                with dumps:  # a slow or stuck online run says where each thread is
-                    on = online.run(cfg(trainer, runs / "spool", runs / "online"), ex, samples, capacity,
-                                    backend=backend, extract_batch=extract_batch, progress=False)
-            finally:
-                if profiled:
-                    profiled.stop()
+            t0 = time.perf_counter()
+            # a slow or stuck online run says where each thread is
+            with profiled or contextlib.nullcontext(), dumps:
+                on = online.run(cfg(trainer, runs / "spool", runs / "online"), ex, samples, capacity,
+                                backend=backend, extract_batch=extract_batch, progress=False)
             seconds["online"] = round(time.perf_counter() - t0, 1)
             _gone(runs)
             report_seconds()
@@ -274,7 +269,7 @@ def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_trai
             "lines": on.lines(),
             "waits_s": {"extraction_for_room": round(on.producer_wait_s, 1),
                         "training_for_states": round(on.trainer_wait_s, 1),
-                        "extraction_behind_compiles": round(sum(b - a for a, b in on.compile_waits), 1)},
+                        "extraction_behind_compiles": round(on.compile_wait_s, 1)},
             "compiles_gated": on.compiles,  # the engine in this process: the trainer's compiles it waited for
             "phases_s": {k: r.phases for k, r in runs.items()},
             "notes": {k: r.notes for k, r in runs.items() if r.notes},  # a recompile limit reached, among others

@@ -165,12 +165,10 @@ def test_a_compile_in_the_trainer_s_thread_no_longer_breaks_the_engine_s_forward
     import torch.fx._symbolic_trace as fx_trace
 
     from eagle3.data.conversations import random_samples
-    from eagle3.extract import extract
     from eagle3.train import online
-    from eagle3.train.train import TrainConfig
 
     from . import fake_vllm
-    from .test_vllm_backend import IDS, _cfg
+    from .test_vllm_backend import _online_engine, _train_online
 
     helper = torch.compile(lambda x: torch.topk(x.softmax(-1), 2).values, dynamic=True, backend="eager")
     helper(torch.randn(4, 8))  # compiled before the run, as vLLM's helpers are while the engine starts
@@ -212,15 +210,10 @@ def test_a_compile_in_the_trainer_s_thread_no_longer_breaks_the_engine_s_forward
     monkeypatch.setattr(online.torch.cuda, "set_stream", lambda st: None)
     torch._dynamo.reset()
     samples = random_samples(32, [40, 7, 64, 33] * 8, vocab_size=1024, seed=5)
-    ex = _cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture="aux", layer_ids=IDS, selfcheck=0,
-              vllm_kwargs={"in_process": True})
-    backend = extract.make_backend(ex, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
-    cfg = TrainConfig(store=str(tmp_path / "spool"), out=str(tmp_path / "run"), batch_samples=8, epochs=1, seed=3,
-                      ttt_steps=1, draft_vocab_size=256, checkpoint_minutes=0)
+    ex, backend = _online_engine(tiny_kimi, tmp_path)
     try:
-        res = online.run(cfg, ex, samples, 10**8, backend=backend, extract_batch=2, progress=False)
+        res = _train_online(ex, backend, samples, tmp_path, extract_batch=2)
     finally:
-        backend.close()
         torch._dynamo.reset()
     assert traced == [] and res.train.samples_seen == 32, traced
     assert res.compiles >= 2 and res.compile_waits, (res.compiles, res.compile_waits)  # forward and backward graphs;

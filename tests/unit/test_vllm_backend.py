@@ -694,7 +694,6 @@ def test_an_engine_in_process_extracts_on_a_stream_of_its_own_of_higher_priority
     import threading
 
     from eagle3.train import online
-    from eagle3.train.train import TrainConfig
 
     events = []
     monkeypatch.setattr(online.torch.cuda, "is_available", lambda: True)
@@ -706,10 +705,7 @@ def test_an_engine_in_process_extracts_on_a_stream_of_its_own_of_higher_priority
     monkeypatch.setattr(fake_vllm.FakeLLM, "generate", lambda self, *a, **k: (
         events.append(("generate", threading.get_ident())), gated.append(_gates_held()), generate(self, *a, **k))[2])
     samples = random_samples(16, [40, 7, 64, 33] * 4, vocab_size=1024, seed=5)
-    ex = _cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture="aux", layer_ids=IDS, selfcheck=0,
-              vllm_kwargs={"in_process": in_process})
-    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
-    backend = extract.make_backend(ex, spec)
+    ex, backend = _online_engine(tiny_kimi, tmp_path, in_process)
     assert online.engine_stream(backend) == (("stream", online.ENGINE_STREAM_PRIORITY) if in_process else None)
     assert online.ENGINE_STREAM_PRIORITY < 0  # CUDA's default is 0; lower is scheduled first
     monkeypatch.setattr(online.torch.cuda, "is_available", lambda: False)  # from here the trainer's own (CPU) path
@@ -719,12 +715,7 @@ def test_an_engine_in_process_extracts_on_a_stream_of_its_own_of_higher_priority
         m.setattr(online.torch.cuda, "is_available", lambda: True)
         want = ours(backend)
     monkeypatch.setattr(online, "engine_stream", lambda b: want if b is backend else ours(b))
-    cfg = TrainConfig(store=str(tmp_path / "spool"), out=str(tmp_path / "run"), batch_samples=8, epochs=1, seed=3,
-                      ttt_steps=1, draft_vocab_size=256, checkpoint_minutes=0)
-    try:
-        res = online.run(cfg, ex, samples, 10**8, backend=backend, extract_batch=4, progress=False)
-    finally:
-        backend.close()
+    res = _train_online(ex, backend, samples, tmp_path, extract_batch=4)
     assert res.train.samples_seen == 16
     producer = {e[1] for e in events if e[0] == "generate"}
     assert len(producer) == 1 and producer != {threading.get_ident()}  # the producer thread's prefills
@@ -737,6 +728,26 @@ def test_an_engine_in_process_extracts_on_a_stream_of_its_own_of_higher_priority
     # to (train/compile_gate.py); the gate gone with the run. In its own process: no gate.
     assert gated == ([[True]] * 4 if in_process else [[]] * 4), gated
     assert _gates_held() == [] and res.compile_waits == [] and res.compiles == 0
+
+
+def _online_engine(tiny_kimi, tmp_path, in_process: bool = True):
+    """(ExtractConfig, its backend): the fake vLLM engine for online.run, in this process or as in one of its own."""
+    ex = _cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture="aux", layer_ids=IDS, selfcheck=0,
+              vllm_kwargs={"in_process": in_process})
+    return ex, extract.make_backend(ex, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
+
+
+def _train_online(ex, backend, samples, tmp_path, extract_batch: int):
+    """online.run of a small draft (batches of 8, one TTT step) on the samples beside the engine, then closed."""
+    from eagle3.train import online
+    from eagle3.train.train import TrainConfig
+
+    cfg = TrainConfig(store=str(tmp_path / "spool"), out=str(tmp_path / "run"), batch_samples=8, epochs=1, seed=3,
+                      ttt_steps=1, draft_vocab_size=256, checkpoint_minutes=0)
+    try:
+        return online.run(cfg, ex, samples, 10**8, backend=backend, extract_batch=extract_batch, progress=False)
+    finally:
+        backend.close()
 
 
 def _gates_held() -> list[bool]:
