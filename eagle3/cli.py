@@ -184,8 +184,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--tp", type=POSITIVE, default=1, help="--online, vllm backend: tensor parallel size")
     o.add_argument("--engine-in-process", action="store_true",
                    help="--online, vllm backend: the engine in this process, not in one of its own (one CUDA context "
-                        "with the trainer, so their kernels may overlap on the GPU; eager training only for now: "
-                        "docs/online.md)")
+                        "with the trainer, so their kernels may overlap on the GPU; a --compile'd trainer's compiles "
+                        "pause the engine: docs/online.md)")
     o.add_argument("--state-dtype", choices=["bfloat16", "fp8"], default="bfloat16",
                    help="--online: states in the spool (fp8: e4m3 + a scale per token and layer, half the bytes)")
     p.add_argument("--steps", type=POSITIVE, default=None, help="stop after this many optimizer steps (default: epochs)")
@@ -574,13 +574,6 @@ def preflight(a) -> None:
             pf.data_files(a.data)
             if a.backend == "vllm":
                 pf.vllm_installed("train --online --backend vllm")
-                if a.engine_in_process and a.compile:
-                    raise pf.UsageError(
-                        "--engine-in-process with --compile has not yet trained through on a GPU (a compile traced "
-                        "beside vLLM's forward broke it on an H200; with the compile gate, train/compile_gate.py, "
-                        "an H100 run did not finish its first compiled step in 78 s): train eager (--attn varlen, "
-                        "no --compile) beside the engine, or compiled with the engine in its own process (no "
-                        "--engine-in-process)")
             elif a.engine_in_process:
                 raise pf.UsageError("--engine-in-process places vLLM's engine: it needs --backend vllm (the hf "
                                     "backend always extracts in this process)")

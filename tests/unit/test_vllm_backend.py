@@ -675,13 +675,11 @@ def test_cli_train_online_engine_in_process(fake, tiny_kimi, small_data, tmp_pat
     assert "needs --backend vllm" in capsys.readouterr().err
     assert cli.main(["train", "--store", str(tmp_path), "--out", str(tmp_path / "x"), "--engine-in-process"]) == 2
     assert "is for train --online --backend vllm" in capsys.readouterr().err
-    # compiled beside an engine in this process: refused until a GPU run trains through (train/compile_gate.py)
-    t0 = time.perf_counter()
-    assert cli.main(base + ["--out", str(tmp_path / "c"), "--engine-in-process", "--compile"]) == 2
-    err = capsys.readouterr().err
-    assert "--engine-in-process with --compile has not yet trained through on a GPU" in err and "--attn varlen" in err
-    assert time.perf_counter() - t0 < 1 and not (tmp_path / "c").exists()
-    assert len(seen) == 2
+    # compiled beside an engine in this process: accepted since a GPU run trained through with the compile gate
+    # (train/compile_gate.py; on this CPU host --compile trains eagerly, with a note)
+    assert cli.main(base + ["--out", str(tmp_path / "c"), "--engine-in-process", "--compile"]) == 0, \
+        capsys.readouterr()
+    assert seen == ["0", None, "0"] and (tmp_path / "c").exists()
 
 
 @pytest.mark.parametrize("in_process", [True, False])
