@@ -332,13 +332,17 @@ def check_store(root: str | Path, model: str | Path, backend: str = "hf", sample
     return selfcheck.compare(head, selfcheck.last_states(got, store.spec.layer_ids[-1]), tops)
 
 
-def open_session(backend, store: Store, cfg: ExtractConfig, fault=None, seal_each_batch: bool = False):
+def open_session(backend, store: Store, cfg: ExtractConfig, fault=None, seal_each_batch: bool = False,
+                 wait_for_shards: bool = True):
     """The backend's writing session into ``store``: vLLM's ranks write shards themselves; the hf backend's
     states come back here and go to a ShardWriter. ``submit(batch)`` returns the shards finished so far;
-    with ``seal_each_batch`` it cuts the open shard and waits for it: every sample of the batch is in them."""
+    with ``seal_each_batch`` it cuts the open shard and waits for it: every sample of the batch is in them. With
+    ``wait_for_shards=False`` as well it does not wait for their write: a later submit, ``settle()`` (which waits)
+    or finish reports them."""
     if hasattr(backend, "open_session"):
-        return backend.open_session(store, cfg, fault, seal_each_batch=seal_each_batch)
-    return LocalSession(backend, store, cfg, fault, seal_each_batch)
+        return backend.open_session(store, cfg, fault, seal_each_batch=seal_each_batch,
+                                    wait_for_shards=wait_for_shards)
+    return LocalSession(backend, store, cfg, fault, seal_each_batch, wait_for_shards)
 
 
 def _progress(enabled: bool, **kw):

@@ -18,10 +18,11 @@ class LocalSession:
     """In-process capture (hf backend): states come back here and go to a ShardWriter. ``cfg``: the ExtractConfig
     (shard_tokens, shard_samples, fsync, writer_threads)."""
 
-    def __init__(self, backend, store: Store, cfg, fault, seal_each_batch: bool = False):
+    def __init__(self, backend, store: Store, cfg, fault, seal_each_batch: bool = False, wait_for_shards: bool = True):
         from eagle3.store.writer import ShardWriter
 
         self.backend, self.fault, self.seal_each_batch = backend, fault, seal_each_batch
+        self.wait_for_shards = wait_for_shards  # with seal_each_batch (extract.open_session)
         self.writer = ShardWriter(store.root, store.spec, store.next_shard_index,
                                   shard_tokens(store.spec, cfg.shard_tokens),
                                   cfg.shard_samples, cfg.fsync, threads=cfg.writer_threads, fault=fault)
@@ -33,7 +34,13 @@ class LocalSession:
             self.fault("after_batch")
         for s, st in zip(batch, states):
             self.writer.add(s.sample_id, torch.tensor(s.input_ids), torch.tensor(s.loss_mask), st)
-        return self.writer.flush() if self.seal_each_batch else self.writer.take_done()
+        if not self.seal_each_batch:
+            return self.writer.take_done()
+        return self.writer.flush() if self.wait_for_shards else self.writer.seal()
+
+    def settle(self):
+        """Every shard not yet reported, once written; the session goes on."""
+        return self.writer.flush()
 
     def finish(self):
         try:

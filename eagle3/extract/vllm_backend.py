@@ -112,8 +112,8 @@ class VLLMBackend:
         return counts.pop()
 
     def open_session(self, store: Store, cfg, fault=None, mode: str = "store",
-                     seal_each_batch: bool = False) -> "VLLMSession":
-        return VLLMSession(self, store, cfg, mode, seal_each_batch)
+                     seal_each_batch: bool = False, wait_for_shards: bool = True) -> "VLLMSession":
+        return VLLMSession(self, store, cfg, mode, seal_each_batch, wait_for_shards=wait_for_shards)
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
@@ -140,8 +140,10 @@ class VLLMSession:
     computed, samples captured), come with the next collect or finish; their copies overlap the next prefill. A
     prefill that fails loses the uncollected batches' shards with its own (uncommitted: a rerun redoes them).
     Batches announced ahead and never submitted are withdrawn by finish. With ``seal_each_batch`` a batch is
-    announced, generated and sealed in its own submit, which returns once every sample of it is in a written shard
-    (online training's spool reserves room per batch, and its trainer must not wait on a shard still open)."""
+    announced, generated and sealed in its own submit (online training's spool reserves room per batch, and its
+    trainer must not wait on a shard still open), which returns once every sample of it is in a written shard, or
+    with ``wait_for_shards=False`` once they are in shards handed to the writer: those come with a later submit,
+    settle or finish, and the next batch's prefill overlaps their write (and fsync)."""
 
     ANNOUNCE_TOKENS = 1 << 18  # tokens announced in one RPC at most (64x512 batches: 8; the worker keeps them)
     # and states (bytes) announced in one RPC at most: a group's shards are committed only at the collect after it,
@@ -152,8 +154,9 @@ class VLLMSession:
 
     def __init__(self, backend: VLLMBackend, store: Store | None, cfg, mode: str = "store",
                  seal_each_batch: bool = False, slots: int = 4, copy_chunk_bytes: int = COPY_CHUNK_BYTES,
-                 gil_sampler: bool = False):
+                 gil_sampler: bool = False, wait_for_shards: bool = True):
         self.backend, self.mode, self.seal_each_batch = backend, mode, seal_each_batch
+        self.wait_for_shards = wait_for_shards
         spec = store.spec if store is not None else backend.spec  # the store decides the states' dtype (fp8)
         self.announce_tokens = min(self.ANNOUNCE_TOKENS, self.ANNOUNCE_BYTES // spec.bytes_per_token)
         threads = max(writer_threads(getattr(cfg, "fsync", True)), getattr(cfg, "writer_threads", 0) or 0)
@@ -182,7 +185,7 @@ class VLLMSession:
             self.phase_s["expect_s"] += time.perf_counter() - t0
             self._generate(batch)
             t0 = time.perf_counter()
-            infos = self._collect("eagle3_collect", tokens, False, True)
+            infos = self._collect("eagle3_collect", tokens, False, True, None, None, self.wait_for_shards)
             self.phase_s["collect_s"] += time.perf_counter() - t0
             return infos
         infos: list[ShardInfo] = []
@@ -213,6 +216,13 @@ class VLLMSession:
         t0 = time.perf_counter()
         self.backend.generate_prefill([s.input_ids for s in batch])
         self.phase_s["generate_s"] += time.perf_counter() - t0
+
+    def settle(self) -> list[ShardInfo]:
+        """Sealed batches (seal_each_batch): every shard not yet reported, once written; the session goes on."""
+        t0 = time.perf_counter()
+        infos = self._collect("eagle3_collect", 0, False, True)
+        self.phase_s["settle_s"] = self.phase_s.get("settle_s", 0.0) + time.perf_counter() - t0
+        return infos
 
     def finish(self) -> list[ShardInfo]:
         """Every shard not yet reported; batches announced ahead and never submitted are withdrawn."""

@@ -132,19 +132,21 @@ class CaptureExtension:
         return {"rank": self._e3["par"]["tp_rank"], "announced": len(sample_ids)}
 
     def eagle3_collect(self, final: bool = False, seal: bool = False, announce: list | None = None,
-                       withdraw: list | None = None) -> dict:
+                       withdraw: list | None = None, wait: bool = True) -> dict:
         """After generate(): report the shards the writer has finished and any errors. By default it does not wait
         for the copies of the batch's last steps to reach the host: the next batch's prefill overlaps them
         (waiting here idled the GPU for one copy per batch). Samples matched, rows placed and tokens counted are
         known without waiting (they are settled inside the forward); a failed copy is reported by a later collect
-        or by close. ``seal`` (online training): wait for the copies, close the open shard and wait for the writer,
-        so every sample of the batch is in a reported shard. ``final``: the same, at the end of a session.
+        or by close. ``seal`` (online training): wait for the copies and close the open shard, so every sample of
+        the batch is in a shard handed to the writer; with ``wait`` also wait for the writer (every sample in a
+        reported shard), else report the shards finished so far (the next batch's prefill overlaps the write).
+        ``final``: seal and wait, at the end of a session.
         ``announce`` (eagle3_expect's four values): the next batches, announced once these are collected, so the
         engine idles through one RPC between groups of batches, not two a batch. ``withdraw``: sample ids announced
         and never to be generated (a session that ended early), forgotten before the check that every announced
         sample was captured."""
         e3, cap = self._e3, self._e3["capturer"]
-        whole = final or seal  # every sample announced so far must be in a reported shard
+        whole = final or seal  # every sample announced so far must be in a shard handed to the writer
         if whole:
             cap.drain()
         errors = cap.take_errors()
@@ -164,7 +166,8 @@ class CaptureExtension:
             try:
                 if whole:
                     cap.filler.seal()  # every copy has arrived (drained above): the shard goes to the writer now
-                shards = [vars(i) for i in (e3["writer"].flush() if whole else e3["writer"].take_done())]
+                wait_all = final or (seal and wait)  # ... and in a reported one
+                shards = [vars(i) for i in (e3["writer"].flush() if wait_all else e3["writer"].take_done())]
             except Exception as ex:  # noqa: BLE001 - a failed shard write is reported, not raised here
                 errors.append(f"shard writer: {type(ex).__name__}: {ex}")
         if announce is not None:

@@ -45,7 +45,8 @@ class Store:
              fsync: bool = True, lock: bool = False) -> "Store":
         """Open (or with ``create``, make) a store; remove uncommitted files; refuse a mismatched spec. With
         ``lock``, hold the store's write lock (StoreBusy when another process holds it) until ``release()`` or the
-        process ends; a writer takes it before anything is cleaned or written."""
+        process ends; a writer takes it before anything is cleaned or written. Without it, an open cleans only
+        while no writer holds the lock: a writer's shards are in no manifest between their write and its commit."""
         root = Path(root)
         path = root / MANIFEST
         if not path.exists():
@@ -57,7 +58,7 @@ class Store:
             _check_writable(root)
         held = store_lock.WriteLock(root) if lock else None
         try:
-            store = cls._open_locked(root, spec, fsync)
+            store = cls._open_locked(root, spec, fsync, writer=held is not None)
         except BaseException:
             if held:
                 held.release()
@@ -66,7 +67,7 @@ class Store:
         return store
 
     @classmethod
-    def _open_locked(cls, root: Path, spec: StoreSpec | None, fsync: bool) -> "Store":
+    def _open_locked(cls, root: Path, spec: StoreSpec | None, fsync: bool, writer: bool = False) -> "Store":
         path = root / MANIFEST
         if path.exists():
             manifest = read_manifest(root)
@@ -78,7 +79,12 @@ class Store:
                         f"{path} was written for a different setup: " + "; ".join(diffs)
                         + ". Use a new --out folder, or the same target, layer ids, dtype and hidden size."
                     )
-            store._remove_uncommitted()
+            if writer:
+                store._remove_uncommitted()
+            else:
+                with store_lock.no_writer(root) as alone:
+                    if alone:
+                        store._remove_uncommitted()
             return store
         refuse_foreign(root)  # again, now that the lock is held
         store = cls(root, {"schema_version": SCHEMA_VERSION, "spec": spec.to_json(), "shards": [],

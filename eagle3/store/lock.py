@@ -17,7 +17,9 @@ import os
 import re
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 LOCK = "lock.json"  # JSON like every file of a store but its shards
 
@@ -86,6 +88,26 @@ def being_written(root: str | Path) -> str | None:
     finally:
         os.close(fd)  # closing the descriptor drops the shared lock it took
     return None
+
+
+@contextmanager
+def no_writer(root: str | Path) -> Iterator[bool]:
+    """True, holding a shared lock on the store (no writer can start meanwhile), when no process holds its write
+    lock; False when one does (this process included: a second descriptor conflicts with the writer's)."""
+    try:
+        fd = os.open(Path(root) / LOCK, os.O_RDONLY)
+    except OSError:
+        yield True  # never locked
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
 
 
 def _command_line() -> str:

@@ -98,12 +98,18 @@ class ShardWriter:
                 self._release += 1
         return done
 
-    def flush(self) -> list[ShardInfo]:
+    def seal(self) -> list[ShardInfo]:
+        """The open shard cut and queued (written now without threads); the shards finished so far."""
         if self._pending:
             self._cut()
+        return self.take_done()
+
+    def flush(self) -> list[ShardInfo]:
+        """The open shard cut, every queued shard written: the shards not yet taken."""
+        done = self.seal()
         if self._queue is not None:
             self._queue.join()
-        return self.take_done()
+        return done + self.take_done()
 
     def close(self) -> None:
         """End the writer's threads once every shard queued has been written. A submit from another thread after

@@ -138,6 +138,11 @@ class Spool:
         """``nbytes`` more would pass the capacity (what the producer waits on; read under the lock)."""
         return self.committed + self.reserved + nbytes > self.capacity
 
+    def has_room(self, nbytes: int) -> bool:
+        """``nbytes`` more fit now (reserve would not wait; only the producer adds, so it stays true)."""
+        with self.cond:
+            return not self._no_room(nbytes)
+
     # -- producer side
     def reserve(self, nbytes: int) -> None:
         """Wait until ``nbytes`` more fit under the capacity, then count them as reserved."""
@@ -157,6 +162,12 @@ class Spool:
         self.producer_wait_s += t1 - t0
         if waited:
             self.producer_waits.append((t0, t1))
+
+    def waited(self, t0: float, t1: float) -> None:
+        """The producer waited from t0 to t1 for another reason that room decides (its shards in flight, settled
+        before a wait for room)."""
+        self.producer_wait_s += t1 - t0
+        self.producer_waits.append((t0, t1))
 
     def commit(self, infos, released: int) -> None:
         """Commit finished shards; ``released`` bytes of reservation end with them."""
@@ -333,7 +344,10 @@ class Producer:
         self.gate = CompileGate() if self.stream is not None else None
         self.thread: threading.Thread | None = None
         self.seconds = self.t0 = 0.0
-        self.commits: list[tuple[float, int]] = []  # per extraction batch: (time.perf_counter() at its commit, tokens)
+        # per extraction batch: (time.perf_counter() when its submit returned, tokens); its shards are committed then
+        # or by a later submit
+        self.commits: list[tuple[float, int]] = []
+        self.engine_phases: dict[str, float] = {}  # the vLLM session's seconds per phase (VLLMSession.phase_s)
 
     @property
     def tokens(self) -> int:
@@ -356,21 +370,31 @@ class Producer:
             if self.stream is not None:  # an engine in this process runs its forward in this thread
                 torch.cuda.synchronize()  # what other threads did to the engine (its norms, an extraction) done first
                 torch.cuda.set_stream(self.stream)  # this thread's own (vLLM's stream bookkeeping follows it)
+            # each batch sealed into shards of its own, whose write (and fsync) the next batch's prefill overlaps:
+            # a submit reports the shards written by then (tests/unit/test_vllm_backend.py, still_written)
             session = open_session(self.backend, self.spool.store, self.cfg, self.cfg.fault or faults.from_env(),
-                                   seal_each_batch=True)
+                                   seal_each_batch=True, wait_for_shards=False)
             pending: list[int] = []  # estimates of submitted samples, in order
             for a in range(first, len(self.plan), self.batch):
                 batch = [self._sample(p) for p in range(a, min(a + self.batch, len(self.plan)))]
                 est = [sample_bytes(len(s), spec) for s in batch]
-                self.spool.reserve(sum(est) + SHARD_MARGIN)
+                need = sum(est) + SHARD_MARGIN
+                if pending and not self.spool.has_room(need):
+                    # before waiting for room: the batches in flight committed, since the trainer may need them to
+                    # free any (a step's samples spanning batches); counted as the start of that wait
+                    t0 = time.perf_counter()
+                    self.spool.commit(*self._released(session.settle(), pending))
+                    self.spool.waited(t0, time.perf_counter())
+                self.spool.reserve(need)
                 pending += est[:-1] + [est[-1] + SHARD_MARGIN]
                 with self._engine():
                     infos = session.submit(batch)
-                self.spool.commit(infos, self._release(pending, infos))
+                self.spool.commit(*self._released(infos, pending))
                 self.commits.append((time.perf_counter(), sum(len(s) for s in batch)))
             with self._engine():
                 infos = session.finish()
-            self.spool.commit(infos, self._release(pending, infos))
+            self.spool.commit(*self._released(infos, pending))
+            self.engine_phases = dict(getattr(session, "phase_s", {}))
             self.spool.finished()
         except SpoolClosed:
             return
@@ -384,11 +408,12 @@ class Producer:
         return self.gate.engine() if self.gate is not None else contextlib.nullcontext()
 
     @staticmethod
-    def _release(pending: list[int], infos) -> int:
+    def _released(infos, pending: list[int]) -> tuple[list, int]:
+        """(infos, the reservation they end): the estimates of their samples, taken from the front of pending."""
         n = sum(i.num_samples for i in infos)
         released = sum(pending[:n])
         del pending[:n]
-        return released
+        return infos, released
 
     def _sample(self, pos: int) -> Sample:
         s = self.data[self.plan[pos]]
@@ -416,6 +441,9 @@ class OnlineResult:
     producer_waits: list[tuple[float, float]] = field(default_factory=list)  # its waits for room: (from, to)
     compile_waits: list[tuple[float, float]] = field(default_factory=list)  # an engine in this process: the
     compiles: int = 0  # extraction's waits behind the trainer's compiles (train/compile_gate.py), and how many
+    # the vLLM session's seconds: expect_s, generate_s (the prefills), collect_s (sealing each batch), settle_s
+    # (its shards in flight written, before a wait for room)
+    engine_phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def compile_wait_s(self) -> float:
@@ -452,7 +480,10 @@ class OnlineResult:
             f"limits     {limit}: extraction waited {self.producer_wait_s:.1f} s for room, training waited "
             f"{self.trainer_wait_s:.1f} s for states",
         ] + ([f"compile    the engine in this process waited {self.compile_wait_s:.1f} s "
-              f"behind {self.compiles} compiles of the trainer"] if self.compiles else [])
+              f"behind {self.compiles} compiles of the trainer"] if self.compiles else []) + (
+            ["engine     " + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in self.engine_phases.items())
+             + " (the producer's calls: prefills, sealing each batch, settling before a wait for room)"]
+            if self.engine_phases else [])
 
 
 def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int, backend=None,
@@ -472,8 +503,9 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     if capacity < need:
         raise ValueError(f"a spool of {capacity:,} bytes (--spool-mb) cannot hold two extraction batches of {extract_batch} samples "
                          f"of up to {longest} tokens ({need:,} bytes); give at least that, or a smaller --extract-batch")
-    # one shard per extraction batch, sealed and written before the next batch is submitted: no shard is left
-    # open between batches, so the trainer never waits on one that needs the next batch's room to finish
+    # one shard per extraction batch, sealed before the next batch is submitted (and written while it runs, on the
+    # vLLM path): no shard is left open between batches, so the trainer never waits on one that needs the next
+    # batch's room to finish
     extract_cfg = dataclasses.replace(extract_cfg, out=str(cfg.store), shard_samples=extract_batch, writer_threads=0)
     _check_same_run(Path(cfg.store), samples, cfg)
     spool = Spool(cfg.store, spec, capacity, fsync=extract_cfg.fsync)
@@ -504,7 +536,8 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     out = OnlineResult(result, str(spool.store.root), capacity, spool.peak, spool.peak_files, producer.tokens,
                        spool.shards, producer.seconds, spool.producer_wait_s, spool.consumer_wait_s, check,
                        producer.commits, spool.producer_waits,
-                       producer.gate.waits if producer.gate else [], producer.gate.compiles if producer.gate else 0)
+                       producer.gate.waits if producer.gate else [], producer.gate.compiles if producer.gate else 0,
+                       producer.engine_phases)
     if result.samples_seen >= len(plan):
         shutil.rmtree(spool.store.root / SHARDS, ignore_errors=True)  # everything was learned from
     return out

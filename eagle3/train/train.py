@@ -621,6 +621,11 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
             read_s = time.perf_counter() - began
             sums = torch.zeros(2, dtype=torch.float64)  # this rank's [sample-weighted loss, tokens]; summed over ranks
             ids = [sid for pack_ids, _ in packs for sid in pack_ids]
+            # each pack's loss and acceptance counts stay on the device until the step's one read (below): a read
+            # per pack held the host until that pack's work was done, its kernel queue empty meanwhile (an engine
+            # beside it on the GPU then finds nothing of the trainer's to overlap)
+            losses: list[torch.Tensor] = []
+            accepts: list[tuple[str, torch.Tensor]] = []
             for j, (pack_ids, host) in enumerate(packs):
                 inputs = to_device(host, cfg.device, dtype)
                 if cfg.attn_impl == "varlen":  # the packed samples' boundaries, read on the host
@@ -632,19 +637,27 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                     with autocast():
                         _, loss, metrics = ddp(**inputs, ttt_steps=cfg.ttt_steps,
                                                ttt_step_loss_decay=cfg.ttt_step_loss_decay, loss_config=loss_config)
-                    if not torch.isfinite(loss):
-                        raise TrainingDiverged(
-                            f"step {step + 1}: the loss is {float(loss.detach())} on samples "
-                            f"{pack_ids}; stopped before the optimizer step, nothing written. "
-                            "Lower --lr, or check those samples with `eagle3 verify`.")
                     (loss * weight * world / cfg.batch_samples).backward()
-                sums[0] += float(loss.detach()) * weight
+                losses.append(loss.detach())
                 sums[1] += sample_rows(host)  # the samples' rows, not flex's padding
-                for name, v in metrics.items():
-                    if name.startswith("full_acc_"):
-                        accept_sums[name] = accept_sums.get(name, 0.0) + float(v)
+                accepts += [(name, torch.as_tensor(v, device=loss.device).detach()) for name, v in metrics.items()
+                            if name.startswith("full_acc_")]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            if not torch.isfinite(grad_norm):
+            # the step's one read of the device: its packs' losses, the gradient norm, the acceptance counts
+            # (float64: the float32 losses exactly, as float() read them, and counts past 2**24)
+            read = torch.stack([t.double().reshape(()) for t in losses + [grad_norm] + [v for _, v in accepts]]).tolist()
+            for (pack_ids, _), value in zip(packs, read):
+                if not math.isfinite(value):  # the gradients of that loss are not finite either: no step taken
+                    raise TrainingDiverged(
+                        f"step {step + 1}: the loss is {value} on samples "
+                        f"{pack_ids}; stopped before the optimizer step, nothing written. "
+                        "Lower --lr, or check those samples with `eagle3 verify`.")
+            for (pack_ids, _), value in zip(packs, read):
+                sums[0] += value * len(pack_ids)  # a pack's loss is a mean over its samples' tokens: by samples
+            for (name, _), value in zip(accepts, read[len(packs) + 1:]):
+                accept_sums[name] = accept_sums.get(name, 0.0) + value
+            grad_norm = read[len(packs)]
+            if not math.isfinite(grad_norm):
                 raise TrainingDiverged(
                     f"step {step + 1}: the gradient norm is {float(grad_norm)} (samples {ids}); stopped before the "
                     "optimizer step, nothing written. Lower --lr, or check those samples with `eagle3 verify`.")

@@ -271,6 +271,7 @@ def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_trai
                         "training_for_states": round(on.trainer_wait_s, 1),
                         "extraction_behind_compiles": round(on.compile_wait_s, 1)},
             "compiles_gated": on.compiles,  # the engine in this process: the trainer's compiles it waited for
+            "engine_phases_s": {k: round(v, 1) for k, v in on.engine_phases.items()},  # the producer's calls
             "phases_s": {k: r.phases for k, r in runs.items()},
             "notes": {k: r.notes for k, r in runs.items() if r.notes},  # a recompile limit reached, among others
             "read_ahead_same_losses": off.losses == between.losses if between else None,

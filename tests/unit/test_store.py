@@ -113,6 +113,26 @@ def test_commit_refuses_duplicates_and_uncommitted_files_are_removed(tmp_path):
     assert reopened.done_ids == {"s1"} and reopened.next_shard_index == 1
 
 
+def test_a_reader_leaves_the_written_uncommitted_shards_of_a_store_being_written(tmp_path):
+    """A shard is written, then committed: in between it is in no manifest. A reader's open (the trainer's, of the
+    spool an online run's producer writes in the same process; `eagle3 train` on a store `extract` still writes)
+    removed it as a crash's leftover, and the writer's commit then failed ('file missing'): the online run beside
+    the fake vLLM engine, once its batches no longer waited for their shards' write. Only an open where no process
+    holds the store's write lock cleans."""
+    writer = Store.open(tmp_path, SPEC, create=True, lock=True)
+    w = ShardWriter(tmp_path, SPEC, 0, shard_samples=1)
+    w.add(*_sample(1, 5))
+    written = w.take_done()
+    reader = Store.open(tmp_path, SPEC)
+    assert (tmp_path / written[0].file).exists() and reader.done_ids == set()
+    writer.commit(written)
+    writer.release()
+    w.add(*_sample(2, 5))
+    orphan = w.take_done()  # written, never committed, its writer gone: a crash's leftover
+    Store.open(tmp_path, SPEC)
+    assert not (tmp_path / orphan[0].file).exists() and (tmp_path / written[0].file).exists()
+
+
 @pytest.mark.parametrize("change,msg", [
     (dict(target={"name_or_path": "other", "config_hash": "zzz"}), "target model"),
     (dict(layer_ids=(2, 4, 6, 8)), "layer_ids"),

@@ -3,6 +3,7 @@ a non-finite loss stops it before the optimizer step, checkpoints are on by defa
 the same loss curve, the newest complete checkpoint wins and a torn one is skipped."""
 
 import json
+import math
 import logging
 import os
 import shutil
@@ -175,3 +176,46 @@ def test_bad_data_error_is_a_store_error_for_the_cli():
     from eagle3.store.format import StoreError
 
     assert issubclass(BadData, StoreError)
+
+
+def test_the_step_s_one_read_gives_each_pack_its_loss_and_acceptance(small_store, tmp_path, monkeypatch):
+    """A step reads its packs' losses, the gradient norm and the acceptance counts from the device in one go
+    (train.py: a read per pack held the host until that pack's work was done). Each pack's values must land where
+    they did: the step's loss is its packs' losses weighted by their samples, the run's acceptance the summed counts
+    of every pack, as the draft returned them (recorded here, pack by pack, for 3 steps of 2 packs or more)."""
+    losses, accepts, sizes = [], [], []
+    real_build, real_read = train_mod.build_draft, train_mod.read_packs
+
+    def recording_build(*a, **k):
+        model = real_build(*a, **k)
+        forward = model.forward
+
+        def recorded(**kw):
+            out = forward(**kw)
+            losses.append(float(out[1].detach()))
+            accepts.append({k: float(v) for k, v in out[2].items() if k.startswith("full_acc_")})
+            return out
+
+        model.forward = recorded
+        return model
+
+    def recording_read(*a, **k):
+        packs = real_read(*a, **k)
+        sizes.append([len(ids) for ids, _ in packs])  # steps are read in order (the read-ahead: one at a time)
+        return packs
+
+    monkeypatch.setattr(train_mod, "build_draft", recording_build)
+    monkeypatch.setattr(train_mod, "read_packs", recording_read)
+    result = train(_cfg(small_store, tmp_path / "t", max_steps=3, batch_samples=8, pack_tokens=256), progress=False)
+    assert len(sizes) == 3 and all(len(s) >= 2 for s in sizes), sizes  # else the test shows nothing
+    at = 0
+    for step, packs in enumerate(sizes):
+        mine = losses[at: at + len(packs)]
+        at += len(packs)
+        assert result.losses[step] == pytest.approx(sum(x * n for x, n in zip(mine, packs)) / 8, rel=1e-12), step
+    assert at == len(losses)
+    sums: dict[str, float] = {}
+    for acc in accepts:
+        for name, v in acc.items():
+            sums[name] = sums.get(name, 0.0) + v
+    assert sums and result.accept == pytest.approx(train_mod._acceptance(sums), rel=1e-12), (result.accept, sums)

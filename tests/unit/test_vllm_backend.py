@@ -757,6 +757,63 @@ def _gates_held() -> list[bool]:
             if isinstance(getattr(cb, "__self__", None), CompileGate)]
 
 
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "engine-process"])
+@pytest.mark.parametrize("spool", ["roomy", "tight"])
+def test_an_online_batch_is_generated_while_the_last_one_s_shard_is_still_written(fake, tiny_kimi, tmp_path,
+                                                                                monkeypatch, in_process, spool):
+    """train --online seals each extraction batch into shards of its own, but the engine must not idle while they
+    are written (fsynced by default): on the H200 at 09b8a53 (kimi-depth, the engine in the trainer's process) the
+    stack dumps found the producer in the writer's flush, and the extraction ran at 0.78 of its rate alone. The next
+    batch is generated while the last one's shard is written; that shard is committed at a later submit, at finish,
+    or before the producer waits for room (the trainer may need it to free any: a tight spool of two batches, steps
+    of 8 samples spanning batches of 6, would otherwise stop with the spool's 'can never move'). Writes take 0.15 s
+    here, the fake engine's prefill a few ms."""
+    from eagle3.extract.vllm_backend import VLLMBackend
+    from eagle3.store import writer as writer_module
+    from eagle3.train import online
+    from eagle3.train.train import TrainConfig
+
+    ends, gens = {}, []  # shard file -> when its write ended; each extraction batch's prefill start
+    real_write, real_gen = writer_module.ShardWriter._write, VLLMBackend.generate_prefill
+
+    def slow_write(self, name, build, on_done=None):
+        time.sleep(0.15)
+        real_write(self, name, build, on_done)
+        ends[name] = time.perf_counter()
+
+    def timed_generate(self, token_lists):
+        if len(token_lists) == 6:  # an extraction batch (the final-state check's are smaller)
+            gens.append(time.perf_counter())
+        return real_gen(self, token_lists)
+
+    monkeypatch.setattr(writer_module.ShardWriter, "_write", slow_write)
+    monkeypatch.setattr(VLLMBackend, "generate_prefill", timed_generate)
+    samples = random_samples(48, 90, vocab_size=1024, seed=5)  # each batch the size the spool's room is counted in
+    ex, backend = _online_engine(tiny_kimi, tmp_path, in_process)
+    cap = (2 if spool == "tight" else 20) * (6 * online.sample_bytes(90, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
+                                             + online.SHARD_MARGIN)
+    cfg = TrainConfig(store=str(tmp_path / "spool"), out=str(tmp_path / "run"), batch_samples=8, epochs=1, seed=3,
+                      ttt_steps=1, draft_vocab_size=256, checkpoint_minutes=0)
+    try:
+        res = online.run(cfg, ex, samples, cap, backend=backend, extract_batch=6, progress=False)
+    finally:
+        backend.close()
+    assert res.train.samples_seen == 48 and res.train.steps == 6 and res.shards == 8
+    assert res.peak_bytes <= cap and res.peak_files_bytes <= cap
+    written = [ends[name] for name in sorted(ends)]  # the run's 8 shards, in index order (one a batch)
+    assert len(gens) == len(written) == 8, (gens, sorted(ends))
+    overlapped = [gens[k + 1] < written[k] for k in range(7)]
+    if spool == "roomy":  # room for every batch: none waits for the one before it to be written
+        assert all(overlapped), overlapped
+    else:  # room for two batches: the second is generated while the first is written, at least
+        assert overlapped[0], overlapped
+    # where the producer's time went, by the session's phases (the settles: before its waits for room, counted in them)
+    phases = res.engine_phases
+    assert phases["generate_s"] > 0 and phases["collect_s"] >= 0, phases
+    assert ("settle_s" in phases) is (spool == "tight") and res.producer_wait_s >= phases.get("settle_s", 0), phases
+    assert any(line.startswith("engine     ") and "generate" in line for line in res.lines()), res.lines()
+
+
 @pytest.mark.parametrize("strategy", ["aux", "direct"])
 def test_a_batch_returns_while_its_copies_are_still_in_flight(fake, tiny_kimi, tmp_path, hf_store, monkeypatch,
                                                               strategy):
