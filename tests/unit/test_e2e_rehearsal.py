@@ -256,6 +256,11 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
         assert steady["tok_per_s"]["extract_alone"] == got["tok_per_s"]["extract_alone"], got
         assert steady["online_vs_min_alone"] == round(steady["tok_per_s"]["online"] / min(
             steady["tok_per_s"]["extract_alone"], steady["tok_per_s"]["train_alone"]), 3), got
+        # the ceiling of taking turns from the sustained rates (a first compiled run's steps hold its cold compile)
+        e, t = steady["tok_per_s"]["extract_alone"], steady["tok_per_s"]["train_alone"]
+        turns = e * t / (e + t)
+        assert steady["taking_turns"] == {"tok_per_s": round(turns), "vs_min_alone": round(turns / min(e, t), 3),
+                                          "online_vs_it": round(steady["tok_per_s"]["online"] / turns, 3)}, steady
         assert set(seconds) == {"engine", "engine_start", "extract_alone", "train_alone", "online"} | (
             {"train_alone_reading_between_steps"} if first else set()), seconds
         # each run trained with its own attention, and its folder (at Kimi's size ~14 GB) gone once its figures were
