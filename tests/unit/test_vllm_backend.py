@@ -766,7 +766,7 @@ def test_an_online_batch_is_generated_while_the_last_one_s_shard_is_still_writte
     stack dumps found the producer in the writer's flush, and the extraction ran at 0.78 of its rate alone. The next
     batch is generated while the last one's shard is written; that shard is committed at a later submit, at finish,
     or before the producer waits for room (the trainer may need it to free any: a tight spool of two batches, steps
-    of 8 samples spanning batches of 6, would otherwise stop with the spool's 'can never move'). Writes take 0.15 s
+    of 8 samples spanning batches of 6, would otherwise stop with the spool's 'can never move'). Writes take 0.4 s
     here, the fake engine's prefill a few ms."""
     from eagle3.extract.vllm_backend import VLLMBackend
     from eagle3.store import writer as writer_module
@@ -777,7 +777,7 @@ def test_an_online_batch_is_generated_while_the_last_one_s_shard_is_still_writte
     real_write, real_gen = writer_module.ShardWriter._write, VLLMBackend.generate_prefill
 
     def slow_write(self, name, build, on_done=None):
-        time.sleep(0.15)
+        time.sleep(0.4)  # longer than a commit's manifest fsync on a slow CI disk, between one prefill and the next
         real_write(self, name, build, on_done)
         ends[name] = time.perf_counter()
 
