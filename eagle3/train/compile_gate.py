@@ -4,33 +4,41 @@ While dynamo and AOTAutograd trace a graph, torch.fx marks the whole process as 
 torch.nn.Module.__call__ for every thread. vLLM's forward, run by the producer thread at that moment, then goes
 through the tracer and fails in its first torch.compile'd helper ("Detected that you are using FX to symbolically
 trace a dynamo-optimized function": the trainer's first compiled step beside kimi-depth's engine on an H200,
-2026-12-05, at 08e9a75). The gate: the producer holds it while the engine runs a batch; a compile takes it first
-(dynamo's start and end callbacks, which also wrap AOTAutograd's lazy backward compile), so a compile waits for the
-batch in flight and the next batch waits for the compile. The producer's waits behind a compile are kept as
-(from, to), like its waits for room in the spool.
+2026-12-05, at 08e9a75).
 
-A compile in the producer's own thread (a vLLM helper compiled mid-run; vLLM compiles them while it starts, and
-dynamic=True keeps them from recompiling) re-enters the gate. Were the trainer to start a compile at that moment, it
-would hold dynamo's callback lock while waiting for the gate: it gives up after ``timeout`` seconds with an error
-that says so, rather than hang.
+The gate is dynamo's own compile lock (torch._dynamo.convert_frame.compile_lock, a re-entrant lock that every frame's
+compile holds from its tracing to its compiled code): the producer holds it while the engine runs a batch, so a
+compile waits for the batch in flight and the next batch waits for the compile. A compile in the producer's own
+thread (a vLLM helper compiled mid-run) re-enters it. AOTAutograd's backward graphs, compiled lazily at the first
+backward and outside that lock by default, compile with their forward while the gate is installed
+(torch._functorch.config.force_non_lazy_backward_lowering). Dynamo's start callback only counts the compiles (and
+any backward compiled lazily all the same, `lazy`: not kept apart from the engine). Nothing waits inside dynamo's
+callbacks: a lock taken there is taken while dynamo holds its compile lock and its callback lock, and a batch that
+needed a compile of its own would deadlock with the compile waiting for it (tests/unit/test_compile_gate.py). The
+producer's waits behind a compile are kept as (from, to), like its waits for room in the spool.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from contextlib import contextmanager
 
-GATE_TIMEOUT_S = 600.0
-
 
 class CompileGate:
-    def __init__(self, timeout: float = GATE_TIMEOUT_S):
-        self._lock = threading.RLock()
-        self.timeout = timeout
+    def __init__(self):
+        import torch
+        from torch._dynamo import convert_frame
+
+        lock = getattr(convert_frame, "compile_lock", None)
+        if lock is None:
+            raise RuntimeError(f"torch {torch.__version__}: dynamo has no compile lock to keep the engine's batches "
+                               "and the trainer's compiles apart; train without --compile beside the engine, or with "
+                               "the engine in its own process (no --engine-in-process)")
+        self._lock = lock
         self.waits: list[tuple[float, float]] = []  # the producer's, behind a compile: (perf_counter from, to)
-        self.compiles = 0  # compiles that took the gate (dynamo frames and lazy backward graphs)
-        self._mine = threading.local()  # compiles this thread holds the gate for (an _end after a failed _start: none)
+        self.compiles = 0  # compiles dynamo started while the gate was installed (frames; backward graphs compile
+        self.lazy = 0      # with their forward) and of them backward graphs compiled lazily all the same
+        self._lowering: bool | None = None  # force_non_lazy_backward_lowering as it was before install
 
     @contextmanager
     def engine(self):
@@ -45,37 +53,33 @@ class CompileGate:
             self._lock.release()
 
     def _start(self, args=None) -> None:
-        if not self._lock.acquire(timeout=self.timeout):
-            raise RuntimeError(f"a torch.compile waited {self.timeout:.0f} s for the engine's batch in flight "
-                               "(--engine-in-process): the engine is itself compiling or stuck; run without "
-                               "--compile, or with the engine in its own process")
         self.compiles += 1
-        self._mine.n = getattr(self._mine, "n", 0) + 1
-
-    def _end(self, args=None) -> None:
-        # dynamo runs the end callbacks even where a start callback raised (its try/finally): release only what
-        # this thread took, or the release raises there and dynamo's pending count stays up, the gate off for good
-        if getattr(self._mine, "n", 0) > 0:
-            self._mine.n -= 1
-            self._lock.release()
+        trigger = getattr(args, "callback_trigger", None)
+        if getattr(trigger, "name", "") == "LAZY_BACKWARD":
+            self.lazy += 1
 
     @property
     def waited_s(self) -> float:
         return sum(b - a for a, b in self.waits)
 
     def install(self) -> "CompileGate":
+        import torch._functorch.config as functorch_config
         from torch._dynamo.callback import callback_handler
 
         callback_handler.register_start_callback(self._start)
-        callback_handler.register_end_callback(self._end)
+        if self._lowering is None:
+            self._lowering = functorch_config.force_non_lazy_backward_lowering
+            functorch_config.force_non_lazy_backward_lowering = True
         return self
 
     def remove(self) -> None:
+        import torch._functorch.config as functorch_config
         from torch._dynamo.callback import callback_handler
 
-        for remove, cb in ((callback_handler.remove_start_callback, self._start),
-                           (callback_handler.remove_end_callback, self._end)):
-            try:
-                remove(cb)
-            except ValueError:  # never installed, or torch._dynamo.reset() cleared them
-                pass
+        try:
+            callback_handler.remove_start_callback(self._start)
+        except ValueError:  # never installed, or torch._dynamo.reset() cleared it
+            pass
+        if self._lowering is not None:
+            functorch_config.force_non_lazy_backward_lowering = self._lowering
+            self._lowering = None
