@@ -36,8 +36,10 @@ class CompileGate:
                                "the engine in its own process (no --engine-in-process)")
         self._lock = lock
         self.waits: list[tuple[float, float]] = []  # the producer's, behind a compile: (perf_counter from, to)
-        self.compiles = 0  # compiles dynamo started while the gate was installed (frames; backward graphs compile
-        self.lazy = 0      # with their forward) and of them backward graphs compiled lazily all the same
+        # compiles dynamo started while the gate was installed (frames: backward graphs compile with their forward),
+        # and of them backward graphs compiled lazily all the same (not kept apart from the engine)
+        self.compiles = 0
+        self.lazy = 0
         self._lowering: bool | None = None  # force_non_lazy_backward_lowering as it was before install
 
     @contextmanager

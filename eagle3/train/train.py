@@ -652,14 +652,13 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                         f"step {step + 1}: the loss is {value} on samples "
                         f"{pack_ids}; stopped before the optimizer step, nothing written. "
                         "Lower --lr, or check those samples with `eagle3 verify`.")
-            for (pack_ids, _), value in zip(packs, read):
-                sums[0] += value * len(pack_ids)  # a pack's loss is a mean over its samples' tokens: by samples
+                sums[0] += value * len(pack_ids)  # weighed by samples, as the backward's loss was (weight)
             for (name, _), value in zip(accepts, read[len(packs) + 1:]):
                 accept_sums[name] = accept_sums.get(name, 0.0) + value
             grad_norm = read[len(packs)]
             if not math.isfinite(grad_norm):
                 raise TrainingDiverged(
-                    f"step {step + 1}: the gradient norm is {float(grad_norm)} (samples {ids}); stopped before the "
+                    f"step {step + 1}: the gradient norm is {grad_norm} (samples {ids}); stopped before the "
                     "optimizer step, nothing written. Lower --lr, or check those samples with `eagle3 verify`.")
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr * lr_at(step)

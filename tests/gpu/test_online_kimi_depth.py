@@ -260,9 +260,9 @@ def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_trai
     # behind a compiling first step); the extraction alone as above (its engine already started)
     steady = {"extract_alone": rate["extract_alone"], "train_alone": round(off.sustained_tokens_per_s()),
               "online": round(on.sustained_tokens_per_s())}
-    steady_ratio = steady["online"] / min(steady["extract_alone"], steady["train_alone"])
-    # the same ceiling from the sustained rates: a first compiled run's steps hold the host's cold compile
     e, t = steady["extract_alone"], steady["train_alone"]
+    steady_ratio = steady["online"] / min(e, t)
+    # the taking-turns ceiling from the sustained rates: a first compiled run's steps hold the host's cold compile
     turns_steady = e * t / (e + t)
     runs = {"train_alone": off, "online": on.train} | ({"train_alone_reading_between_steps": between}
                                                        if between else {})
