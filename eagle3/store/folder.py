@@ -17,6 +17,7 @@ from eagle3.store.format import (
     MANIFEST,
     SCHEMA_VERSION,
     SHARDS,
+    ManifestUnreadable,
     ShardInfo,
     StoreError,
     StoreMismatch,
@@ -42,11 +43,13 @@ class Store:
     # -- opening
     @classmethod
     def open(cls, root: str | Path, spec: StoreSpec | None = None, create: bool = False,
-             fsync: bool = True, lock: bool = False) -> "Store":
+             fsync: bool = True, lock: bool = False, cache: bool = False) -> "Store":
         """Open (or with ``create``, make) a store; remove uncommitted files; refuse a mismatched spec. With
         ``lock``, hold the store's write lock (StoreBusy when another process holds it) until ``release()`` or the
         process ends; a writer takes it before anything is cleaned or written. Without it, an open cleans only
-        while no writer holds the lock: a writer's shards are in no manifest between their write and its commit."""
+        while no writer holds the lock: a writer's shards are in no manifest between their write and its commit.
+        ``cache`` (with ``create``, ``lock`` and ``spec``: an online spool, whose states are made again): an unreadable
+        manifest is a power loss's, and the store starts empty, its shards removed as uncommitted."""
         root = Path(root)
         path = root / MANIFEST
         if not path.exists():
@@ -58,7 +61,8 @@ class Store:
             _check_writable(root)
         held = store_lock.WriteLock(root) if lock else None
         try:
-            store = cls._open_locked(root, spec, fsync, writer=held is not None)
+            store = cls._open_locked(root, spec, fsync, writer=held is not None,
+                                     cache=cache and create and held is not None)
         except BaseException:
             if held:
                 held.release()
@@ -67,8 +71,15 @@ class Store:
         return store
 
     @classmethod
-    def _open_locked(cls, root: Path, spec: StoreSpec | None, fsync: bool, writer: bool = False) -> "Store":
+    def _open_locked(cls, root: Path, spec: StoreSpec | None, fsync: bool, writer: bool = False,
+                     cache: bool = False) -> "Store":
         path = root / MANIFEST
+        if path.exists() and cache and spec is not None:
+            try:
+                read_manifest(root)
+            except ManifestUnreadable as e:
+                log.warning("%s: a cache's, never fsynced; it starts empty and its states are made again", e)
+                path.unlink()
         if path.exists():
             manifest = read_manifest(root)
             store = cls(root, manifest)
@@ -214,7 +225,10 @@ def read_manifest(root: str | Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise StoreError(f"{path} is not valid JSON ({e.msg}, line {e.lineno}); restore it or re-extract") from None
+        raise ManifestUnreadable(f"{path} is not valid JSON ({e.msg}, line {e.lineno}); restore it or re-extract") \
+            from None
+    except UnicodeDecodeError:
+        raise ManifestUnreadable(f"{path} is not text; restore it or re-extract") from None
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:
         raise StoreError(f"{path} has schema_version {version!r}; this eagle3 reads {SCHEMA_VERSION}")

@@ -66,6 +66,10 @@ class StoreError(RuntimeError):
     pass
 
 
+class ManifestUnreadable(StoreError):
+    """The manifest is not JSON (empty, cut short, other bytes): what a power loss may leave of one never fsynced."""
+
+
 class StoreMismatch(StoreError):
     """The store on disk was made for another target, layer set, dtype or hidden size."""
 

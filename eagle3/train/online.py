@@ -40,6 +40,7 @@ from typing import Sequence
 import torch
 
 from eagle3.data.conversations import Sample
+from eagle3.store.files import checksum_matches
 from eagle3.store.folder import Store
 from eagle3.store.format import SHARDS, StoreError, StoreSpec
 from eagle3.train import checkpoint
@@ -90,9 +91,15 @@ class Spool:
     batch's estimate <= capacity. ``peak`` is the largest committed + reserved seen, ``peak_files`` the largest
     sum of the shards folder's file sizes measured right after each commit and free."""
 
-    def __init__(self, root: str | Path, spec: StoreSpec, capacity: int, fsync: bool = True):
-        self.store = Store.open(root, spec, create=True, fsync=fsync, lock=True)
-        self.capacity, self.fsync = capacity, fsync
+    def __init__(self, root: str | Path, spec: StoreSpec, capacity: int, fresh: bool = False):
+        """``fresh``: start empty whatever the folder holds (a run stamp a power loss left unreadable)."""
+        # never fsynced (its shards, their folder, its manifest): a cache of states the target makes again. Each
+        # fsync held a thread of the pipeline for the disk: a shard freed with its manifest fsynced took 98-185 ms
+        # on this project's CPU machine beside a shard being written, against 18 ms without. What a power loss takes
+        # is found here when the run resumes (an unreadable manifest: Store.open(cache=True); a shard gone, cut
+        # short or with other bytes: _untrusted) and extracted again.
+        self.store = Store.open(root, spec, create=True, fsync=False, lock=True, cache=True)
+        self.capacity = capacity
         self.cond = threading.Condition()
         self.entries: dict[int, tuple[str, int, int, str]] = {}  # position -> (file, row a, row b, spool id)
         self.unread: dict[str, set[int]] = {}                     # file -> positions not read yet
@@ -103,9 +110,26 @@ class Spool:
         self.waiting_for = 0
         self.producer_wait_s = self.consumer_wait_s = 0.0
         self.producer_waits: list[tuple[float, float]] = []  # (perf_counter from, to) of each wait for room
+        bad = {s["file"] for s in self.store.shards} if fresh else self._untrusted()
+        if bad:
+            self.store.drop_shards(bad, fsync=False)
+            for file in bad:
+                (self.store.root / file).unlink(missing_ok=True)
         for shard in self.store.shards:
             self._index(shard)
         self.committed = sum(s["bytes"] for s in self.store.shards)
+
+    def _untrusted(self) -> set[str]:
+        """The listed shards whose file is gone, of another size or fails its checksum (what a power loss left of
+        writes never flushed; the checksums are read once, at a resume: at most the capacity's bytes)."""
+        bad = set()
+        for shard in self.store.shards:
+            p = self.store.root / shard["file"]
+            if not p.is_file() or p.stat().st_size != shard["bytes"] or not checksum_matches(p, shard):
+                log.warning("spool %s: %s is not as committed (a power loss took writes never flushed); its samples "
+                            "are extracted again", self.store.root, shard["file"])
+                bad.add(shard["file"])
+        return bad
 
     # -- accounting
     def files_bytes(self) -> int:
@@ -172,7 +196,7 @@ class Spool:
     def commit(self, infos, released: int) -> None:
         """Commit finished shards; ``released`` bytes of reservation end with them."""
         with self.cond:
-            self.store.commit(infos, fsync=self.fsync)
+            self.store.commit(infos, fsync=False)
             for info in infos:
                 self._index({"file": info.file, "sample_ids": info.sample_ids})
                 self.committed += info.bytes
@@ -231,7 +255,7 @@ class Spool:
 
     def _free(self, files: set[str]) -> None:
         gone = [s for s in self.store.shards if s["file"] in files]
-        self.store.drop_shards(files, fsync=self.fsync)
+        self.store.drop_shards(files, fsync=False)
         for s in gone:
             (self.store.root / s["file"]).unlink(missing_ok=True)
             self.committed -= s["bytes"]
@@ -506,9 +530,10 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     # one shard per extraction batch, sealed before the next batch is submitted (and written while it runs, on the
     # vLLM path): no shard is left open between batches, so the trainer never waits on one that needs the next
     # batch's room to finish
-    extract_cfg = dataclasses.replace(extract_cfg, out=str(cfg.store), shard_samples=extract_batch, writer_threads=0)
-    _check_same_run(Path(cfg.store), samples, cfg)
-    spool = Spool(cfg.store, spec, capacity, fsync=extract_cfg.fsync)
+    extract_cfg = dataclasses.replace(extract_cfg, out=str(cfg.store), shard_samples=extract_batch, writer_threads=0,
+                                      fsync=False)  # the spool's shards, as the spool: never fsynced (Spool)
+    fresh = _check_same_run(Path(cfg.store), samples, cfg)
+    spool = Spool(cfg.store, spec, capacity, fresh=fresh)
     plan = training_order(len(samples), cfg.batch_samples, cfg.epochs, cfg.seed, cfg.max_steps)
     own = backend is None
     backend = backend or make_backend(extract_cfg, spec)
@@ -543,15 +568,25 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     return out
 
 
-def _check_same_run(spool: Path, samples: Sequence[Sample], cfg: TrainConfig) -> None:
-    """A spool continues only the run that made it: same samples, batch, epochs and seed."""
+def _check_same_run(spool: Path, samples: Sequence[Sample], cfg: TrainConfig) -> bool:
+    """A spool continues only the run that made it: same samples, batch, epochs and seed. True where its stamp is
+    unreadable (never fsynced, as the spool: a power loss's), which no run can be told from: the spool starts
+    empty."""
     stamp = {"samples": [s.sample_id for s in samples], "batch": cfg.batch_samples, "epochs": cfg.epochs,
              "seed": cfg.seed, "max_steps": cfg.max_steps}
     path = spool / "online.json"
     if path.exists():
-        if json.loads(path.read_text()) != stamp:
+        try:
+            was = json.loads(path.read_text())
+        except ValueError:  # not JSON, or not text
+            log.warning("spool %s: its run stamp %s is unreadable (a power loss's): the spool starts empty", spool,
+                        path.name)
+            path.write_text(json.dumps(stamp))
+            return True
+        if was != stamp:
             raise StoreError(f"spool {spool} belongs to another online run (other samples, batch, epochs or seed); "
                              "use a new --out, or the same data and options")
-        return
+        return False
     spool.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stamp))
+    return False
