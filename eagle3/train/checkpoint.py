@@ -159,11 +159,26 @@ def latest(out: Path) -> Path | None:
     return None
 
 
+def sizes_match(path: Path) -> bool:
+    """Every file present at the size files.json records, no checksum read (rotation's check: re-reading every kept
+    checkpoint at each save read 36-48 GB at Kimi-K2.5's draft size, keep 3); a checkpoint from before files.json:
+    complete()."""
+    if not (path / FILES).is_file():
+        return complete(path)
+    try:
+        recorded = json.loads((path / FILES).read_text())
+        return set(recorded) == set(CKPT_FILES) and all((path / f).stat().st_size == recorded[f]["bytes"]
+                                                        for f in CKPT_FILES)
+    except (ValueError, KeyError, TypeError, OSError):
+        return False
+
+
 def prune(out: Path, keep: int) -> None:
-    """Keep the newest ``keep`` complete checkpoints (keep <= 0: keep all)."""
+    """Keep the newest ``keep`` checkpoints whose files are all there at their recorded sizes (keep <= 0: keep
+    all). A save checksums its own files; the resume (latest) checks every checksum again."""
     if keep <= 0:
         return
-    done = sorted(p for p in (Path(out) / CKPT_DIR).glob("step-*") if complete(p))
+    done = sorted(p for p in (Path(out) / CKPT_DIR).glob("step-*") if sizes_match(p))
     for p in done[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
 

@@ -164,6 +164,33 @@ def test_only_the_newest_checkpoints_are_kept(small_store, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-0000005", "step-0000006"]
 
 
+def test_a_checkpoint_is_hashed_once_when_saved_not_again_at_each_rotation(small_store, tmp_path, monkeypatch):
+    """Rotating checkpoints (keep_checkpoints) hashed every file of every kept checkpoint again at each save: at
+    Kimi-K2.5's draft size 12 GB a checkpoint, 36-48 GB read at every save (keep 3). A save hashes its own files
+    (files.json); rotation checks the others' files by size; a resume (latest) still checks every checksum."""
+    from eagle3.store import files
+
+    hashed = []
+    real = files.file_checksum
+
+    def counting(path, *a, **kw):
+        hashed.append(str(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(files, "file_checksum", counting)
+    out = tmp_path / "t"
+    train(_cfg(small_store, out, max_steps=6, checkpoint_every=1, keep_checkpoints=2), progress=False)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-0000005", "step-0000006"]
+    ckpt_hashes = [h for h in hashed if "/checkpoints/" in h]
+    assert len(ckpt_hashes) == 6 * len(checkpoint.CKPT_FILES), ckpt_hashes  # each save's files, once
+    # a newer checkpoint cut short is not counted as one of the kept: the older stays
+    newest = out / "checkpoints" / "step-0000006" / "optimizer.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-8])
+    checkpoint.prune(out, 1)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-0000005", "step-0000006"]
+    assert checkpoint.latest(out).name == "step-0000005"
+
+
 def test_a_rerun_of_a_finished_run_says_so(trained_run, small_store):
     result, out = trained_run
     again = train(_cfg(small_store, out, max_steps=12, checkpoint_every=4), progress=False)
