@@ -14,7 +14,8 @@ the offline run's loss curve on the same samples. Position p of the training seq
 Resume (kill -9 anywhere, rerun the same command): training restarts from its newest complete checkpoint,
 which records how many positions it has learned from (samples_seen). Spool shards below that are freed; the
 run of shards that continues it without a gap is kept; everything after is extracted again (extracted but not
-yet learned from in a checkpoint: re-extracted, never trained twice into the model, never lost).
+yet learned from in a checkpoint: re-extracted, never trained twice into the model, never lost). The spool is
+never fsynced (Spool); what a power loss takes of it is found at the resume and extracted again.
 
 One GPU: the vLLM engine and the trainer share it; the engine takes ``gpu_memory_utilization`` of the memory
 (default 0.5 here), the trainer what is left. Several GPUs and nodes (not written yet): extraction ranks write
