@@ -16,10 +16,13 @@ For Kimi-K2.5 that is 163840 x 7168 (2.3 GB in bf16) not written per checkpoint.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import shutil
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,7 +43,8 @@ class NonFiniteWeights(RuntimeError):
 
 
 def draft_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The draft's own tensors (floating ones cast to ``dtype``), without what NOT_SAVED names."""
+    """The draft's own tensors (floating ones cast to ``dtype``), without what NOT_SAVED names: host copies (on the
+    CPU too, where ``.cpu()`` would hand back the training tensors themselves)."""
     out = {}
     for name, t in model.state_dict().items():
         if name in NOT_SAVED:
@@ -48,7 +52,7 @@ def draft_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch.Te
         t = t.detach()
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
-        out[name] = t.cpu().contiguous()
+        out[name] = t.to("cpu", copy=True).contiguous()
     return out
 
 
@@ -77,7 +81,7 @@ def optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
     for idx, st in sd["state"].items():
         for name, value in st.items():
             t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-            tensors[f"state.{idx}.{name}"] = t.detach().cpu().contiguous()
+            tensors[f"state.{idx}.{name}"] = t.detach().to("cpu", copy=True).contiguous()  # a copy, as above
     return tensors, {"param_groups": sd["param_groups"]}
 
 
@@ -89,21 +93,42 @@ def optimizer_from_files(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+@dataclass
+class Snapshot:
+    """A checkpoint's contents on the host, taken between optimizer steps: what the training thread does of a save
+    (the copies from the device); write() does the rest, in another thread where training goes on meanwhile."""
+    config: Any                        # the draft's config (its save_pretrained writes config.json)
+    weights: dict[str, torch.Tensor]   # draft_tensors
+    optimizer: dict[str, torch.Tensor]  # optimizer_to_files
+    optimizer_meta: dict
+    state: dict                        # the trainer's state, as JSON has it
+
+
+def snapshot(model, optimizer, trainer_state: dict) -> Snapshot:
+    tensors, meta = optimizer_to_files(optimizer)
+    return Snapshot(copy.deepcopy(model.config), draft_tensors(model), tensors, copy.deepcopy(meta),
+                    json.loads(json.dumps(trainer_state)))
+
+
 def save(out: Path, step: int, model, optimizer, trainer_state: dict,
          fault: Callable[[str], None] | None = None) -> Path:
+    return write(out, step, snapshot(model, optimizer, trainer_state), fault)
+
+
+def write(out: Path, step: int, snap: Snapshot, fault: Callable[[str], None] | None = None) -> Path:
+    """Write ``snap`` as OUT/checkpoints/step-N: into .tmp-step-N, checksummed (files.json), fsynced, renamed."""
     root = Path(out) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"step-{step:07d}", root / f".tmp-step-{step:07d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.config.save_pretrained(tmp)
-    save_file(draft_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    snap.config.save_pretrained(tmp)
+    save_file(snap.weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if fault:
         fault("mid_checkpoint")
-    tensors, meta = optimizer_to_files(optimizer)
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    (tmp / "optimizer.json").write_text(json.dumps(meta))
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+    save_file(snap.optimizer, str(tmp / "optimizer.safetensors"))
+    (tmp / "optimizer.json").write_text(json.dumps(snap.optimizer_meta))
+    (tmp / "trainer_state.json").write_text(json.dumps(snap.state, indent=1))
     (tmp / FILES).write_text(json.dumps({f: _fingerprint(tmp / f) for f in CKPT_FILES}, indent=1))
     _fsync_tree(tmp)
     if final.exists():
@@ -181,6 +206,51 @@ def prune(out: Path, keep: int) -> None:
     done = sorted(p for p in (Path(out) / CKPT_DIR).glob("step-*") if sizes_match(p))
     for p in done[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+class Background:
+    """Checkpoints written in a thread while training goes on (TrainConfig.checkpoint_background), one at a time:
+    submit() waits for the one in flight first. A write's error is raised in the training thread, at the next
+    submit() or wait(). The thread is not a daemon: a process that ends waits for the checkpoint being written."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        self.wait()
+        box = self
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - raised in the training thread by wait()
+                box.error = e
+
+        self.thread = threading.Thread(target=run, name="eagle3-checkpoint")
+        self.thread.start()
+
+    def wait(self) -> None:
+        """Until the checkpoint in flight is written; raises what its write raised."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
+
+    def __enter__(self) -> "Background":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        """Leaving the training loop: the checkpoint in flight written first. Where the loop raised, that error
+        stays the one raised (the write's is logged)."""
+        try:
+            self.wait()
+        except BaseException as e:  # noqa: BLE001
+            if exc is None:
+                raise
+            log.error("the checkpoint written in the background failed too: %s: %s", type(e).__name__, e)
 
 
 def load(path: Path, model, optimizer) -> dict:

@@ -69,6 +69,8 @@ class TrainConfig:
     checkpoint_every: int = 0            # steps; 0 = by time only
     checkpoint_minutes: float = 10.0     # minutes of work between checkpoints; 0 = by steps only
     keep_checkpoints: int = 3            # newest complete checkpoints kept (0 = all)
+    checkpoint_background: bool | None = None  # write checkpoints in a thread while training goes on (the final one
+    # not: it is published); None: on CUDA (checkpoint.Background)
     on_bad_sample: str = "stop"          # stop | skip (skipped samples are counted and reported)
     serve_tps: tuple[int, ...] | None = None  # TP sizes the exported draft must load at in vLLM (None: SERVE_TPS;
     # for an MLA draft those of them its target's heads split over)
@@ -92,6 +94,12 @@ class TrainConfig:
     allow_incomplete: bool = False       # train on a store that holds fewer samples than its plan names
     read_ahead: bool = True              # read step s + 1's samples while step s trains (train/read_ahead.py)
     restart_hint: str = "--no-resume starts over"  # what the resume warning tells the user (demo: its own way)
+
+
+def checkpoint_background(cfg: TrainConfig) -> bool:
+    """Whether cfg's checkpoints are written in a thread while training goes on: as set, else on CUDA (at Kimi-K2.5's
+    draft size a checkpoint is 12 GB, 22-24 s with its export on an H200; the GPU idle meanwhile)."""
+    return cfg.device.startswith("cuda") if cfg.checkpoint_background is None else cfg.checkpoint_background
 
 
 class BadData(StoreError):
@@ -219,9 +227,6 @@ class StoreSamples:
 
     def resumed(self, state: dict) -> None:
         """Training resumes from a checkpoint with ``state``."""
-
-    def checkpointed(self, state: dict) -> None:
-        """A checkpoint with ``state`` is durable."""
 
     def wants_checkpoint(self) -> bool:
         return False
@@ -608,7 +613,8 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     last_save = _clock()
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, desc="train", unit="step")
     watch = compile_watch.RecompileLimitHits()  # dynamo giving up on a function of a compiled run: said in the notes
-    with bar, watch, contextlib.closing(samples.checks), \
+    background = checkpoint.Background() if checkpoint_background(cfg) else None
+    with bar, watch, contextlib.closing(samples.checks), background or contextlib.nullcontext(), \
             torch.compiler.set_stance("default" if cfg.compile else "force_eager"):  # the bar ends its line
         while state["step"] < total:
             step = state["step"]
@@ -684,12 +690,16 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
             saving = time.perf_counter()
             timeline.append((saving - t0, int(sums[1])))
             if rank == 0 and (last or due):
-                path = checkpoint.save(out, state["step"], model, optimizer, state, fault=fault)
+                snap = checkpoint.snapshot(model, optimizer, state)  # host copies, before the next step changes them
                 last_save = _clock()
-                if last:
-                    checkpoint.publish(path, out, cfg.export_dtype, cfg.serve_tps)  # None: the defaults above
-                checkpoint.prune(out, cfg.keep_checkpoints)
-                samples.checkpointed(state)
+                if background is not None and not last:
+                    background.submit(functools.partial(_save, out, state["step"], snap, fault, cfg.keep_checkpoints))
+                else:
+                    if background is not None:
+                        background.wait()  # the one in flight first: checkpoints are written in order
+                    path = _save(out, state["step"], snap, fault, cfg.keep_checkpoints)
+                    if last:
+                        checkpoint.publish(path, out, cfg.export_dtype, cfg.serve_tps)  # None: the defaults above
             if dist is not None:
                 dist.barrier()
             done = time.perf_counter()
@@ -704,6 +714,13 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                        time.perf_counter() - t0, state["losses"], state.get("accept", {}), resumed_from,
                        dict(state["skipped"]), tokens_this_run, notes, {k: round(v, 3) for k, v in phases.items()},
                        timeline, t0)
+
+
+def _save(out: Path, step: int, snap, fault, keep: int) -> Path:
+    """A checkpoint written, then the older ones rotated out (in the background thread, or the training thread's)."""
+    path = checkpoint.write(out, step, snap, fault)
+    checkpoint.prune(out, keep)
+    return path
 
 
 def _check_store_is_whole(cfg: TrainConfig) -> list[str]:

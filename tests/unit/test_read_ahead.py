@@ -115,8 +115,8 @@ def test_the_sustained_rate_leaves_out_a_slow_start_and_the_final_checkpoint(sma
     rates: on a loaded machine the steps alone may take many seconds)."""
     from eagle3.train import checkpoint
 
-    save = checkpoint.save
-    monkeypatch.setattr(checkpoint, "save", lambda *a, **kw: time.sleep(1.0) or save(*a, **kw))
+    write = checkpoint.write
+    monkeypatch.setattr(checkpoint, "write", lambda *a, **kw: time.sleep(1.0) or write(*a, **kw))
     r = train(_cfg(small_store, tmp_path / "t"), progress=False, source=_SlowStart(Store.open(small_store)))
     ends, tokens = [t for t, _ in r.timeline], [n for _, n in r.timeline]
     assert len(r.timeline) == r.steps == 5 and sum(tokens) == r.tokens_this_run, r.timeline
