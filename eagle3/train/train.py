@@ -690,13 +690,13 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
             saving = time.perf_counter()
             timeline.append((saving - t0, int(sums[1])))
             if rank == 0 and (last or due):
+                if background is not None:
+                    background.wait()  # the checkpoint in flight written first: one snapshot held at a time
                 snap = checkpoint.snapshot(model, optimizer, state)  # host copies, before the next step changes them
                 last_save = _clock()
                 if background is not None and not last:
                     background.submit(functools.partial(_save, out, state["step"], snap, fault, cfg.keep_checkpoints))
                 else:
-                    if background is not None:
-                        background.wait()  # the one in flight first: checkpoints are written in order
                     path = _save(out, state["step"], snap, fault, cfg.keep_checkpoints)
                     if last:
                         checkpoint.publish(path, out, cfg.export_dtype, cfg.serve_tps)  # None: the defaults above

@@ -25,8 +25,16 @@ from .test_train import _cfg
 
 def _slow_writes(monkeypatch, seconds: float) -> list[tuple[float, float, int]]:
     """checkpoint.write delayed by ``seconds``; returns the list of each write's (start, end, step). Asserts that no
-    two writes run at once (a snapshot, 12 GB at Kimi-K2.5's draft size, is held until it is written)."""
+    snapshot is taken while a write runs (a snapshot, 12 GB at Kimi-K2.5's draft size, is held until it is written:
+    one at a time), so no two writes run at once either."""
     real, spans, active = checkpoint.write, [], []
+    take = checkpoint.snapshot
+
+    def snapshot(*a, **kw):
+        assert not active, f"a snapshot taken while step {active}'s checkpoint is written"
+        return take(*a, **kw)
+
+    monkeypatch.setattr(checkpoint, "snapshot", snapshot)
 
     def slow(out, step, snap, *a, **kw):
         assert not active, f"step {step}'s checkpoint written while step {active}'s still is"
