@@ -8,7 +8,8 @@
 
 A checkpoint is written into .tmp-step-N, fsynced, then renamed: a folder named step-N is complete, and every
 file in it is checked against files.json before it is resumed from (a truncated or changed file makes the
-checkpoint torn: the one before it is used). Neither
+checkpoint torn: the one before it is used). A save is a snapshot (host copies, taken between optimizer steps) and
+its write, which Background runs in a thread while training goes on (`--checkpoint-background`). Neither
 checkpoints nor the draft hold the token embedding: it is the target's, frozen; training reloads it from the
 target, and vLLM 0.26 shares the target's when the draft has none (llm_base_proposer._maybe_share_embeddings).
 For Kimi-K2.5 that is 163840 x 7168 (2.3 GB in bf16) not written per checkpoint.
@@ -219,13 +220,12 @@ class Background:
 
     def submit(self, fn: Callable[[], Any]) -> None:
         self.wait()
-        box = self
 
         def run() -> None:
             try:
                 fn()
             except BaseException as e:  # noqa: BLE001 - raised in the training thread by wait()
-                box.error = e
+                self.error = e
 
         self.thread = threading.Thread(target=run, name="eagle3-checkpoint")
         self.thread.start()
