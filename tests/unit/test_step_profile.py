@@ -21,9 +21,11 @@ def test_each_kernel_or_operator_lands_in_its_kind_of_work(name, want):
 
 def test_a_profiled_step_is_split_by_kind_and_its_top_operators_listed():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 1000))
+    # matmuls of ~2.4 GFLOP a step against ~1M elements of the rest: matmul the largest share however loaded the CPU
+    # (at 64 x 256 -> 512 -> 1000 its share was 0.19-0.25 on two busy cores, a CI run at 0.19)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1000))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    x, y = torch.randn(64, 256), torch.randint(0, 1000, (64,))
+    x, y = torch.randn(512, 512), torch.randint(0, 1000, (512,))
 
     def step():
         loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -34,7 +36,7 @@ def test_a_profiled_step_is_split_by_kind_and_its_top_operators_listed():
     step()
     rows = step_profile.profile(step, 2)
     got = step_profile.shares(rows)
-    assert abs(sum(got.values()) - 1) < 1e-3 and got["matmul"] > 0.2, got
+    assert abs(sum(got.values()) - 1) < 1e-3 and got["matmul"] == max(got.values()) and got["matmul"] > 0.2, got
     assert got.get("loss", 0) > 0 and got.get("optimizer", 0) > 0, got
     assert all(a >= b for (_, a), (_, b) in zip(rows, rows[1:]))  # largest first
     text = step_profile.table(rows, top=5)
