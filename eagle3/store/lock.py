@@ -75,19 +75,9 @@ def holder(root: str | Path) -> str:
 
 
 def being_written(root: str | Path) -> str | None:
-    """The holder ('pid N (...)') when a process holds the store's write lock now, else None. Takes no lock."""
-    path = Path(root) / LOCK
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None  # never locked (a store made before the lock existed, or read-only media)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return holder(root)
-    finally:
-        os.close(fd)  # closing the descriptor drops the shared lock it took
-    return None
+    """The holder ('pid N (...)') when a process holds the store's write lock now, else None. Holds no lock after."""
+    with no_writer(root) as alone:
+        return None if alone else holder(root)
 
 
 @contextmanager
@@ -97,7 +87,7 @@ def no_writer(root: str | Path) -> Iterator[bool]:
     try:
         fd = os.open(Path(root) / LOCK, os.O_RDONLY)
     except OSError:
-        yield True  # never locked
+        yield True  # never locked (a store made before the lock existed, or read-only media)
         return
     try:
         try:
@@ -107,7 +97,7 @@ def no_writer(root: str | Path) -> Iterator[bool]:
             return
         yield True
     finally:
-        os.close(fd)
+        os.close(fd)  # closing the descriptor drops the shared lock it took
 
 
 def _command_line() -> str:

@@ -154,23 +154,31 @@ def uninterrupted(setup, tiny_kimi, tmp_path_factory):
     return once_per_run(tmp_path_factory, "online-uninterrupted", build)  # one reference for every worker's kills
 
 
-@pytest.mark.parametrize("point,k", POINTS)
-def test_kill_9_anywhere_then_the_same_command_gives_the_uninterrupted_run(setup, uninterrupted, tiny_kimi, tmp_path,
-                                                                          point, k):
+def _killed_at(setup, tiny_kimi, root, fault: str):
+    """The kill tests' online run (KILL_SAMPLES, extraction batches of 2, checkpoints every 2 steps, into ROOT) killed
+    at ``fault`` (POINT:K) in a forked child. Returns (the same command again: a callable, its samples, its spool's
+    capacity)."""
     samples, backend, ex = setup
     samples = samples[:KILL_SAMPLES]
-    ref, ref_draft = uninterrupted
     cap = _capacity(tiny_kimi, 2)
 
     def go():
-        return online.run(_kill_cfg(tmp_path), ex, samples, cap, backend=backend, extract_batch=2, progress=False)
+        return online.run(_kill_cfg(root), ex, samples, cap, backend=backend, extract_batch=2, progress=False)
 
     def killed_run():
-        os.environ["EAGLE3_FAULT"] = f"{point}:{k}"
+        os.environ["EAGLE3_FAULT"] = fault
         go()
 
     killed, code = run_forked(killed_run)
-    assert killed, f"{point}:{k} was never reached (exit {code})"
+    assert killed, f"{fault} was never reached (exit {code})"
+    return go, samples, cap
+
+
+@pytest.mark.parametrize("point,k", POINTS)
+def test_kill_9_anywhere_then_the_same_command_gives_the_uninterrupted_run(setup, uninterrupted, tiny_kimi, tmp_path,
+                                                                          point, k):
+    ref, ref_draft = uninterrupted
+    go, samples, cap = _killed_at(setup, tiny_kimi, tmp_path, f"{point}:{k}")
     spool = Store.open(tmp_path / "spool")
     assert sum(s["bytes"] for s in spool.shards) <= cap
     # what the rerun must extract: from the newest checkpoint's position, after the shards that continue it
@@ -223,20 +231,8 @@ def test_a_power_loss_that_took_the_spool_s_unflushed_writes_then_the_same_comma
     it; the rerun drops what it cannot trust, extracts again from the checkpoint's position, and gives the
     uninterrupted run's losses and draft. (Shards that continue the checkpoint and fail their checksum:
     test_resume_keeps_only_the_shards_that_continue_the_checkpoint_and_match_their_checksum.)"""
-    samples, backend, ex = setup
-    samples = samples[:KILL_SAMPLES]
     ref, ref_draft = uninterrupted
-    cap = _capacity(tiny_kimi, 2)
-
-    def go():
-        return online.run(_kill_cfg(tmp_path), ex, samples, cap, backend=backend, extract_batch=2, progress=False)
-
-    def killed_run():
-        os.environ["EAGLE3_FAULT"] = "after_step:5"
-        go()
-
-    killed, code = run_forked(killed_run)
-    assert killed, code
+    go, samples, _ = _killed_at(setup, tiny_kimi, tmp_path, "after_step:5")
     assert Store.open(tmp_path / "spool").shards  # something for the power loss to damage
     assert _damage(tmp_path / "spool", how)
     res = go()
