@@ -3,7 +3,7 @@
 #   tests/gpu/campaign.sh                 contract, GPU suite, benchmarks + e2e (everything)
 #   tests/gpu/campaign.sh STEP...         chosen steps, in order: contract suite (or one of its steps: suite1..suite4)
 #                                         direct directbench copies new draft depth online
-#                                         e2e e2eds wrapper benchtrain onlinekd inproc fp8 aux
+#                                         e2e e2eds wrapper benchtrain onlinekd inproc ckpt fp8 aux
 #                                         probe bench benchkd report
 #   tests/gpu/campaign.sh online:660 bench  STEP:SECONDS stops that step (SIGINT, then SIGKILL 30 s later) after SECONDS
 #   BENCH_SHAPES=64x512 BENCH_MODES="plain host" (mini-Kimi), BENCHKD_SHAPES / _MODES / _BATCHES (kimi-depth; by
@@ -18,7 +18,7 @@
 set -u
 OUT=/tmp/campaign
 SRC=/tmp/eagle3-src          # a private copy: the working tree may be re-synced while this runs
-rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" "$OUT/suite2" "$OUT/suite3" "$OUT/suite4" "$OUT/e2eds" "$OUT/wrapper" "$OUT/benchtrain" "$OUT/onlinekd" "$OUT/inproc" && cp -r . "$SRC" && cd "$SRC"
+rm -rf "$SRC" && mkdir -p "$OUT/bench" "$OUT/benchkd" "$OUT/suite" "$OUT/suite2" "$OUT/suite3" "$OUT/suite4" "$OUT/e2eds" "$OUT/wrapper" "$OUT/benchtrain" "$OUT/onlinekd" "$OUT/inproc" "$OUT/ckpt" && cp -r . "$SRC" && cd "$SRC"
 rm -f "$OUT/DONE"; echo $$ > "$OUT/pid"  # for wait.sh: a campaign that died without DONE ends its wait
 export PYTHONPATH="$SRC:/tmp/site:/tmp/gpu:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 # Every engine warms up FlashInfer's top-p/top-k sampler, JIT-compiled on a fresh host (flashinfer_python, no
@@ -102,6 +102,8 @@ for arg in ${@:-contract suite bench report}; do s=${arg%%:*}; LIMIT=0; [ "$s" !
             # trainer at Kimi-K2.5's draft size: the reader, tok/s, MFU, peak memory at 2k/8k/32k, the MLA draft; the
             # mask-free varlen attention's rows; compiled rows (flex over a training run's packs, varlen 8k, flex 8k,
             # flex 32k, sdpa 8k); last, the longest sequences
+  ckpt)     step ckpt $PT -m gpu tests/gpu/test_checkpoint_gpu.py --gpu-out "$OUT/ckpt" ;;  # background checkpoints
+            # on CUDA against the training tensors copied beside each snapshot (seconds; also in suite2)
   fp8)      step fp8 $PT -m e2e tests/gpu -k fp8 --gpu-out "$OUT/fp8" ;;
   probe)    step probe python3 tests/gpu/probe_d2h_interference.py ;;  # ~60 s; the capture's copies, whole vs chunked
   bench)    EAGLE3_ENGINE_LOG="$OUT/bench.log" EAGLE3_BENCH_SHAPES=${BENCH_SHAPES:-} EAGLE3_BENCH_MODES=${BENCH_MODES:-} \

@@ -22,6 +22,6 @@ for f in "$C"/*/jit_in_clock.txt; do [ -f "$f" ] && { echo "== $f"; cat "$f"; };
 latest=$(ls -t "$C"/*.log 2>/dev/null | head -1); echo "== tail of $latest"; tail -n 25 "$latest" 2>/dev/null | cut -c1-300
 if [ -n "${OUT:-}" ]; then
   tar czf "$OUT/campaign.tgz" -C "$(dirname "$C")" --exclude='*.safetensors' "$(basename "$C")" 2>/dev/null
-  for d in suite suite2 suite3 suite4 direct copies draft aux depth online e2e e2eds wrapper benchtrain onlinekd inproc fp8 bench benchkd; do [ -f "$C/$d/report.json" ] && cp "$C/$d/report.json" "$OUT/$d-report.json"; done
+  for d in suite suite2 suite3 suite4 direct copies draft aux depth online e2e e2eds wrapper benchtrain onlinekd inproc ckpt fp8 bench benchkd; do [ -f "$C/$d/report.json" ] && cp "$C/$d/report.json" "$OUT/$d-report.json"; done
   [ -f "$C/online/online-stacks.txt" ] && cp "$C/online/online-stacks.txt" "$OUT/" || true
 fi
