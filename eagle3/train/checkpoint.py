@@ -65,10 +65,16 @@ def nonfinite_parameters(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
 
 
 def _fsync_tree(path: Path) -> None:
+    """Every file under ``path``, then the folder itself."""
     for p in sorted(path.rglob("*")):
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    """The folder's entries (a rename into it), not its files."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -135,7 +141,7 @@ def write(out: Path, step: int, snap: Snapshot, fault: Callable[[str], None] | N
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_tree(root)
+    _fsync_dir(root)
     return final
 
 

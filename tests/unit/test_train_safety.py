@@ -7,6 +7,7 @@ import math
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,6 +190,30 @@ def test_a_checkpoint_is_hashed_once_when_saved_not_again_at_each_rotation(small
     checkpoint.prune(out, 1)
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-0000005", "step-0000006"]
     assert checkpoint.latest(out).name == "step-0000005"
+
+
+def test_a_checkpoint_s_files_are_fsynced_once_when_saved_not_again_at_each_save(small_store, tmp_path, monkeypatch):
+    """After each rename every file of every kept checkpoint was fsynced again (the rename needs only the folder's):
+    clean files, so cheap, but an open and fsync per file per save. Each file now once, while still .tmp-step-N,
+    and the checkpoints folder after each rename (what makes the rename itself durable)."""
+    real, synced = os.fsync, []
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "t"
+    train(_cfg(small_store, out, max_steps=4, checkpoint_every=1, keep_checkpoints=3), progress=False)
+    root = out / "checkpoints"
+    files = [p for p in synced if p.startswith(str(root) + "/") and Path(p).parent != root]
+    per_save = [p for p in files if "/.tmp-step-" in p]
+    assert len(set(per_save)) == len(per_save)  # each once
+    for step in (2, 3, 4):  # the kept ones: every file of each was fsynced before its rename
+        names = {p.name for p in (root / f"step-{step:07d}").iterdir()}
+        assert names == {Path(p).name for p in per_save if f"/.tmp-step-{step:07d}/" in p}, step
+    assert files == per_save, sorted(set(files) - set(per_save))  # nothing fsynced again under its final name
+    assert synced.count(str(root)) >= 4  # the folder, after each rename
 
 
 def test_a_rerun_of_a_finished_run_says_so(trained_run, small_store):
