@@ -573,9 +573,19 @@ def test_the_sustained_online_rate_is_the_pipeline_s_not_the_head_start_s(setup,
 
     samples, backend, ex = setup  # 32 samples cut to 32 tokens: 2 epochs of 8 steps, 16 extraction batches
     samples = [Sample(s.sample_id, s.input_ids[:32], s.loss_mask[:32]) for s in samples[:32]]
+    captures = []  # (start, end) of each extraction batch's capture
     if slow.startswith("extraction"):
         capture = backend.capture
-        monkeypatch.setattr(backend, "capture", lambda batch: time.sleep(0.15) or capture(batch))
+
+        def slow_capture(batch):
+            t0 = time.perf_counter()
+            time.sleep(0.15)
+            try:
+                return capture(batch)
+            finally:
+                captures.append((t0, time.perf_counter()))
+
+        monkeypatch.setattr(backend, "capture", slow_capture)
     if slow == "extraction, first step":
         step, calls = torch.optim.AdamW.step, []
 
@@ -601,11 +611,16 @@ def test_the_sustained_online_rate_is_the_pipeline_s_not_the_head_start_s(setup,
     assert len(before) >= ahead // 4 - 1, len(before)
     if slow.startswith("extraction"):
         want = sum(n for _, n in before[1:]) / (before[-1][0] - before[0][0])
+        # the extraction runs slower beside the trainer (one process, and the suite's other worker on the same two
+        # cores): 0.7-0.85 of its rate alone, seen, and 0.44 in a fresh-clone CI run. Its rate alone is scaled by
+        # how much longer a capture took once the trainer had begun, measured in this run
+        took = [(b - a, a >= res.train.started_at) for a, b in captures]
+        alone, beside = ([d for d, late in took if late == side] for side in (False, True))
+        want *= (sum(alone) / len(alone)) / (sum(beside) / len(beside))
     else:
         want = res.train.sustained_tokens_per_s()
     got = res.sustained_tokens_per_s()
-    # the extraction runs slower beside the trainer (one process, two cores): 0.7-0.85 of its rate alone, seen; the
-    # other side's figure came out at 2.2-2.8x (the trainer's, extraction slow) and 2.4x (the extraction's, training
-    # slow)
+    # the other side's figure came out at 2.2-2.8x (the trainer's, extraction slow) and 2.4x (the extraction's,
+    # training slow); the extraction's counting its stall behind a first step, a third
     assert 0.5 * want <= got <= 1.35 * want, (got, want, res.train.sustained_tokens_per_s())
     assert any(f"sustained {got:,.0f} tok/s" in line for line in res.lines()), res.lines()
