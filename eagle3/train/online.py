@@ -493,6 +493,22 @@ class OnlineResult:
                              for fro, to in self.producer_waits + self.compile_waits)
         return min(trainer, sum(n for _, n in after[1:]) / busy) if busy > 0 else trainer
 
+    def committed_tokens_per_s(self) -> float:
+        """A control on sustained_tokens_per_s: the extraction's commits over the trainer's later half of steps
+        (TrainResult.sustained_tokens_per_s's window), from the first commit in it to the last, its waits for room
+        counted. The trainer's figure over that window may count states the spool held at its start (a short run
+        against its spool); the commits cannot. 0.0 where fewer than two commits fall in the window (the extraction
+        ended before it: the spool held the rest of the plan)."""
+        line = self.train.timeline
+        k = max(1, len(line) // 2)
+        if len(line) <= k:
+            return 0.0
+        t0 = self.train.started_at  # the timeline's clock starts there; the commits' is perf_counter's
+        inside = [(t, n) for t, n in self.commits if t0 + line[k - 1][0] < t <= t0 + line[-1][0]]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return 0.0
+        return sum(n for _, n in inside[1:]) / (inside[-1][0] - inside[0][0])
+
     def lines(self) -> list[str]:
         ex = self.extracted_tokens / self.extract_seconds if self.extract_seconds else 0.0
         limit = "training" if self.producer_wait_s > self.trainer_wait_s else "extraction"
@@ -501,7 +517,7 @@ class OnlineResult:
             f"shards; spool {self.spool} "
             f"peak {self.peak_bytes / 2**20:,.1f} MiB (files {self.peak_files_bytes / 2**20:,.1f} MiB) of "
             f"{self.capacity / 2**20:,.1f} MiB; sustained {self.sustained_tokens_per_s():,.0f} tok/s once training "
-            "began",
+            f"began (committed over the trainer's later half: {self.committed_tokens_per_s():,.0f} tok/s)",
             f"limits     {limit}: extraction waited {self.producer_wait_s:.1f} s for room, training waited "
             f"{self.trainer_wait_s:.1f} s for states",
         ] + ([f"compile    the engine in this process waited {self.compile_wait_s:.1f} s "

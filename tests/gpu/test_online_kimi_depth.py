@@ -274,6 +274,12 @@ def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_trai
             "taking_turns": taking_turns,
             "sustained": {"tok_per_s": steady, "online_vs_min_alone": round(steady_ratio, 3),
                           "goal_0.8_met": steady_ratio >= ONLINE_GOAL,
+                          # the control (OnlineResult.committed_tokens_per_s): the extraction's commits over the
+                          # trainer's later half, which no state the spool held before it can inflate; 0 where the
+                          # extraction had ended before that half began
+                          "committed_in_later_half": {"tok_per_s": round(on.committed_tokens_per_s()),
+                                                      "vs_min_alone": round(on.committed_tokens_per_s() / min(e, t),
+                                                                            3)},
                           "taking_turns": {"tok_per_s": round(turns_steady),
                                            "vs_min_alone": round(turns_steady / min(e, t), 3),
                                            "online_vs_it": round(steady["online"] / turns_steady, 3)}},

@@ -261,6 +261,10 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
         turns = e * t / (e + t)
         assert steady["taking_turns"] == {"tok_per_s": round(turns), "vs_min_alone": round(turns / min(e, t), 3),
                                           "online_vs_it": round(steady["tok_per_s"]["online"] / turns, 3)}, steady
+        # the control: the extraction's commits over the online trainer's later half, against the same min(alone)
+        control = steady["committed_in_later_half"]
+        assert control["tok_per_s"] >= 0 and control["vs_min_alone"] == round(control["tok_per_s"] / min(e, t), 3)
+        assert any(f"later half: {control['tok_per_s']:,} tok/s" in line for line in got["lines"]), got["lines"]
         assert set(seconds) == {"engine", "engine_start", "extract_alone", "train_alone", "online"} | (
             {"train_alone_reading_between_steps"} if first else set()), seconds
         # each run trained with its own attention, and its folder (at Kimi's size ~14 GB) gone once its figures were

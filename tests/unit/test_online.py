@@ -623,4 +623,12 @@ def test_the_sustained_online_rate_is_the_pipeline_s_not_the_head_start_s(setup,
     # the other side's figure came out at 2.2-2.8x (the trainer's, extraction slow) and 2.4x (the extraction's,
     # training slow); the extraction's counting its stall behind a first step, a third
     assert 0.5 * want <= got <= 1.35 * want, (got, want, res.train.sustained_tokens_per_s())
+    # the control: what the extraction committed over the trainer's later half, near the same figure where the
+    # extraction limits; where training does, the extraction had ended before it (the spool held 3/4 of the plan)
+    control = res.committed_tokens_per_s()
+    if slow.startswith("extraction"):
+        assert 0.5 * want <= control <= 1.35 * want, (control, want, got)
+    else:
+        assert control == 0.0 and res.commits[-1][0] < res.train.started_at + res.train.timeline[3][0], control
+    assert any(f"later half: {control:,.0f} tok/s" in line for line in res.lines()), res.lines()
     assert any(f"sustained {got:,.0f} tok/s" in line for line in res.lines()), res.lines()
