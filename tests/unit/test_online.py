@@ -553,6 +553,29 @@ def test_a_fresh_run_extracts_while_the_draft_is_built(setup, tiny_kimi, tmp_pat
     assert seen == [True] and res.train.steps == 2
 
 
+def test_the_control_counts_the_commits_over_the_trainer_s_later_half_not_the_spool_s_head_start():
+    """OnlineResult.committed_tokens_per_s on a run written out by hand: 8 steps of 100 tokens from t = 10 s; the
+    first four a second each, the later four a quarter second each (states the spool held: the trainer's figure 400
+    tok/s); the extraction commits 100 tokens at 14.2, 14.7 and 15.2 s in that half (200 tok/s), after six at its
+    head start."""
+    from eagle3.train.train import TrainResult
+
+    def result(commits):
+        line = [(float(e), 100) for e in (1, 2, 3, 4, 4.25, 4.5, 4.75, 5.0)]
+        train = TrainResult(out="", draft="", steps=8, samples_seen=8, tokens_seen=800, seconds=5.0, losses=[],
+                            accept={}, tokens_this_run=800, timeline=line, started_at=10.0)
+        return online.OnlineResult(train=train, spool="", capacity=0, peak_bytes=0, peak_files_bytes=0,
+                                   extracted_tokens=sum(n for _, n in commits), shards=len(commits),
+                                   extract_seconds=1.0, producer_wait_s=0.0, trainer_wait_s=0.0, commits=commits)
+
+    head = [(8.0 + 0.3 * i, 100) for i in range(6)]
+    assert result(head).train.sustained_tokens_per_s() == 400.0
+    assert result(head + [(14.2, 100), (14.7, 100), (15.2, 100)]).committed_tokens_per_s() == pytest.approx(200.0)
+    assert result(head + [(13.5, 100), (14.2, 100)]).committed_tokens_per_s() == 0.0  # one commit in the half
+    assert result(head).committed_tokens_per_s() == 0.0  # the extraction ended before it
+    assert result(head + [(14.2, 100), (14.7, 100), (15.5, 100)]).committed_tokens_per_s() == pytest.approx(200.0)
+
+
 @pytest.mark.parametrize("slow", ["extraction", "training", "extraction, first step"])
 def test_the_sustained_online_rate_is_the_pipeline_s_not_the_head_start_s(setup, tiny_kimi, tmp_path, monkeypatch,
                                                                           slow):
@@ -624,11 +647,15 @@ def test_the_sustained_online_rate_is_the_pipeline_s_not_the_head_start_s(setup,
     # training slow); the extraction's counting its stall behind a first step, a third
     assert 0.5 * want <= got <= 1.35 * want, (got, want, res.train.sustained_tokens_per_s())
     # the control: what the extraction committed over the trainer's later half, near the same figure where the
-    # extraction limits; where training does, the extraction had ended before it (the spool held 3/4 of the plan)
+    # extraction limits and commits fall in that half (on a loaded CI machine the trainer may be slowed until the
+    # extraction has ended before it: the control is 0 then); where training limits, the extraction had ended
+    # before it (the spool held 3/4 of the plan)
     control = res.committed_tokens_per_s()
-    if slow.startswith("extraction"):
+    half = res.train.started_at + res.train.timeline[3][0], res.train.started_at + res.train.timeline[-1][0]
+    inside = sum(half[0] < t <= half[1] for t, _ in res.commits)
+    if slow.startswith("extraction") and inside >= 2:
         assert 0.5 * want <= control <= 1.35 * want, (control, want, got)
     else:
-        assert control == 0.0 and res.commits[-1][0] < res.train.started_at + res.train.timeline[3][0], control
+        assert control == 0.0 and inside < 2, (control, inside)
     assert any(f"later half: {control:,.0f} tok/s" in line for line in res.lines()), res.lines()
     assert any(f"sustained {got:,.0f} tok/s" in line for line in res.lines()), res.lines()
