@@ -264,6 +264,7 @@ def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_trai
               "online": round(on.sustained_tokens_per_s())}
     e, t = steady["extract_alone"], steady["train_alone"]
     steady_ratio = steady["online"] / min(e, t)
+    committed = round(on.committed_tokens_per_s())  # the control, as the other rates: whole tokens a second
     # the taking-turns ceiling from the sustained rates: a first compiled run's steps hold the host's cold compile
     turns_steady = e * t / (e + t)
     runs = {"train_alone": off, "online": on.train} | ({"train_alone_reading_between_steps": between}
@@ -277,9 +278,8 @@ def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_trai
                           # the control (OnlineResult.committed_tokens_per_s): the extraction's commits over the
                           # trainer's later half, which no state the spool held before it can inflate; 0 where the
                           # extraction had ended before that half began
-                          "committed_in_later_half": {"tok_per_s": round(on.committed_tokens_per_s()),
-                                                      "vs_min_alone": round(on.committed_tokens_per_s() / min(e, t),
-                                                                            3)},
+                          "committed_in_later_half": {"tok_per_s": committed,
+                                                      "vs_min_alone": round(committed / min(e, t), 3)},
                           "taking_turns": {"tok_per_s": round(turns_steady),
                                            "vs_min_alone": round(turns_steady / min(e, t), 3),
                                            "online_vs_it": round(steady["online"] / turns_steady, 3)}},
