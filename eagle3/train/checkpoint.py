@@ -30,6 +30,8 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.store.files import fsync_dir
+
 log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
@@ -70,16 +72,7 @@ def _fsync_tree(path: Path) -> None:
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    """The folder's entries (a rename into it), not its files."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path)
 
 
 def optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -141,7 +134,7 @@ def write(out: Path, step: int, snap: Snapshot, fault: Callable[[str], None] | N
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)  # the rename; the files were fsynced under .tmp-step-N
     return final
 
 
