@@ -499,12 +499,11 @@ class OnlineResult:
         counted. The trainer's figure over that window may count states the spool held at its start (a short run
         against its spool); the commits cannot. 0.0 where fewer than two commits fall in the window (the extraction
         ended before it: the spool held the rest of the plan)."""
-        line = self.train.timeline
-        k = max(1, len(line) // 2)
-        if len(line) <= k:
+        later = self.train.later_steps()
+        if later is None:
             return 0.0
         t0 = self.train.started_at  # the timeline's clock starts there; the commits' is perf_counter's
-        inside = [(t, n) for t, n in self.commits if t0 + line[k - 1][0] < t <= t0 + line[-1][0]]
+        inside = [(t, n) for t, n in self.commits if t0 + later[1] < t <= t0 + later[2]]
         if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
             return 0.0
         return sum(n for _, n in inside[1:]) / (inside[-1][0] - inside[0][0])

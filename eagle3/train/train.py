@@ -135,16 +135,23 @@ class TrainResult:
         """Tokens trained in this process's run per second (0 when a rerun found the work done)."""
         return self.tokens_this_run / self.seconds if self.seconds > 0 else 0.0
 
+    def later_steps(self, after: float = 0.5) -> tuple[int, float, float] | None:
+        """The steps past the first ``after`` of this run's: (k, from, to), the steps timeline[k:] (k = floor(n x after)
+        >= 1), from the end of step k to the end of the last in the timeline's seconds (add started_at for
+        time.perf_counter()'s clock); None where the run has no step past k."""
+        k = max(1, int(len(self.timeline) * after))
+        if len(self.timeline) <= k:
+            return None
+        return k, self.timeline[k - 1][0], self.timeline[-1][0]
+
     def sustained_tokens_per_s(self, after: float = 0.5) -> float:
-        """Tokens a second over the steps past the first ``after`` of this run's (from the end of step k to the end of
-        the last, k = floor(n x after) >= 1): no first-step warm-up, no setup, no final checkpoint. The whole run's
-        rate where it has one step."""
-        n = len(self.timeline)
-        k = max(1, int(n * after))
-        if n <= k:
+        """Tokens a second over the steps past the first ``after`` of this run's (later_steps): no first-step warm-up,
+        no setup, no final checkpoint. The whole run's rate where it has one step."""
+        later = self.later_steps(after)
+        if later is None:
             return self.tokens_per_s
-        seconds = self.timeline[-1][0] - self.timeline[k - 1][0]
-        return sum(t for _, t in self.timeline[k:]) / seconds if seconds > 0 else 0.0
+        k, a, b = later
+        return sum(t for _, t in self.timeline[k:]) / (b - a) if b > a else 0.0
 
     def lines(self) -> list[str]:
         a, b = (self.losses[0], self.losses[-1]) if self.losses else (float("nan"),) * 2
