@@ -70,10 +70,20 @@ class ExtractSummary:
     selfcheck: str = ""
     recomputed_rows: int = 0   # vLLM: prompt rows computed again after a preemption (captured once each)
     generation: str = ""       # --regenerate: tokens generated, how the turns ended, rows computed twice
+    # each batch as its submit returned and its commit was queued: (perf_counter, tokens), as online.py's commits
+    batches: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_written / self.seconds if self.seconds > 0 else 0.0
+
+    def sustained_tokens_per_s(self) -> float:
+        """The batches after the first over the time from the first's end to the last's: no first prefill's warm-up,
+        no final flush, the window online.OnlineResult.sustained_tokens_per_s takes of the extraction beside a
+        trainer. tokens_per_s where fewer than two batches ran."""
+        if len(self.batches) < 2 or self.batches[-1][0] <= self.batches[0][0]:
+            return self.tokens_per_s
+        return sum(n for _, n in self.batches[1:]) / (self.batches[-1][0] - self.batches[0][0])
 
     def lines(self) -> list[str]:
         return [
@@ -207,12 +217,14 @@ def _run_locked(cfg: ExtractConfig, samples, backend, progress: bool, store: Sto
     bar = _progress(progress, total=sum(len(s) for s in todo), unit="tok", desc=f"extract ({cfg.backend})")
     committer = BackgroundCommitter(store, fsync=cfg.fsync, fault=fault)  # overlaps the next batch
     session = None
+    timeline: list[tuple[float, int]] = []
     try:
         session = open_session(backend, store, cfg, fault)
         batches = [todo[start : start + cfg.batch_size] for start in range(0, len(todo), cfg.batch_size)]
         for i, batch in enumerate(batches):
             infos = session.submit(batch, ahead=batches[i + 1 : i + ANNOUNCE_BATCHES])
             committer.commit(infos)
+            timeline.append((time.perf_counter(), sum(len(s) for s in batch)))
             written_tokens += sum(i.num_tokens for i in infos)
             written_bytes += sum(i.bytes for i in infos)
             bar.update(sum(len(s) for s in batch))
@@ -233,7 +245,7 @@ def _run_locked(cfg: ExtractConfig, samples, backend, progress: bool, store: Sto
     if missing:
         raise StoreError(f"{len(missing)} samples were not written (e.g. {sorted(missing)[:3]})")
     return ExtractSummary(str(cfg.out), len(samples), done_before, len(todo), written_tokens,
-                          time.perf_counter() - t0, written_bytes, report, check_line, recomputed)
+                          time.perf_counter() - t0, written_bytes, report, check_line, recomputed, batches=timeline)
 
 
 def _run_one_pass(cfg: ExtractConfig, prompts, todo, done_before: int, backend, own_backend: bool, progress: bool,

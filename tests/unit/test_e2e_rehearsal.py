@@ -227,6 +227,9 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
         assert by == {"slower": round(steady["online"] / min(min(rates), steady["train_alone"]), 3),
                       "faster": round(steady["online"] / min(max(rates), steady["train_alone"]), 3)}, (name, twice)
     assert list(twice["sustained_online_vs_min_alone"]) == ["sdpa", "varlen"], twice
+    # each extraction's rate without its first batch (ExtractSummary.sustained_tokens_per_s), the first the one the
+    # summaries' against_the_extraction_s_sustained_rate holds
+    assert len(twice["sustained_tok_per_s"]) == 2 and all(r > 0 for r in twice["sustained_tok_per_s"]), twice
     assert (tmp_path / "store" / "shards").is_dir(), "the second extraction alone wrote a whole store"
     for name, got in summaries.items():
         first = name == "sdpa"
@@ -265,6 +268,11 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
         control = steady["committed_in_later_half"]
         assert control["tok_per_s"] >= 0 and control["vs_min_alone"] == round(control["tok_per_s"] / min(e, t), 3)
         assert any(f"later half: {control['tok_per_s']:,} tok/s" in line for line in got["lines"]), got["lines"]
+        # the same two against the extraction alone without its first batch, the rate the online figure is set by
+        es = twice["sustained_tok_per_s"][0]
+        assert steady["against_the_extraction_s_sustained_rate"] == {
+            "extract_alone": es, "online_vs_min_alone": round(steady["tok_per_s"]["online"] / min(es, t), 3),
+            "committed_vs_min_alone": round(control["tok_per_s"] / min(es, t), 3)}, steady
         assert set(seconds) == {"engine", "engine_start", "extract_alone", "train_alone", "online"} | (
             {"train_alone_reading_between_steps"} if first else set()), seconds
         # each run trained with its own attention, and its folder (at Kimi's size ~14 GB) gone once its figures were
