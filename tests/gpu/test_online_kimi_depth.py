@@ -22,7 +22,9 @@ working (tests/gpu/pick_trainer.py) where EAGLE3_ONLINE_ATTN is unset.
 Run on an H200 at c5ebd37 (results/2026-12-05-c5ebd37-h200-vllm0.26.0: PASSED, online 0.666 of min(alone), training
 alone at 3,352 tok/s against its steps' 18,685 in the trainer benchmark; no phases nor read-ahead then); at 6c7a0aa,
 compiled flex, sustained 0.709; at 09b8a53 with the engine in the test's process (EAGLE3_ONLINE_ENGINE=in-process),
-sustained 0.736 (compiled flex) and 0.788 (eager varlen). Its code runs on CPU against the fake vLLM in
+sustained 0.736 (compiled flex) and 0.788 (eager varlen); at f57edc4 (overlapped, unfsynced spool writes, background
+checkpoints, the compile-lock gate) 0.993 and 1.063, the control 0.903 and 0.860 (results/2026-12-06-f57edc4-h200-
+vllm0.26.0). Its code runs on CPU against the fake vLLM in
 tests/unit/test_e2e_rehearsal.py.
 """
 
