@@ -287,7 +287,7 @@ def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_trai
                           "committed_in_later_half": {"tok_per_s": committed,
                                                       "vs_min_alone": round(committed / min(e, t), 3)},
                           # against the extraction alone over the window the online figure takes of it (no first
-                          # batch's warm-up: ExtractSummary.sustained_tokens_per_s), the goal judged on the lower
+                          # batch's warm-up: ExtractSummary.sustained_tokens_per_s); read the goal off the lower
                           "against_the_extraction_s_sustained_rate": {
                               "extract_alone": extract_sustained,
                               "online_vs_min_alone": round(steady["online"] / min(extract_sustained, t), 3),
