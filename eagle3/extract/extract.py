@@ -22,6 +22,7 @@ from eagle3.store.folder import Store, read_manifest, refuse_foreign
 from eagle3.store.format import MANIFEST, StoreError, StoreSpec
 from eagle3.targets.layers import default_layer_ids, validate_layer_ids
 from eagle3.targets.presets import config_hash, read_model_config
+from eagle3.timeline import rate_past_first
 
 if TYPE_CHECKING:
     from eagle3.extract.one_pass import Generation
@@ -81,9 +82,8 @@ class ExtractSummary:
         """The batches after the first over the time from the first's end to the last's: no first prefill's warm-up,
         no final flush, the window online.OnlineResult.sustained_tokens_per_s takes of the extraction beside a
         trainer. tokens_per_s where fewer than two batches ran."""
-        if len(self.batches) < 2 or self.batches[-1][0] <= self.batches[0][0]:
-            return self.tokens_per_s
-        return sum(n for _, n in self.batches[1:]) / (self.batches[-1][0] - self.batches[0][0])
+        rate = rate_past_first(self.batches)
+        return self.tokens_per_s if rate is None else rate
 
     def lines(self) -> list[str]:
         return [
@@ -227,7 +227,7 @@ def _run_locked(cfg: ExtractConfig, samples, backend, progress: bool, store: Sto
             timeline.append((time.perf_counter(), sum(len(s) for s in batch)))
             written_tokens += sum(i.num_tokens for i in infos)
             written_bytes += sum(i.bytes for i in infos)
-            bar.update(sum(len(s) for s in batch))
+            bar.update(timeline[-1][1])
         infos = session.finish()
         committer.commit(infos)
         committer.close()

@@ -44,6 +44,7 @@ from eagle3.data.conversations import Sample
 from eagle3.store.files import checksum_matches
 from eagle3.store.folder import Store
 from eagle3.store.format import SHARDS, StoreError, StoreSpec
+from eagle3.timeline import rate_past_first
 from eagle3.train import checkpoint
 from eagle3.train.compile_gate import CompileGate
 from eagle3.train.train import StoreSamples, TrainConfig, TrainResult, train
@@ -486,12 +487,10 @@ class OnlineResult:
         limits. The trainer's alone where fewer than two commits came after its start."""
         trainer = self.train.sustained_tokens_per_s()
         after = [(t, n) for t, n in self.commits if t >= self.train.started_at]
-        if len(after) < 2 or after[-1][0] <= after[0][0]:
-            return trainer
-        a, b = after[0][0], after[-1][0]
-        busy = (b - a) - sum(max(0.0, min(b, to) - max(a, fro))
-                             for fro, to in self.producer_waits + self.compile_waits)
-        return min(trainer, sum(n for _, n in after[1:]) / busy) if busy > 0 else trainer
+        a, b = (after[0][0], after[-1][0]) if after else (0.0, 0.0)
+        waits = sum(max(0.0, min(b, to) - max(a, fro)) for fro, to in self.producer_waits + self.compile_waits)
+        rate = rate_past_first(after, less=waits)
+        return trainer if rate is None else min(trainer, rate)
 
     def committed_tokens_per_s(self) -> float:
         """A control on sustained_tokens_per_s: the extraction's commits over the trainer's later half of steps
@@ -503,10 +502,8 @@ class OnlineResult:
         if later is None:
             return 0.0
         t0 = self.train.started_at  # the timeline's clock starts there; the commits' is perf_counter's
-        inside = [(t, n) for t, n in self.commits if t0 + later[1] < t <= t0 + later[2]]
-        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
-            return 0.0
-        return sum(n for _, n in inside[1:]) / (inside[-1][0] - inside[0][0])
+        rate = rate_past_first([(t, n) for t, n in self.commits if t0 + later[1] < t <= t0 + later[2]])
+        return 0.0 if rate is None else rate
 
     def lines(self) -> list[str]:
         ex = self.extracted_tokens / self.extract_seconds if self.extract_seconds else 0.0

@@ -239,9 +239,9 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
             again_run = extract.run(ex, samples=samples, backend=backend, progress=False)
             reported["extract_alone_again"] = round(time.perf_counter() - t0, 1)
             report_seconds()
-            twice = extraction_twice(shared["extract_alone"], reported["extract_alone_again"], tokens, summaries)
-            twice["sustained_tok_per_s"] = [extract_sustained, round(again_run.sustained_tokens_per_s())]
-            report("online_kd_extraction_twice", twice)
+            report("online_kd_extraction_twice", extraction_twice(
+                shared["extract_alone"], reported["extract_alone_again"], tokens, summaries,
+                [extract_sustained, round(again_run.sustained_tokens_per_s())]))
     finally:
         backend.close()
     return summaries
@@ -310,13 +310,14 @@ def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_trai
             "losses_finite": all(math.isfinite(x) for x in off.losses + on.train.losses)}
 
 
-def extraction_twice(first_s: float, again_s: float, tokens: int, summaries: dict) -> dict:
+def extraction_twice(first_s: float, again_s: float, tokens: int, summaries: dict, sustained: list) -> dict:
     """The extraction alone, timed before the trainers and again after them: both rates, their spread (the difference
-    over the faster), and each trainer's sustained online rate against min(the slower or the faster extraction, its
-    training alone): the goal's ratio as the spread moves it."""
+    over the faster), each one's rate without its first batch (sustained: ExtractSummary.sustained_tokens_per_s), and
+    each trainer's sustained online rate against min(the slower or the faster extraction, its training alone): the
+    goal's ratio as the spread moves it."""
     rates = [round(tokens / max(s, 0.05)) for s in (first_s, again_s)]
     out = {"seconds": [first_s, again_s], "tok_per_s": rates, "spread": round(abs(rates[0] - rates[1]) / max(rates), 3),
-           "sustained_online_vs_min_alone": {}}
+           "sustained_tok_per_s": sustained, "sustained_online_vs_min_alone": {}}
     for name, got in summaries.items():
         steady = got["sustained"]["tok_per_s"]
         out["sustained_online_vs_min_alone"][name] = {
