@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from eagle3 import faults
 from eagle3.data.conversations import DataConfig, Sample, load_samples
 from eagle3.extract.local_session import LocalSession
+from eagle3.extract.timeline import rate_past_first
 from eagle3.store.committer import BackgroundCommitter
 from eagle3.store import lock as store_lock
 from eagle3.store import status as store_status
@@ -22,7 +23,6 @@ from eagle3.store.folder import Store, read_manifest, refuse_foreign
 from eagle3.store.format import MANIFEST, StoreError, StoreSpec
 from eagle3.targets.layers import default_layer_ids, validate_layer_ids
 from eagle3.targets.presets import config_hash, read_model_config
-from eagle3.timeline import rate_past_first
 
 if TYPE_CHECKING:
     from eagle3.extract.one_pass import Generation

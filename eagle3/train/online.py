@@ -41,10 +41,10 @@ from typing import Sequence
 import torch
 
 from eagle3.data.conversations import Sample
+from eagle3.extract.timeline import rate_past_first
 from eagle3.store.files import checksum_matches
 from eagle3.store.folder import Store
 from eagle3.store.format import SHARDS, StoreError, StoreSpec
-from eagle3.timeline import rate_past_first
 from eagle3.train import checkpoint
 from eagle3.train.compile_gate import CompileGate
 from eagle3.train.train import StoreSamples, TrainConfig, TrainResult, train
