@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3 import ownership
+
 BASELINES = Path(__file__).parent / "bundled" / "baselines"
 
 
@@ -232,8 +234,7 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
 
     matplotlib.use("Agg")  # no display: before pyplot is imported (by trends and bars)
     baselines = load_baselines(baselines_dir)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = ownership.claim(out, "bench")
     lines = ["# eagle3 extraction throughput", "",
              "| run | profile | key | tokens/s | per GPU | vs plain prefill | vs baseline | regression | spread in its run |",
              "|---|---|---|---:|---:|---:|---:|---|---:|"]

@@ -1,4 +1,4 @@
-"""The `eagle3` command: doctor, extract, train, demo, verify, eval, bench report, bench disk."""
+"""The `eagle3` command: doctor, extract, train, demo, show-mask, verify, eval, bench report, bench disk."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+from eagle3.interrupt import Interrupted
 
 log = logging.getLogger("eagle3")
 
@@ -262,11 +264,13 @@ def _train_config(a):
 
 
 def cmd_train_online(a):
+    from eagle3 import ownership
     from eagle3.data.conversations import DataConfig
     from eagle3.extract import extract
     from eagle3.train import online
 
     cfg = _train_config(a)
+    ownership.claim(a.out, "train")  # before rejects.jsonl is written into it
     ex = extract.ExtractConfig(model=a.target, out=cfg.store, backend=a.backend, layer_ids=a.layer_ids,
                                dtype=_state_dtype(a.state_dtype),
                                device=a.extract_device or a.device, tp=a.tp,
@@ -280,6 +284,7 @@ def cmd_train_online(a):
 
 def cmd_demo(a) -> int:
     """The whole chain on the tiny Kimi-family model and the bundled conversations, on CPU."""
+    from eagle3 import ownership
     from eagle3.data import corpus
     from eagle3.data.conversations import DataConfig
     from eagle3.extract import extract
@@ -287,7 +292,7 @@ def cmd_demo(a) -> int:
     from eagle3.train import train
     from eagle3.train.draft import check_vllm_loadable
 
-    out = Path(a.out)
+    out = ownership.claim(a.out, "demo")
     t0 = time.perf_counter()
     profile = presets.from_name(a.model)
     print(f"[1/3] building {profile.name} ({profile.architecture}, {profile.num_hidden_layers} layers, "
@@ -312,6 +317,28 @@ def cmd_demo(a) -> int:
     print(f"vllm check {'draft config loadable by vLLM speculators loader' if not problems else problems}")
     print(f"wall time  {time.perf_counter() - t0:.1f} s")
     return 1 if problems else 0
+
+
+def cmd_show_mask(a) -> int:
+    """Each sample of --data: the counts line, then the rendered text with its trained tokens marked (or JSON)."""
+    from transformers import AutoTokenizer
+
+    from eagle3.data import mask_view
+    from eagle3.data.conversations import check_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    check_tokenizer(tokenizer, f"{a.model} (tokenizer)")
+    color = a.color == "always" or a.color == "auto" and sys.stdout.isatty()
+    bad = 0
+    for s in mask_view.samples(tokenizer, a.data, a.line):
+        if isinstance(s, Exception):
+            bad += 1
+            print(f"skipped    {s}", file=sys.stderr)
+        elif a.json:
+            print(json.dumps(s.to_json(), ensure_ascii=False))
+        else:
+            print(f"== {s.summary()}\n{s.marked(color)}\n")
+    return 1 if bad else 0
 
 
 def cmd_verify(a) -> int:
@@ -446,6 +473,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=POSITIVE, default=None, help="stop training after this many steps (default: epochs)")
     d.add_argument("--seed", type=int, default=0, help="seed of the model's weights and of training")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
+    sm = sub.add_parser("show-mask", formatter_class=_Help,
+                        help="a conversation file as the target renders it, the tokens the draft trains on marked")
+    sm.add_argument("--model", required=True, help="target folder (its tokenizer and chat template)")
+    sm.add_argument("--data", required=True, help="JSONL conversations")
+    sm.add_argument("--line", type=POSITIVE, default=None, help="only this line of --data (the first is 1)")
+    sm.add_argument("--json", action="store_true",
+                    help="one JSON object a sample: ids, mask, each token's turn role, counts (for scripts)")
+    sm.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                    help="trained tokens in colour on a terminal (auto), else between [[ and ]]")
     v = sub.add_parser("verify", formatter_class=_Help, help="check a store: checksums, shapes, NaN/zero/duplicate layers, ids")
     v.add_argument("store", help="store folder made by `eagle3 extract`")
     v.add_argument("--fix", action="store_true", help="quarantine bad shards so a resumed extract redoes them")
@@ -525,11 +561,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the kind of folder each command's --out is (eagle3/ownership.py); extract's is a store (store/checks.py)
+OUT_KIND = {"train": "train", "eval": "eval", "make-target": "target", "demo": "demo", "bench report": "bench"}
+
+
 def preflight(a) -> None:
     """Argument and environment checks that need no model, torch or vLLM: under a second, nothing created."""
+    from eagle3 import ownership
     from eagle3 import preflight as pf
     from eagle3.store import checks
 
+    kind = OUT_KIND.get(f"bench {a.bench_cmd}" if a.cmd == "bench" else a.cmd)
+    if kind:  # first: a user's folder is named even where the command could not run here anyway
+        ownership.check(a.out, kind)
+    if a.cmd == "train" and a.online and a.spool:
+        ownership.check(a.spool, "store", "--spool")
     if a.cmd == "extract":
         if a.resume:
             from eagle3.store import recipe
@@ -593,6 +639,9 @@ def preflight(a) -> None:
         pf.train_attention(a.attn, a.compile, a.device)
         if a.device.startswith("cuda"):
             pf.cuda_available(f"train --device {a.device}")
+    elif a.cmd == "show-mask":
+        pf.model_folder(a.model, tokenizer=True)
+        pf.data_files([a.data])
     elif a.cmd == "verify":
         pf.store_folder(a.store)
         if a.fix:
@@ -627,31 +676,29 @@ def _fail(a, e: Exception) -> int:
     return 2
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived; ``signum`` says which (the exit code is 128 + signum)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 def _raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
-def interrupted_line(a) -> str:
+def interrupted_line(a, e: BaseException | None = None) -> str:
     """The one line a SIGINT/SIGTERM ends a command with: what is safe, and how to continue. JSON only."""
     from eagle3.store import status
 
     if a.cmd == "extract" and a.out:
         return f"interrupted: {status.stored(a.out)} stored in {a.out}; rerun the same command to resume"
     if a.cmd in ("train", "demo"):
+        saved = getattr(e, "saved", None)
+        if saved is not None:
+            return (f"interrupted: saved a checkpoint of step {int(saved.name.split('-')[1])} in {saved.parent.parent} "
+                    "(the step in progress finished first); rerun the same command to resume from it")
         root = Path(a.out) / ("train" if a.cmd == "demo" else "")
         steps = sorted(int(p.name.split("-")[1]) for p in (root / "checkpoints").glob("step-*")) \
             if (root / "checkpoints").is_dir() else []
-        where = (f"the newest checkpoint in {root} is at step {steps[-1]}" if steps
-                 else f"no checkpoint in {root} yet")
-        return f"interrupted: {where}; rerun the same command to resume"
+        if steps:
+            return (f"interrupted: the newest checkpoint in {root} is at step {steps[-1]}; rerun the same command to "
+                    "resume from it")
+        return (f"interrupted before training's first step finished: nothing to resume in {root}; rerun the same "
+                "command to start")
     return "interrupted; nothing was left half-written: rerun the same command"
 
 
@@ -666,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while the line is written changes nothing
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print(interrupted_line(args), file=sys.stderr, flush=True)
+        print(interrupted_line(args, e), file=sys.stderr, flush=True)
         return 128 + signum
 
 
@@ -717,6 +764,8 @@ def _main(args) -> int:
             return cmd_demo(args)
         if args.cmd == "verify":
             return cmd_verify(args)
+        if args.cmd == "show-mask":
+            return cmd_show_mask(args)
         if args.cmd == "eval":
             return cmd_eval(args)
         if args.cmd == "make-target":

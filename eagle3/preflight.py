@@ -119,3 +119,15 @@ def data_files(paths) -> None:
             raise UsageError(f"--data {p}: file not found; give JSONL conversations (one JSON object a line)")
         if p.is_dir():
             raise UsageError(f"--data {p}: is a directory; give the JSONL files in it (--data {p}/*.jsonl)")
+        if blank(p):
+            raise UsageError(f"--data {p}: the file is empty (no line holds a conversation); give JSONL conversations, "
+                             "one JSON object a line")
+
+
+def blank(path: Path) -> bool:
+    """Whether a file holds nothing but white space (read until its first other byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return False
+    return True

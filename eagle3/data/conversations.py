@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from eagle3.data import masks, schema
+from eagle3.data import masks, schema, tool_ids
 from eagle3.data.schema import ROLES, Conversation, DataError  # noqa: F401 - ROLES, DataError: the package's names
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class DataReport:
     unended: int = 0               # regenerated turns cut at max_tokens: learned without an end-of-turn token
     rejected: Counter = field(default_factory=Counter)
     template_dropped: Counter = field(default_factory=Counter)  # "role.field" -> turns whose data the template left out
+    tool_ids: Counter = field(default_factory=Counter)  # "role.field" -> ids rewritten as the target writes them
     prompts_only: bool = False     # extract --regenerate: samples are prompts, the target writes the turns
 
     def summary(self) -> str:
@@ -93,6 +94,9 @@ class DataReport:
         if self.unended:
             out += (f"; {self.unended} turns the target did not end (regenerated, cut at max_tokens): learned "
                     "without the end-of-turn token the template closes them with")
+        if self.tool_ids:
+            out += ("; tool-call ids written as the target writes them (functions.NAME:INDEX): "
+                    f"{self.tool_ids['assistant.tool_calls.id']} calls, {self.tool_ids['tool.tool_call_id']} results")
         if self.template_dropped:
             out += "; the chat template dropped " + ", ".join(
                 f"{k} in {v} turns" for k, v in sorted(self.template_dropped.items())) + " (the data held them)"
@@ -238,8 +242,9 @@ def load_samples(cfg: DataConfig, tokenizer, tokenizer_where: str = "tokenizer")
     """All samples of cfg.paths, in file then line order; rejects written to cfg.rejects_path."""
     check_tokenizer(tokenizer, tokenizer_where)
     report, samples, rejects = DataReport(), [], []
-    stops = masks.stop_ids(tokenizer)
+    stops, id_style = masks.stop_ids(tokenizer), tool_ids.style(tokenizer)
     for path, line, text, parsed in unique_conversations(cfg, report, rejects):
+        report.tool_ids.update(tool_ids.as_target_writes(parsed.messages, id_style)[1])  # masks.chat rewrites them
         try:
             vs = masks.views(tokenizer, parsed, path, line)
             report.views += len(vs) - 1
@@ -270,6 +275,8 @@ def load_samples(cfg: DataConfig, tokenizer, tokenizer_where: str = "tokenizer")
     report.assistant_tokens = sum(sum(s.loss_mask) for s in samples)
     if cfg.rejects_path and rejects:
         write_rejects(cfg.rejects_path, rejects)
+    if report.tool_ids:
+        log.warning("tool-call ids rewritten as the target writes them (functions.NAME:INDEX): %s", dict(report.tool_ids))
     if report.template_dropped:
         log.warning("the chat template dropped what the data held: %s", dict(report.template_dropped))
     if rejects:

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3.data import tool_ids
 from eagle3.data.schema import Conversation, DataError
 
 
@@ -35,9 +36,10 @@ class View:
 
 def chat(tokenizer, messages: list[dict], tools=None, gen: bool = False) -> str:
     """The template's text for ``messages`` (empty allowed: the generation prompt alone), as
-    ``apply_chat_template(tokenize=False)`` writes it."""
+    ``apply_chat_template(tokenize=False)`` writes it, tool-call ids as the target writes them (tool_ids.py)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
+    messages, _ = tool_ids.as_target_writes(messages, tool_ids.style(tokenizer))  # Kimi's ids for Kimi's template
     rendered, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=tokenizer.get_chat_template(),
                                         add_generation_prompt=gen, **tokenizer.special_tokens_map)
     return rendered[0]

@@ -19,7 +19,7 @@ from eagle3.extract.timeline import rate_past_first
 from eagle3.store.committer import BackgroundCommitter
 from eagle3.store import lock as store_lock
 from eagle3.store import status as store_status
-from eagle3.store.folder import Store, read_manifest, refuse_foreign
+from eagle3.store.folder import Store, claim, read_manifest
 from eagle3.store.format import MANIFEST, StoreError, StoreSpec
 from eagle3.targets.layers import default_layer_ids, validate_layer_ids
 from eagle3.targets.presets import config_hash, read_model_config
@@ -144,9 +144,8 @@ def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=Non
     """Extract every sample not yet in the store at cfg.out. ``backend`` may be passed in to reuse an engine."""
     fault = cfg.fault or faults.from_env()
     report = ""
-    if not (Path(cfg.out) / MANIFEST).exists():
-        refuse_foreign(cfg.out)  # before anything (rejects.jsonl) is written into a user's folder
-    else:
+    claim(cfg.out)  # before anything (rejects.jsonl) is written into it: a new, empty or store folder
+    if (Path(cfg.out) / MANIFEST).exists():
         store_lock.refuse_if_busy(cfg.out, "extract")
         said = resume_line(cfg.out)
         if said:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.data import masks, schema
+from eagle3 import ownership
 from eagle3.data.conversations import DataReport, read_conversations
 from eagle3.data.schema import DataError
 from eagle3.preflight import UsageError
@@ -142,6 +143,11 @@ def check_output(cfg: RegenConfig) -> bool:
             recorded = json.loads(side.read_text())
         except json.JSONDecodeError as e:
             raise RegenError(f"{side} is not valid JSON ({e.msg}); restore it, or give a new --out") from None
+        except UnicodeDecodeError:
+            raise RegenError(f"{side} is not text; restore it, or give a new --out") from None
+        if not isinstance(recorded, dict):
+            raise RegenError(f"--out {out}: {side} is not the settings eagle3 regenerate writes; it is left untouched: "
+                             "give a new --out")
         if recorded != cfg.settings():
             diff = sorted(k for k in set(recorded) | set(cfg.settings()) if recorded.get(k) != cfg.settings().get(k))
             raise RegenError(f"--out {out} was regenerated with other settings ({', '.join(diff)} differ); rerun "
@@ -159,9 +165,7 @@ def open_output(cfg: RegenConfig) -> int:
     out, side = Path(cfg.out), _sidecar(Path(cfg.out))
     if not check_output(cfg):
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = side.with_name(".tmp-" + side.name)
-        tmp.write_text(json.dumps(cfg.settings(), indent=1))
-        os.replace(tmp, side)
+        ownership.write_new(side, json.dumps(cfg.settings(), indent=1).encode())  # a temp name no user file has
         out.touch()
         return 0
     if not out.exists():

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from eagle3 import ownership
 from eagle3.extract.rpc import Expect, Record, normalize_reply
 from eagle3.extract.vllm_compat import WORKER_EXTENSION, prepare_environment, shutdown_engine
 
@@ -286,6 +287,7 @@ def run(cfg: EvalConfig) -> EvalReport:
     import vllm
     from transformers import AutoTokenizer
 
+    ownership.claim(cfg.out, "eval")  # before the engine starts: a user's folder is refused in a second
     long: list = []
     if cfg.prompt_ids is not None:
         prompts = [list(p) for p in cfg.prompt_ids[: cfg.num_prompts]]
@@ -354,7 +356,6 @@ def run(cfg: EvalConfig) -> EvalReport:
                                                                               repeat)
         shutdown_engine(base, best_effort=False)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(asdict(report), indent=1))
     (out / "eval.md").write_text("# eagle3 eval\n\n" + "\n".join(f"- {x}" for x in report.lines()) + "\n")
     return report

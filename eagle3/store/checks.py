@@ -5,22 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3 import ownership
 from eagle3.preflight import UsageError
 from eagle3.store import lock, status
 
 
 def output_store(path: str | Path, command: str) -> None:
-    """An --out folder a store may be written into: a store no other process writes, or a folder that holds
-    nothing but a store's own files (an empty or new one)."""
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise UsageError(f"--out {p}: is a file; give a new folder for the store")
-    if (p / status.MANIFEST).is_file():
-        store_not_busy(p, command)
-        return
-    why = lock.foreign_files_message(p)
-    if why:
-        raise UsageError(why)
+    """An --out folder a store may be written into: a new or empty folder, or a store (ownership.py) no other
+    process writes."""
+    ownership.check(path, "store")
+    if (Path(path) / status.MANIFEST).is_file():
+        store_not_busy(path, command)
 
 
 def store_not_busy(path: str | Path, command: str) -> None:

@@ -1,6 +1,7 @@
 """A store folder: its manifest (the commit point), plan, committed shards, and reading samples back.
-Opening a store removes shard files the manifest does not name, and only names the store itself writes (lock.py):
-a folder holding anything else is not made into a store, and a user's file is never deleted."""
+A folder becomes a store only where eagle3/ownership.py allows it (new, empty, or marked as a store). Opening a store
+removes shard files the manifest does not name, and only names the store itself writes (lock.py): a user's file is
+never deleted."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from eagle3 import ownership
+from eagle3.preflight import UsageError
 from eagle3.store import lock as store_lock
 from eagle3.store.files import atomic_write, atomic_write_json, fsync_dir
 from eagle3.store.format import (
@@ -57,7 +60,7 @@ class Store:
                 raise StoreError(f"{root} is not a store (no {MANIFEST}); run `eagle3 extract` to make one")
             if spec is None:
                 raise StoreError("creating a store needs its spec")
-            refuse_foreign(root)
+            claim(root)
             _check_writable(root)
         held = store_lock.WriteLock(root) if lock else None
         try:
@@ -97,7 +100,7 @@ class Store:
                     if alone:
                         store._remove_uncommitted()
             return store
-        refuse_foreign(root)  # again, now that the lock is held
+        refuse_unless_ours(root)  # again, now that the lock is held
         store = cls(root, {"schema_version": SCHEMA_VERSION, "spec": spec.to_json(), "shards": [],
                            "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
         store._remove_uncommitted()  # an earlier creation's leftovers (only the store's own names are here)
@@ -125,7 +128,7 @@ class Store:
             log.info("removing uncommitted %s (its samples will be extracted again)", rel)
             p.unlink()
         for p in self.root.glob(".tmp-*"):
-            if p.is_file():
+            if p.is_file() and store_lock.is_own_temp_name(p.name):
                 p.unlink()
 
     # -- state
@@ -188,7 +191,13 @@ class Store:
 
     def plan(self) -> list[str] | None:
         p = self.root / PLAN
-        return json.loads(p.read_text())["sample_ids"] if p.exists() else None
+        if not p.exists():
+            return None
+        try:
+            return json.loads(p.read_text())["sample_ids"]
+        except (ValueError, KeyError, TypeError):
+            raise StoreError(f"{p} is not the plan this store wrote (unreadable, or no sample_ids); restore it, or "
+                             "extract into a new --out folder") from None
 
     def drop_shards(self, files: set[str], fsync: bool = True) -> None:
         """Remove shards from the manifest (verify --fix); their samples become 'not done'."""
@@ -238,12 +247,20 @@ def read_manifest(root: str | Path) -> dict:
     return manifest
 
 
-def refuse_foreign(root: str | Path) -> None:
-    """StoreError when ``root`` (not a store yet) holds anything the store does not write: never mix a store into,
-    or clean up, a user's folder."""
-    msg = store_lock.foreign_files_message(root)
-    if msg:
-        raise StoreError(msg)
+def refuse_unless_ours(root: str | Path) -> None:
+    """StoreError where ``root`` may not become a store (ownership.refusal): never mix a store into, or clean up, a
+    user's folder."""
+    why = ownership.refusal(root, "store")
+    if why:
+        raise StoreError(why)
+
+
+def claim(root: str | Path) -> None:
+    """``root`` made a store's folder (created and marked), or StoreError where it is a user's."""
+    try:
+        ownership.claim(root, "store")
+    except UsageError as e:
+        raise StoreError(str(e)) from None
 
 
 def _check_writable(root: Path) -> None:

@@ -5,8 +5,8 @@ The writer holds an exclusive ``flock`` on STORE/lock.json for as long as it wri
 process ends, however it ends (kill -9 included), so a stale lock never blocks a rerun. The file holds the
 holder's pid and command line, for the message that refuses a second writer or a reader of a store being written.
 
-``foreign_files`` is what protects a user's files: a folder may become a store only if every name in it is one the
-store itself writes; anything else refuses the extraction, and cleaning up touches only the store's own names.
+A folder becomes a store only where eagle3/ownership.py allows it (new, empty, or marked as a store); inside a store,
+cleaning up touches only the names the store itself writes (OWN_TOP, OWN_SHARD, their temp files).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ LOCK = "lock.json"  # JSON like every file of a store but its shards
 # Names a store writes at its top level (files or folders) and in shards/ (see eagle3/store/format.py, files.py)
 OWN_TOP = frozenset({"manifest.json", "plan.json", "rejects.jsonl", "shards", "quarantine", ".selfcheck", LOCK,
                      "online.json"})  # online.json: an online spool's run stamp (eagle3/train/online.py)
-OWN_TOP_PATTERN = re.compile(r"\.tmp-.*")  # atomic_write's temp files, the write probe
 OWN_SHARD = re.compile(r"(\.tmp-)?shard-\d{6,}\.safetensors")
 
 
@@ -38,29 +37,9 @@ def is_own_shard_name(name: str) -> bool:
     return OWN_SHARD.fullmatch(name) is not None
 
 
-def foreign_files(root: str | Path) -> list[Path]:
-    """Paths in ``root`` (and its shards/) that the store does not write: a user's files."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    out = [p for p in sorted(root.iterdir()) if p.name not in OWN_TOP and not OWN_TOP_PATTERN.fullmatch(p.name)]
-    shards = root / "shards"
-    if shards.is_dir() and not shards.is_symlink():
-        out += [p for p in sorted(shards.iterdir()) if not is_own_shard_name(p.name)]
-    elif shards.exists():
-        out.append(shards)
-    return out
-
-
-def foreign_files_message(root: str | Path) -> str | None:
-    """Why ``root`` (not a store yet) may not become one, or None when it may."""
-    foreign = foreign_files(root)
-    if not foreign:
-        return None
-    names = ", ".join(str(p.relative_to(root)) for p in foreign[:5]) + (f" and {len(foreign) - 5} more"
-                                                                         if len(foreign) > 5 else "")
-    return (f"{root} is not a store and holds files that are not a store's ({names}); nothing was written. "
-            "Give an empty or new --out folder")
+def is_own_temp_name(name: str) -> bool:
+    """A temp file the store writes at its top level: atomic_write's .tmp-NAME of a NAME in OWN_TOP, the write probe."""
+    return name.startswith(".tmp-") and (name[5:] in OWN_TOP or name == ".tmp-write-probe")
 
 
 def holder(root: str | Path) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3 import ownership
 from eagle3.data import corpus
 from eagle3.targets import tiny
 from eagle3.targets.presets import TargetProfile
@@ -97,7 +98,7 @@ def make_target(out: str | Path, steps: int = 1500, batch: int | None = None, se
         raise ValueError(f"arch {arch!r}: use {' or '.join(ARCHES)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     seq_len, batch = windows(arch, seq_len, batch)
-    out = Path(out)
+    out = ownership.claim(out, "target")
     tiny.build_model(ARCHES[arch], out, seed=seed)
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device).train()

@@ -39,6 +39,7 @@ CKPT_FILES = ("config.json", "model.safetensors", "optimizer.safetensors", "opti
 FILES = "files.json"  # {name: {"bytes": n, "checksum": "xxh3_128:..."}} of every file in CKPT_FILES
 # Parameters that come from the target and are never saved: verifier_* (training targets only) and the embedding.
 NOT_SAVED = ("verifier_lm_head.weight", "verifier_norm.weight", "embed_tokens.weight")
+DRAFT_FILES = ("config.json", "model.safetensors")  # what publish writes into OUT/draft, which it replaces whole
 
 
 class NonFiniteWeights(RuntimeError):
@@ -107,7 +108,32 @@ class Snapshot:
 def snapshot(model, optimizer, trainer_state: dict) -> Snapshot:
     tensors, meta = optimizer_to_files(optimizer)
     return Snapshot(copy.deepcopy(model.config), draft_tensors(model), tensors, copy.deepcopy(meta),
-                    json.loads(json.dumps(trainer_state)))
+                    json.loads(json.dumps(dict(trainer_state, rng=rng_state()))))
+
+
+def rng_state() -> dict[str, list[str]]:
+    """torch's random generators (the CPU's, each CUDA device's) as base64, for trainer_state.json."""
+    import base64
+
+    def text(t: torch.Tensor) -> str:
+        return base64.b64encode(t.numpy().tobytes()).decode()
+
+    cuda = [text(t) for t in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else []
+    return {"cpu": [text(torch.get_rng_state())], "cuda": cuda}
+
+
+def set_rng_state(saved: dict | None) -> None:
+    """Restore what rng_state() recorded (a checkpoint from before it recorded none: nothing)."""
+    import base64
+
+    def tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    if not saved:
+        return
+    torch.set_rng_state(tensor(saved["cpu"][0]))
+    if saved.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensor(t) for t in saved["cuda"]])
 
 
 def save(out: Path, step: int, model, optimizer, trainer_state: dict,
@@ -260,7 +286,23 @@ def load(path: Path, model, optimizer) -> dict:
         raise RuntimeError(f"{path}: checkpoint does not match the draft (missing {missing}, unexpected {unexpected})")
     meta = json.loads((path / "optimizer.json").read_text())
     optimizer.load_state_dict(optimizer_from_files(load_file(str(path / "optimizer.safetensors")), meta))
-    return json.loads((path / "trainer_state.json").read_text())
+    state = json.loads((path / "trainer_state.json").read_text())
+    set_rng_state(state.pop("rng", None))
+    return state
+
+
+def refuse_foreign_draft_files(out: Path) -> None:
+    """UsageError where OUT/draft holds a file publish does not write (DRAFT_FILES): publish replaces the folder
+    whole, so such a file is named (train checks before its first step too), never deleted."""
+    from eagle3.preflight import UsageError
+
+    draft = Path(out) / "draft"
+    foreign = sorted(p.name for p in draft.iterdir() if p.name not in DRAFT_FILES) if draft.is_dir() else []
+    if draft.exists() and not draft.is_dir():
+        foreign = [draft.name]
+    if foreign:
+        raise UsageError(f"{draft} holds {', '.join(foreign[:5])}, which eagle3 did not write there; the draft folder "
+                         "is replaced whole when training ends: move them out, or give another --out")
 
 
 def publish(ckpt: Path, out: Path, dtype: str = "bfloat16", serve_tps=()) -> Path:
@@ -290,6 +332,7 @@ def publish(ckpt: Path, out: Path, dtype: str = "bfloat16", serve_tps=()) -> Pat
     if "transformer_layer_config" in config:
         config["transformer_layer_config"]["torch_dtype"] = dtype
     dest, tmp = Path(out) / "draft", Path(out) / ".tmp-draft"
+    refuse_foreign_draft_files(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -40,10 +40,12 @@ from typing import Sequence
 
 import torch
 
+from eagle3 import ownership
+from eagle3.preflight import UsageError
 from eagle3.data.conversations import Sample
 from eagle3.extract.timeline import rate_past_first
 from eagle3.store.files import checksum_matches
-from eagle3.store.folder import Store
+from eagle3.store.folder import Store, claim
 from eagle3.store.format import SHARDS, StoreError, StoreSpec
 from eagle3.train import checkpoint
 from eagle3.train.compile_gate import CompileGate
@@ -533,7 +535,8 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
         raise ValueError("train --online runs as one process for now (one engine, one trainer); under torchrun "
                          "each rank would extract everything. Run it without torchrun, or extract then train with DDP")
     if len(samples) < cfg.batch_samples:
-        raise ValueError(f"{len(samples)} samples, fewer than one batch of {cfg.batch_samples}")
+        raise UsageError(f"--data holds {len(samples)} samples, fewer than one batch (--batch {cfg.batch_samples}); "
+                         f"give --batch {len(samples)} or fewer, or more data")
     spec = store_spec(extract_cfg.model, extract_cfg.layer_ids, extract_cfg.dtype)
     longest = max(len(s) for s in samples)
     need = 2 * (extract_batch * sample_bytes(longest, spec) + SHARD_MARGIN)
@@ -545,6 +548,8 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     # batch's room to finish
     extract_cfg = dataclasses.replace(extract_cfg, out=str(cfg.store), shard_samples=extract_batch, writer_threads=0,
                                       fsync=False)  # the spool's shards, as the spool: never fsynced (Spool)
+    ownership.claim(cfg.out, "train")  # before the spool (OUT/spool by default) is made in it
+    claim(cfg.store)  # the spool: a store's folder, before its run stamp is written in it
     fresh = _check_same_run(Path(cfg.store), samples, cfg)
     spool = Spool(cfg.store, spec, capacity, fresh=fresh)
     plan = training_order(len(samples), cfg.batch_samples, cfg.epochs, cfg.seed, cfg.max_steps)

@@ -26,14 +26,15 @@ import json
 import logging
 import math
 import os
+import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
-from eagle3 import faults, preflight
+from eagle3 import faults, interrupt, ownership, preflight
 from eagle3.store.files import checksum_matches
 from eagle3.store.folder import Store
 from eagle3.store.finite import all_finite, nonfinite_layers
@@ -547,6 +548,8 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise StoreError(f"--device {cfg.device}: torch {torch.__version__} sees no CUDA device here; "
                          "train with --device cpu or on a GPU host")
+    ownership.check(cfg.out, "train")  # a new, empty or train folder (claimed before its first write, below)
+    checkpoint.refuse_foreign_draft_files(Path(cfg.out))
     fault = faults.from_env()
     notes = [] if source is not None else _check_store_is_whole(cfg)
     if cfg.compile and not torch.cuda.is_available():
@@ -562,13 +565,12 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     samples = source if source is not None else StoreSamples(store, cfg.seed)
     if len(samples) == 0:
         raise StoreMismatch(f"store {cfg.store} has no samples")
+    cfg = fit_batch(cfg, len(samples), world, notes)
     model = build_draft(cfg, store, samples, shape, tcfg, target)
     dtype = getattr(torch, cfg.dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg.lr, cfg.betas, cfg.weight_decay, cfg.device.split(":")[0])
     steps_per_epoch = len(samples) // cfg.batch_samples
-    if steps_per_epoch == 0:
-        raise ValueError(f"store has {len(samples)} samples, fewer than one batch of {cfg.batch_samples}")
     total = min(cfg.max_steps or 10**12, steps_per_epoch * cfg.epochs)
     if cfg.max_steps and cfg.max_steps > total:
         notes.append(f"--steps {cfg.max_steps}: stopping at {total} steps: --epochs {cfg.epochs} over {len(samples)} "
@@ -579,7 +581,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     lr_at = _lr_lambda(cfg, total)
     loss_config = chunked_loss.loss_config(cfg.loss, cfg.loss_impl, cfg.device)
     state = {"step": 0, "losses": [], "samples_seen": 0, "tokens_seen": 0, "config": asdict(cfg), "skipped": {}}
-    out = Path(cfg.out)
+    out = ownership.claim(cfg.out, "train")
     ckpt = checkpoint.latest(out) if cfg.resume else None
     resumed_from = 0
     if ckpt is not None:
@@ -622,7 +624,8 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     watch = compile_watch.RecompileLimitHits()  # dynamo giving up on a function of a compiled run: said in the notes
     background = checkpoint.Background() if checkpoint_background(cfg) else None
     with bar, watch, contextlib.closing(samples.checks), background or contextlib.nullcontext(), \
-            torch.compiler.set_stance("default" if cfg.compile else "force_eager"):  # the bar ends its line
+            torch.compiler.set_stance("default" if cfg.compile else "force_eager"), \
+            interrupt.Deferred("the step in progress finishes and a checkpoint of it is written") as stop:
         while state["step"] < total:
             step = state["step"]
             began = time.perf_counter()
@@ -688,6 +691,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
             bar.set_postfix(loss=f"{state['losses'][-1]:.4f}", **samples.progress())
             if fault:
                 fault("after_step")
+            halt = _any_rank(stop.signum is not None, dist, cfg.device)  # Ctrl-C / SIGTERM: this step saved, then out
             last = state["step"] == total
             if last:
                 state["accept"] = _acceptance(accept_sums)
@@ -696,12 +700,13 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                 samples.wants_checkpoint())
             saving = time.perf_counter()
             timeline.append((saving - t0, int(sums[1])))
-            if rank == 0 and (last or due):
+            path = None
+            if rank == 0 and (last or due or halt):
                 if background is not None:
                     background.wait()  # the checkpoint in flight written first: one snapshot held at a time
                 snap = checkpoint.snapshot(model, optimizer, state)  # host copies, before the next step changes them
                 last_save = _clock()
-                if background is not None and not last:
+                if background is not None and not last and not halt:
                     background.submit(functools.partial(_save, out, state["step"], snap, fault, cfg.keep_checkpoints))
                 else:
                     path = _save(out, state["step"], snap, fault, cfg.keep_checkpoints)
@@ -709,6 +714,8 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                         checkpoint.publish(path, out, cfg.export_dtype, cfg.serve_tps)  # None: the defaults above
             if dist is not None:
                 dist.barrier()
+            if halt and not last:
+                raise interrupt.Interrupted(stop.signum or signal.SIGINT, saved=path)
             done = time.perf_counter()
             phases["reading"] += read_s
             phases["checkpoints"] += done - saving
@@ -721,6 +728,29 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                        time.perf_counter() - t0, state["losses"], state.get("accept", {}), resumed_from,
                        dict(state["skipped"]), tokens_this_run, notes, {k: round(v, 3) for k, v in phases.items()},
                        timeline, t0)
+
+
+def fit_batch(cfg: TrainConfig, n: int, world: int, notes: list[str]) -> TrainConfig:
+    """cfg, its batch cut to the ``n`` samples there are (a multiple of the ``world`` processes) where they are fewer
+    than one batch, said in ``notes``."""
+    if n >= cfg.batch_samples:
+        return cfg
+    batch = n - n % world
+    if batch == 0:
+        raise StoreMismatch(f"store {cfg.store} holds {n} samples, fewer than the {world} training processes; extract "
+                            "more samples, or train with fewer processes")
+    notes.append(f"--batch {cfg.batch_samples}: the store holds {n} samples, so each step trains on {batch} "
+                 f"(as --batch {batch})")
+    return replace(cfg, batch_samples=batch)
+
+
+def _any_rank(flag: bool, dist, device: str) -> bool:
+    """Whether ``flag`` is set on any rank (every rank gets the same answer, so all stop at the same step)."""
+    if dist is None:
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t)
+    return bool(t.item())
 
 
 def _save(out: Path, step: int, snap, fault, keep: int) -> Path:

@@ -58,3 +58,38 @@ def test_a_checkpoint_written_in_the_background_holds_its_step_s_state_on_cuda(t
         model, opt = load_file(str(folder / "model.safetensors")), load_file(str(folder / "optimizer.safetensors"))
         assert model.keys() == weights.keys() and all(torch.equal(model[k], weights[k]) for k in weights), step
         assert all(torch.equal(opt[k], moments[k]) for k in moments), step
+
+
+def test_ctrl_c_on_cuda_saves_the_finished_step_and_the_rerun_resumes_there(tmp_path):
+    """`eagle3 train --device cuda` (background checkpoints on) stopped by SIGINT after step 2, before any timed
+    checkpoint: it saves step 2 and exits 130; the rerun resumes at step 2 and follows the uninterrupted run's curve
+    (within float noise: two CUDA runs need not agree bitwise)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    target = tiny.build_model(presets.from_name("tiny-kimi"), tmp_path / "tiny-kimi", seed=0)
+    data = corpus.write_jsonl(tmp_path / "d.jsonl", corpus.generate(32, seed=7))
+    extract.run(extract.ExtractConfig(model=str(target), out=str(tmp_path / "store"), data=DataConfig([str(data)],
+                                      max_len=192), batch_size=8, shard_samples=8, writer_threads=0), progress=False)
+
+    def train_cmd(out, fault=None):
+        env = {k: v for k, v in os.environ.items() if k != "EAGLE3_FAULT"}
+        if fault:
+            env["EAGLE3_FAULT"] = fault
+        argv = [sys.executable, "-m", "eagle3.cli", "train", "--store", str(tmp_path / "store"), "--out", str(out),
+                "--device", DEVICE, "--steps", "6", "--batch", "4", "--draft-vocab", "256"]
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+
+    def losses(out):
+        return json.loads((out / "checkpoints" / "step-0000006" / "trainer_state.json").read_text())["losses"]
+
+    whole = train_cmd(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    cut = train_cmd(tmp_path / "cut", fault="after_step:2:SIGINT")
+    assert cut.returncode == 130, cut.stderr[-3000:]
+    assert f"saved a checkpoint of step 2 in {tmp_path / 'cut'}" in cut.stderr.strip().splitlines()[-1]
+    again = train_cmd(tmp_path / "cut")
+    assert again.returncode == 0 and "resuming from step 2 of 6" in again.stderr, again.stderr[-3000:]
+    assert losses(tmp_path / "cut") == pytest.approx(losses(tmp_path / "whole"), rel=1e-3)

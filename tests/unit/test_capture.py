@@ -138,8 +138,8 @@ def test_a_store_pins_its_buffers_at_start_and_counts_any_the_forward_pins(tmp_p
     """Every shard buffer is pinned when the store's session starts; only a sample longer than a shard needs one
     pinned in the forward, and the session's pinned_allocs says so (what the benchmark reports beside a figure)."""
     root = tmp_path / "s"
+    Store.open(root, SPEC, create=True, fsync=False)  # the store's folder first (its writer makes shards/ in it)
     writer = ShardWriter(root, SPEC, 0, fsync=False)
-    Store.open(root, SPEC, create=True, fsync=False)
     cap = Capturer(N_LAYERS, H, torch.float32)
     cap.start("store", writer, shard_tokens=10)
     assert len(cap.filler.free) == cap.filler.max_buffers == 8

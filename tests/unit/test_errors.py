@@ -38,7 +38,7 @@ def test_an_empty_file_does_not_point_to_a_rejects_file_that_is_not_there(tmp_pa
     data.write_text("")
     code = cli.main(["extract", "--model", str(tiny_kimi), "--data", str(data), "--out", str(tmp_path / "s")])
     err = capsys.readouterr().err
-    assert code == 2 and "no conversations" in err and "rejects" not in err, err
+    assert code == 2 and "the file is empty" in err and "rejects" not in err, err
     assert not (tmp_path / "s" / "rejects.jsonl").exists()
 
 

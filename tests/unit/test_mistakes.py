@@ -32,6 +32,8 @@ def folders(tmp_path, tiny_kimi, small_data, small_store):
     (tmp_path / "empty.json").write_text(json.dumps({"benchmarks": []}))
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("the user's")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n  \n\n")
     partial = tmp_path / "partial"  # an extraction that stopped: its last shard never committed
     shutil.copytree(small_store, partial)
     m = json.loads((partial / "manifest.json").read_text())
@@ -73,8 +75,12 @@ MISTAKES = [
     ("bench report, empty history", "bench report --history {tmp}/empty.json --out {tmp}/out",
      r"no benchmark records.*--benchmark-json"),
     ("extract into a folder of the user's files", "extract --model {model} --data {data} --out {tmp}/mine",
-     r"is not a store and holds files that are not a store's \(notes.txt\).*empty or new --out folder"),
+     r"not empty and eagle3 did not make it \(it holds notes.txt\).*new or empty --out folder"),
     ("data given as a folder", "extract --model {model} --data {tmp} --out {tmp}/out", r"is a directory; give the JSONL"),
+    ("data file empty", "extract --model {model} --data {tmp}/empty.jsonl --out {tmp}/out",
+     r"--data .*empty.jsonl: the file is empty"),
+    ("data file of blank lines", "regenerate --target {model} --data {tmp}/blank.jsonl --out {tmp}/out.jsonl",
+     r"--data .*blank.jsonl: the file is empty"),
     ("train on a store whose extraction stopped", "train --store {partial} --out {tmp}/out",
      r"holds 40 of the 48 samples its plan names \(8 missing\).*extract --resume.*--allow-incomplete"),
     ("eval's long prompts with a prompts file", "eval --target {model} --draft {model} --out {tmp}/out --prompts {data} "

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from eagle3.data.conversations import DataConfig, load_samples
 from eagle3.extract import extract
 from eagle3.extract.hf_backend import HFBackend
-from eagle3.store.folder import Store
+from eagle3.store.folder import Store, claim
 from eagle3.store.format import StoreError
 from eagle3.train import online
 from eagle3.train.train import TrainConfig, train
@@ -93,6 +93,7 @@ def offline(setup, tiny_kimi, tmp_path_factory):
 def test_online_follows_the_offline_loss_curve_within_its_bound(setup, offline, tiny_kimi, tmp_path, batch):
     samples, backend, ex = setup
     cap = _capacity(tiny_kimi, batch)
+    claim(tmp_path / "spool")  # the spool's folder, as the run makes it, before its shards/ is watched
     (tmp_path / "spool" / "shards").mkdir(parents=True)
     with FolderWatch(tmp_path / "spool" / "shards") as fs:
         res = online.run(_cfg(tmp_path / "spool", tmp_path / "run"), ex, samples, cap, backend=backend,

@@ -1,0 +1,92 @@
+"""Which folders a command may write into: a new one, an empty one, or one it made itself.
+
+A folder a command makes holds a marker, MARK, written before anything else; a rerun recognises its folder by the
+marker, never by the names of the files in it. A non-empty folder without the command's marker is the user's: it is
+refused before anything is written, so no command removes, replaces or writes over a file it did not create.
+Standard library only: the CLI's preflight calls it in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from eagle3.preflight import UsageError
+
+MARK = ".eagle3-out.json"  # {"kind": one of KINDS, "created": ISO time}
+TEMP_MARK = f".tmp-{MARK}."  # write_new's temp names of it
+
+KINDS = {  # what a folder of each kind is, for messages
+    "store": "a shard store (eagle3 extract, or train --online's spool)",
+    "train": "a training run (eagle3 train)",
+    "eval": "an evaluation (eagle3 eval)",
+    "bench": "a benchmark report (eagle3 bench report)",
+    "target": "a learnable target (eagle3 make-target)",
+    "demo": "a demo run (eagle3 demo)",
+}
+
+
+def owner(folder: str | Path) -> str | None:
+    """The kind recorded in ``folder``'s marker; None where there is no valid one."""
+    try:
+        kind = json.loads((Path(folder) / MARK).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if kind in KINDS else None
+
+
+def _names(folder: Path, limit: int = 5) -> str:
+    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if not p.name.startswith(TEMP_MARK))
+    more = f" and {len(entries) - limit} more" if len(entries) > limit else ""
+    return ", ".join(entries[:limit]) + more
+
+
+def refusal(folder: str | Path, kind: str, option: str = "--out") -> str | None:
+    """Why ``folder`` may not be written as ``kind``, or None: it does not exist, is empty, or is marked ``kind``."""
+    p = Path(folder)
+    if not p.exists():
+        return None
+    if not p.is_dir():
+        return f"{option} {p}: is a file; give a new folder"
+    found = owner(p)
+    if found == kind:
+        return None
+    if found is not None:
+        return (f"{option} {p} holds {KINDS[found]}, not {KINDS[kind]}; nothing was written. Give a new or empty "
+                f"{option} folder")
+    if not [e for e in p.iterdir() if not e.name.startswith(TEMP_MARK)]:  # a marker being written is not the user's
+        return None
+    return (f"{option} {p} is not empty and eagle3 did not make it (it holds {_names(p)}); nothing was written, "
+            f"nothing removed. Give a new or empty {option} folder")
+
+
+def check(folder: str | Path, kind: str, option: str = "--out") -> None:
+    """UsageError where ``folder`` may not be written as ``kind`` (refusal)."""
+    why = refusal(folder, kind, option)
+    if why:
+        raise UsageError(why)
+
+
+def claim(folder: str | Path, kind: str, option: str = "--out") -> Path:
+    """Make ``folder`` ``kind``'s: checked (UsageError), created, and marked before anything else is written."""
+    p = Path(folder)
+    check(p, kind, option)
+    p.mkdir(parents=True, exist_ok=True)
+    if owner(p) != kind:
+        write_new(p / MARK, json.dumps({"kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
+    return p
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """``data`` at ``path`` through a temp file of a name no one else has (mkstemp), renamed into place."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

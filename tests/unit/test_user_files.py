@@ -1,0 +1,102 @@
+"""The user's files: no command removes, replaces or writes over a file it did not create.
+
+Each writing command is pointed at a folder of random user files and folders, named with every name the project
+itself writes (and some others), with random contents: it refuses with exit 2, naming what it found, and every user
+file is byte-identical after. A command writes beside a user's files only into a new folder of its own."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, assume, given, note, settings
+from hypothesis import strategies as st
+
+from eagle3 import cli, ownership
+
+# names eagle3 writes somewhere (stores, runs, drafts, checkpoints, reports, targets, temp files), and a few of the user's
+NAMES = [".tmp-mywork", ".tmp-manifest.json", ".tmp-draft", ".tmp-step-0000001", "lock.json", "plan.json",
+         "manifest.json", "rejects.jsonl", "online.json", "shards", "quarantine", ".selfcheck", "draft", ".old-draft",
+         "checkpoints", "step-0000004", "spool", "model", "store", "train", "config.json", "model.safetensors",
+         "tokenizer.json", "eagle3_target.json", ".eagle3-build", "eval.json", "eval.md", "throughput.md",
+         "throughput.png", "shard-000000.safetensors", ownership.MARK, "notes.txt", "README.txt", "data.jsonl"]
+CONTENTS = st.one_of(
+    st.binary(max_size=48),
+    st.text(max_size=32).map(str.encode),
+    st.sampled_from([b"", b"{}", b"[]", b"null", b'{"kind": "store"}', b'{"kind": "demo"}', b'{"pid": 1}',
+                     b'{"schema_version": 1, "spec": {}, "shards": []}', b'{"sample_ids": ["a:1"], "recipe": null}']),
+)
+LEAF = st.tuples(st.just("file"), CONTENTS)
+TREE = st.dictionaries(st.sampled_from(NAMES), st.one_of(
+    LEAF, st.tuples(st.just("dir"), st.dictionaries(st.sampled_from(NAMES), LEAF, max_size=3))), min_size=1, max_size=5)
+
+# each writing command with its --out as {out} (a folder; regenerate's is a file: {out_file})
+COMMANDS = {
+    "extract": "extract --model {model} --data {data} --out {out}",
+    "train": "train --store {store} --out {out}",
+    "train --online --spool": "train --online --target {model} --data {data} --out {tmp}/new-run --spool {out}",
+    "eval": "eval --target {model} --draft {model} --out {out}",
+    "bench report": "bench report --history {history} --out {out}",
+    "make-target": "make-target --out {out}",
+    "demo": "demo --out {out}",
+    "regenerate": "regenerate --target {model} --data {data} --out {out_file}",
+}
+KIND = {"extract": "store", "train --online --spool": "store", "bench report": "bench", "make-target": "target",
+        "regenerate": None, **{c: c for c in ("train", "eval", "demo")}}
+
+
+def plant(root: Path, tree: dict) -> None:
+    root.mkdir(parents=True)
+    for name, (kind, value) in tree.items():
+        if kind == "file":
+            (root / name).write_bytes(value)
+        else:
+            plant(root / name, value)
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def world(tiny_kimi, small_data, small_store, tmp_path_factory):
+    history = tmp_path_factory.mktemp("history") / "bench.json"
+    history.write_text(json.dumps({"benchmarks": []}))
+    return {"model": str(tiny_kimi), "data": str(small_data), "store": str(small_store), "history": str(history)}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@settings(max_examples=40, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tree=TREE, pick=st.integers(0, 1000), sidecar=st.booleans())
+def test_a_command_pointed_at_a_user_s_folder_refuses_and_touches_nothing(world, tmp_path, capsys, command, tree,
+                                                                          pick, sidecar):
+    with tempfile.TemporaryDirectory(dir=tmp_path) as scratch:
+        user = Path(scratch) / "mine"
+        plant(user, tree)
+        kind = KIND[command]
+        assume(kind is None or ownership.owner(user) != kind)  # a marker of its own kind: the command's folder
+        names = sorted(tree)
+        # regenerate's --out is a file, written with FILE.regen.json beside it: a user's entry, or a new name whose
+        # sidecar name is a user's file
+        out_file = user / names[pick % len(names)]
+        if sidecar:
+            out_file = user / f"new-{pick}.jsonl"
+            (user / f"new-{pick}.jsonl.regen.json").write_bytes(tree.get(names[0], ("file", b"{}"))[1]
+                                                                if tree[names[0]][0] == "file" else b"[]")
+        before = snapshot(user)
+        note(f"tree {tree}")
+        argv = COMMANDS[command].format(**world, out=user, out_file=out_file, tmp=scratch)
+        code = cli.main(argv.split())
+        err = capsys.readouterr().err
+        assert code == 2, (argv, err)
+        assert snapshot(user) == before, argv
+        if command == "regenerate":
+            assert str(out_file) in err, err  # the file, or its sidecar FILE.regen.json
+        else:
+            found = ownership.owner(user)
+            assert any(f"holds {n}" in err or f" {n}," in err or f" {n})" in err or f" {n}/" in err for n in names) \
+                or (found and ownership.KINDS[found] in err), err
+        shutil.rmtree(Path(scratch) / "new-run", ignore_errors=True)
