@@ -88,10 +88,27 @@ def test_opening_a_store_removes_only_names_the_store_writes(small_store, tmp_pa
     (store / "shards" / ".tmp-shard-000100.safetensors").write_bytes(b"half")
     (store / "shards" / "README").write_text("the user's")
     (store / "notes.txt").write_text("the user's")
+    (store / ".tmp-mywork").write_text("the user's")  # a temp name the store never writes (at 962a6d4: deleted)
+    (store / ".tmp-plan.json").write_text("half")      # one it does: an interrupted plan write
     Store.open(store)
     left = {p.name for p in (store / "shards").iterdir()}
-    assert "README" in left and (store / "notes.txt").exists()
+    assert "README" in left and (store / "notes.txt").exists() and (store / ".tmp-mywork").exists()
     assert "shard-000099.safetensors" not in left and ".tmp-shard-000100.safetensors" not in left
+    assert not (store / ".tmp-plan.json").exists()
+
+
+def test_a_user_s_file_in_the_run_s_draft_folder_stops_train_before_its_first_step(small_store, tmp_path, capsys):
+    """train replaces OUT/draft whole when it ends: at 962a6d4 a user's draft/README.txt was deleted without a word."""
+    out = tmp_path / "t"
+    argv = ["train", "--store", str(small_store), "--out", str(out), "--batch", "4", "--draft-vocab", "64"]
+    assert cli.main([*argv, "--steps", "1"]) == 0
+    (out / "draft" / "README.txt").write_text("the user's")
+    before = _tree(out)
+    capsys.readouterr()
+    assert cli.main([*argv, "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'draft'} holds README.txt, which eagle3 did not write there" in err, err
+    assert _tree(out) == before  # no step trained, no checkpoint written, the draft and the user's file as they were
 
 
 # -- one writer -------------------------------------------------------------------------------------------------

@@ -33,8 +33,11 @@ def kimi_model(tmp_path_factory, tiny_kimi):
 @pytest.fixture
 def data(tmp_path):
     p = tmp_path / "d.jsonl"
+    two_views = {"messages": [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "a",
+                                                                  "reasoning_content": "think A"},
+                              {"role": "user", "content": "B?"}, {"role": "assistant", "content": "b"}]}
     p.write_text("\n".join(json.dumps(x) for x in (WEATHER, {"messages": [{"role": "user"}]}, agentic(
-        ["call_1", "call_2", "call_3"]))) + "\n")
+        ["call_1", "call_2", "call_3"]), two_views)) + "\n")
     return p
 
 
@@ -68,7 +71,8 @@ def test_json_holds_extraction_s_own_samples_and_every_token_s_role(kimi_model, 
         assert set(s["trained"]) == {"assistant"}  # only the assistant's own tokens are trained
         first_user = s["roles"].index("user")
         assert set(s["roles"][:first_user]) == {"template"}  # the tools list and the default system prompt
-    agent = shown[-1]
+    assert [s["sample_id"] for s in shown[-2:]] == ["d.jsonl:4", "d.jsonl:4@1"]  # Kimi drops earlier thinking
+    agent = shown[-3]
     assert agent["untrained"]["tool"] > 0 and agent["trained"]["assistant"] == sum(agent["loss_mask"])
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,3 +195,28 @@ def test_the_draft_is_built_on_the_device_it_trains_on(small_store, monkeypatch)
         with pytest.raises(Built):
             train_mod.build_draft(cfg, store, train_mod.StoreSamples(store), shape, tcfg, target)
     assert where == ["meta", "cpu"]
+
+
+@pytest.mark.parametrize("n,world,batch", [(6, 1, 6), (6, 4, 4), (9, 2, 8), (8, 1, 8), (20, 2, 8)])
+def test_a_store_smaller_than_one_batch_trains_with_a_batch_every_process_can_split(n, world, batch, tmp_path):
+    from eagle3.train.train import fit_batch
+
+    notes = []
+    cfg = fit_batch(_cfg(tmp_path, tmp_path / "o", batch_samples=8), n, world, notes)
+    assert cfg.batch_samples == batch and cfg.batch_samples % world == 0
+    assert bool(notes) == (batch != 8)
+    with pytest.raises(StoreMismatch, match="holds 3 samples, fewer than the 4 training processes"):
+        fit_batch(_cfg(tmp_path, tmp_path / "o"), 3, 4, [])
+
+
+def test_a_checkpoint_restores_the_random_generators(small_store, tmp_path):
+    """The interrupt's checkpoint holds the RNG of its step: what the run draws next is what it would have drawn."""
+    torch.manual_seed(123)
+    saved = checkpoint.rng_state()
+    ahead = torch.rand(4)
+    torch.manual_seed(999)
+    checkpoint.set_rng_state(saved)
+    assert torch.equal(torch.rand(4), ahead)
+    r = train(_cfg(small_store, tmp_path / "r", max_steps=2, checkpoint_every=1), progress=False)
+    state = json.loads((Path(r.out) / "checkpoints" / "step-0000001" / "trainer_state.json").read_text())
+    assert state["rng"]["cpu"] and isinstance(state["rng"]["cuda"], list)
