@@ -100,3 +100,17 @@ def test_a_command_pointed_at_a_user_s_folder_refuses_and_touches_nothing(world,
             assert any(f"holds {n}" in err or f" {n}," in err or f" {n})" in err or f" {n}/" in err for n in names) \
                 or (found and ownership.KINDS[found] in err), err
         shutil.rmtree(Path(scratch) / "new-run", ignore_errors=True)
+
+
+@pytest.mark.parametrize("command,other", [(c, o) for c in COMMANDS for o in ("store", "train", "demo")
+                                           if KIND[c] not in (None, o)])
+def test_a_folder_another_command_made_is_refused_naming_what_it_holds(world, tmp_path, capsys, command, other):
+    """A marker of another kind: e.g. `train --out STORE` writes no checkpoint into an extraction's store."""
+    folder = ownership.claim(tmp_path / "theirs", other)
+    (folder / "manifest.json").write_text("{}")
+    before = snapshot(folder)
+    argv = COMMANDS[command].format(**world, out=folder, out_file=folder / "x", tmp=tmp_path)
+    assert cli.main(argv.split()) == 2
+    err = capsys.readouterr().err
+    assert f"holds {ownership.KINDS[other]}, not {ownership.KINDS[KIND[command]]}" in err, err
+    assert snapshot(folder) == before
