@@ -9,9 +9,9 @@ list) is "template". The samples are those `eagle3 extract` makes (masks.py), be
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from eagle3.data import masks
 from eagle3.data.conversations import DataReport, read_conversations

@@ -52,8 +52,53 @@ def _slow_writes(monkeypatch, seconds: float) -> list[tuple[float, float, int]]:
     return spans
 
 
+def _writes_waiting_for_a_step(monkeypatch, last: int, timeout: float = 30.0) -> list[tuple[float, float, int]]:
+    """checkpoint.write held, for each step before ``last``, until a training step has ended after it began (or
+    ``timeout`` s, which only a write that blocks training reaches): events, not a sleep a slow machine outlasts.
+    Returns each write's (start, end, step)."""
+    import threading
+
+    from eagle3.train.train import StoreSamples
+
+    ended, cond = [], threading.Condition()
+    progress = StoreSamples.progress
+
+    def counted(self):  # called once a step, after the step's optimizer update
+        with cond:
+            ended.append(time.perf_counter())
+            cond.notify_all()
+        return progress(self)
+
+    monkeypatch.setattr(StoreSamples, "progress", counted)
+    real, spans, active, take = checkpoint.write, [], [], checkpoint.snapshot
+
+    def snapshot(*a, **kw):  # one snapshot held at a time, as _slow_writes checks
+        assert not active, f"a snapshot taken while step {active}'s checkpoint is written"
+        return take(*a, **kw)
+
+    def held(out, step, snap, *a, **kw):
+        active.append(step)
+        t0 = time.perf_counter()
+        try:
+            if step < last:
+                with cond:
+                    cond.wait_for(lambda: any(e > t0 for e in ended), timeout)
+            path = real(out, step, snap, *a, **kw)
+        finally:
+            active.remove(step)
+        spans.append((t0, time.perf_counter(), step))
+        return path
+
+    monkeypatch.setattr(checkpoint, "snapshot", snapshot)
+
+    monkeypatch.setattr(checkpoint, "write", held)
+    return spans
+
+
 def test_a_checkpoint_is_written_while_the_next_steps_train(small_store, tmp_path, monkeypatch):
-    spans = _slow_writes(monkeypatch, 1.0)
+    """At 962a6d4 this slept 1 s in the write and expected a step to end meanwhile: on a loaded two-core machine a
+    step took longer. The write now waits for a step to end (the bug, a write that blocks training, times out)."""
+    spans = _writes_waiting_for_a_step(monkeypatch, last=6)
     r = train(_cfg(small_store, tmp_path / "bg", max_steps=6, checkpoint_every=2, checkpoint_background=True),
               progress=False)
     ends = [r.started_at + t for t, _ in r.timeline]

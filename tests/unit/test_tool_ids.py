@@ -122,7 +122,7 @@ def test_every_call_gets_a_kimi_id_of_its_name_and_every_result_the_id_of_its_ca
     msgs, answered = [{"role": "user", "content": "q"}], []
     for calls in turns:
         ids = [cid for cid, _ in calls]
-        unique = len(set(i for i in ids if i is not None)) == len([i for i in ids if i is not None])
+        unique = len({i for i in ids if i is not None}) == len([i for i in ids if i is not None])
         msgs.append({"role": "assistant", "content": "", "tool_calls": [_call(c, n, {}) for c, n in calls]})
         for j, (cid, _) in enumerate(calls):
             by_id = answer_by_id and cid is not None and unique
