@@ -41,9 +41,9 @@ from typing import Sequence
 import torch
 
 from eagle3 import ownership
-from eagle3.preflight import UsageError
 from eagle3.data.conversations import Sample
 from eagle3.extract.timeline import rate_past_first
+from eagle3.preflight import UsageError
 from eagle3.store.files import checksum_matches
 from eagle3.store.folder import Store, claim
 from eagle3.store.format import SHARDS, StoreError, StoreSpec

@@ -23,10 +23,10 @@ from .conftest import run_forked
 from .test_train import _cfg
 
 
-def _slow_writes(monkeypatch, seconds: float) -> list[tuple[float, float, int]]:
-    """checkpoint.write delayed by ``seconds``; returns the list of each write's (start, end, step). Asserts that no
-    snapshot is taken while a write runs (a snapshot, 12 GB at Kimi-K2.5's draft size, is held until it is written:
-    one at a time), so no two writes run at once either."""
+def _held_writes(monkeypatch, hold) -> list[tuple[float, float, int]]:
+    """checkpoint.write held by ``hold(step, start)`` before it writes; returns the list of each write's (start, end,
+    step). Asserts that no snapshot is taken while a write runs (a snapshot, 12 GB at Kimi-K2.5's draft size, is
+    held until it is written: one at a time), so no two writes run at once either."""
     real, spans, active = checkpoint.write, [], []
     take = checkpoint.snapshot
 
@@ -36,26 +36,30 @@ def _slow_writes(monkeypatch, seconds: float) -> list[tuple[float, float, int]]:
 
     monkeypatch.setattr(checkpoint, "snapshot", snapshot)
 
-    def slow(out, step, snap, *a, **kw):
+    def held(out, step, snap, *a, **kw):
         assert not active, f"step {step}'s checkpoint written while step {active}'s still is"
         active.append(step)
         t0 = time.perf_counter()
         try:
-            time.sleep(seconds)
+            hold(step, t0)
             path = real(out, step, snap, *a, **kw)
         finally:
             active.remove(step)
         spans.append((t0, time.perf_counter(), step))
         return path
 
-    monkeypatch.setattr(checkpoint, "write", slow)
+    monkeypatch.setattr(checkpoint, "write", held)
     return spans
+
+
+def _slow_writes(monkeypatch, seconds: float) -> list[tuple[float, float, int]]:
+    """checkpoint.write delayed by ``seconds`` (_held_writes)."""
+    return _held_writes(monkeypatch, lambda step, t0: time.sleep(seconds))
 
 
 def _writes_waiting_for_a_step(monkeypatch, last: int, timeout: float = 30.0) -> list[tuple[float, float, int]]:
     """checkpoint.write held, for each step before ``last``, until a training step has ended after it began (or
-    ``timeout`` s, which only a write that blocks training reaches): events, not a sleep a slow machine outlasts.
-    Returns each write's (start, end, step)."""
+    ``timeout`` s, which only a write that blocks training reaches): events, not a sleep a slow machine outlasts."""
     import threading
 
     from eagle3.train.train import StoreSamples
@@ -69,30 +73,13 @@ def _writes_waiting_for_a_step(monkeypatch, last: int, timeout: float = 30.0) ->
             cond.notify_all()
         return progress(self)
 
+    def hold(step, t0):
+        if step < last:
+            with cond:
+                cond.wait_for(lambda: any(e > t0 for e in ended), timeout)
+
     monkeypatch.setattr(StoreSamples, "progress", counted)
-    real, spans, active, take = checkpoint.write, [], [], checkpoint.snapshot
-
-    def snapshot(*a, **kw):  # one snapshot held at a time, as _slow_writes checks
-        assert not active, f"a snapshot taken while step {active}'s checkpoint is written"
-        return take(*a, **kw)
-
-    def held(out, step, snap, *a, **kw):
-        active.append(step)
-        t0 = time.perf_counter()
-        try:
-            if step < last:
-                with cond:
-                    cond.wait_for(lambda: any(e > t0 for e in ended), timeout)
-            path = real(out, step, snap, *a, **kw)
-        finally:
-            active.remove(step)
-        spans.append((t0, time.perf_counter(), step))
-        return path
-
-    monkeypatch.setattr(checkpoint, "snapshot", snapshot)
-
-    monkeypatch.setattr(checkpoint, "write", held)
-    return spans
+    return _held_writes(monkeypatch, hold)
 
 
 def test_a_checkpoint_is_written_while_the_next_steps_train(small_store, tmp_path, monkeypatch):
