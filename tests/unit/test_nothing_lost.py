@@ -453,6 +453,10 @@ def test_every_refusal_comes_in_under_a_second(world, tmp_path, partial_store):
     world = dict(world, no_weights=str(tmp_path / "nope"), no_tok=str(tmp_path / "nope"), partial=str(partial_store))
     cases = [(n, a) for n, a, _ in MISTAKES if "{no_" not in a] + [(n, a) for n, a, _ in OUT_OF_RANGE] + [
         ("extract into a foreign folder", "extract --model {model} --data {data} --out {tmp}/mine"),
+        ("train into a folder of the user's files", "train --store {store} --out {tmp}/mine"),
+        ("make-target into a folder of the user's files", "make-target --out {tmp}/mine"),
+        ("demo into a folder of the user's files", "demo --out {tmp}/mine"),
+        ("regenerate over a user's file", "regenerate --target {model} --data {data} --out {tmp}/mine/notes.txt"),
         ("train on an incomplete store", f"train --store {partial_store} --out {{tmp}}/t"),
     ]
     timings = {}
