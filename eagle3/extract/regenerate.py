@@ -45,9 +45,13 @@ MODES = ("all", "last")
 SEED_STRIDE = 1_000_003
 
 
+TURN_SHIFT = 40  # turn k's seeds lie k * 2**40 above turn 0's: apart for any file under 2**40 - seed * SEED_STRIDE lines
+
+
 def turn_seed(seed: int, line: int, k: int = 0) -> int:
-    """The seed of input line ``line``'s k-th regenerated turn (extract --regenerate draws turn 0 with it too)."""
-    return seed * SEED_STRIDE + line + k * 7919
+    """The seed of input line ``line``'s k-th regenerated turn (extract --regenerate draws turn 0 with it too): its
+    own for every (line, turn) of a run."""
+    return seed * SEED_STRIDE + line + (k << TURN_SHIFT)
 
 
 @dataclass
@@ -159,18 +163,18 @@ def check_output(cfg: RegenConfig) -> bool:
     return False
 
 
-def open_output(cfg: RegenConfig) -> int:
-    """Check OUT and make it ready to append; returns the last input line already written (0: none). A torn last
-    line (kill -9 mid-write) is cut off."""
+def open_output(cfg: RegenConfig) -> tuple[int, int]:
+    """Check OUT and make it ready to append; returns (the last input line already written, the conversations OUT
+    holds): (0, 0) for none. A torn last line (kill -9 mid-write) is cut off."""
     out, side = Path(cfg.out), _sidecar(Path(cfg.out))
     if not check_output(cfg):
         out.parent.mkdir(parents=True, exist_ok=True)
         ownership.write_new(side, json.dumps(cfg.settings(), indent=1).encode())  # a temp name no user file has
         out.touch()
-        return 0
+        return 0, 0
     if not out.exists():
         out.touch()
-        return 0
+        return 0, 0
     data = out.read_bytes()
     keep = data.rfind(b"\n") + 1
     if keep < len(data):
@@ -178,10 +182,8 @@ def open_output(cfg: RegenConfig) -> int:
         with open(out, "r+b") as f:
             f.truncate(keep)
             os.fsync(f.fileno())
-    last = 0
-    for raw in data[:keep].splitlines():
-        last = max(last, json.loads(raw)["regenerated"]["line"])
-    return last
+    rows = data[:keep].splitlines()
+    return max((json.loads(raw)["regenerated"]["line"] for raw in rows), default=0), len(rows)
 
 
 # --------------------------------------------------------------------------------------------- generators
@@ -291,26 +293,28 @@ def run(cfg: RegenConfig, generator: Callable | None = None, fault: Callable[[st
 
     if cfg.mode not in MODES:
         raise RegenError(f"mode {cfg.mode!r}: use {' or '.join(MODES)}")
-    done = open_output(cfg)
+    done, held = open_output(cfg)
     tok = AutoTokenizer.from_pretrained(cfg.target)
     kimi = all(t in tok.get_vocab() for t in kimi_format.TOOL_TOKENS + kimi_format.THINK)
     stops = masks.stop_ids(tok)
     gen = generator or (HFGenerator(cfg.target, cfg.device) if cfg.backend == "hf" else VLLMGenerator(
         cfg.target, cfg.tp, cfg.gpu_memory_utilization, cfg.max_model_len))
     try:
-        return _regenerate(cfg, gen, tok, kimi, stops, done, fault, progress_every_s)
+        return _regenerate(cfg, gen, tok, kimi, stops, done, held, fault, progress_every_s)
     finally:
         if generator is None and hasattr(gen, "close"):
             gen.close()
 
 
-def _regenerate(cfg: RegenConfig, gen, tok, kimi: bool, stops: set[int], done: int, fault,
+def _regenerate(cfg: RegenConfig, gen, tok, kimi: bool, stops: set[int], done: int, held: int, fault,
                 progress_every_s: float) -> RegenSummary:
+    """Regenerate the input lines after line ``done``; OUT holds ``held`` conversations already (--max-samples
+    counts them, not the blank or bad lines before ``done``)."""
     summary = RegenSummary(resumed_after=done)
     if done:
         log.info("resuming: input lines 1-%d already regenerated in %s", done, cfg.out)
     t0 = last_report = time.perf_counter()
-    left = cfg.max_samples - done if cfg.max_samples else None
+    left = cfg.max_samples - held if cfg.max_samples else None
     batch: list = []
     with open(cfg.out, "ab") as out:
         def flush():

@@ -271,3 +271,54 @@ def test_a_malformed_regenerate_record_is_refused_with_the_reason(tmp_path, toke
     assert [s.sample_id for s in kept] == ["d.jsonl:2"] and rep.rejected["bad_regenerated"] == 1
     said = json.loads((tmp_path / "rejects.jsonl").read_text().splitlines()[0])["error"]
     assert said.startswith("d.jsonl:1: ".replace("d.jsonl", str(tmp_path / "d.jsonl"))) and problem in said, said
+
+
+# -- round three of what the suite missed (issue 70) -----------------------------------------------------------------
+@pytest.mark.parametrize("form", ["object", "string"])
+def test_tool_call_arguments_render_as_the_template_renders_them_in_either_form(tmp_path, kimi_tok, form):
+    """Arguments as a JSON object or as a string: the sample's tokens are the template's own rendering of the line as
+    given (an object through its tojson, non-ASCII kept; a string verbatim), the mask on the call."""
+    args = {"city": "Zürich", "days": [1, 2], "units": {"t": "C"}}
+    call = {"id": "functions.get_weather:0", "type": "function",
+            "function": {"name": "get_weather", "arguments": args if form == "object" else json.dumps(args)}}
+    msgs = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "mild"}, {"role": "assistant", "content": "Mild."}]
+    (s,), rep = _load(tmp_path, kimi_tok, [{"tools": kimi_traffic.TOOLS[:1], "messages": msgs}])
+    own = kimi_tok.apply_chat_template(msgs, tools=kimi_traffic.TOOLS[:1], tokenize=False)
+    assert kimi_tok.decode(s.input_ids) == own
+    on, _ = _split(kimi_tok, s)
+    shown = json.dumps(args, ensure_ascii=False) if form == "object" else json.dumps(args)
+    assert f"<|tool_call_argument_begin|>{shown}<|tool_call_end|>" in on
+    assert rep.template_dropped == {}
+
+
+def test_the_legacy_function_role_is_a_tool_s_reply_never_trained(tmp_path, kimi_tok):
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "function", "name": "get_weather", "content": "RAINY-IN-OSLO"},
+            {"role": "assistant", "content": "Rain."}]
+    (s,), _ = _load(tmp_path, kimi_tok, [{"tools": kimi_traffic.TOOLS[:1], "messages": msgs}])
+    on, off = _split(kimi_tok, s)
+    assert "RAINY-IN-OSLO" in off and "RAINY-IN-OSLO" not in on
+    assert "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\nRAINY-IN-OSLO<|im_end|>" in off
+    assert on.endswith("<think></think>Rain.<|im_end|>")
+
+
+def test_kimi_keeps_the_thinking_of_every_turn_after_the_last_user_message_and_drops_it_before(tmp_path, kimi_tok):
+    """An agentic turn (thinking, a call, the tool's reply, thinking, the answer) keeps both thinkings in one sample:
+    both follow the last user message. A turn before a later user message is rendered without its thinking in the
+    whole conversation, so it is learned from its own view (@1), thinking included."""
+    agentic = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "reasoning_content": "THINK-ONE", "tool_calls": [CALL]},
+               {"role": "tool", "tool_call_id": CALL["id"], "content": "foggy"},
+               {"role": "assistant", "content": "Foggy.", "reasoning_content": "THINK-TWO"}]
+    (s,), rep = _load(tmp_path, kimi_tok, [{"tools": kimi_traffic.TOOLS[:1], "messages": agentic}])
+    on, _ = _split(kimi_tok, s)
+    assert "<think>THINK-ONE</think>" in on and "<think>THINK-TWO</think>" in on and rep.views == 0
+    later = agentic + [{"role": "user", "content": "And tomorrow?"},
+                       {"role": "assistant", "content": "Rain.", "reasoning_content": "THINK-THREE"}]
+    whole, own = _load(tmp_path, kimi_tok, [{"tools": kimi_traffic.TOOLS[:1], "messages": later}])[0]
+    assert [x.sample_id for x in (whole, own)] == ["d.jsonl:1", "d.jsonl:1@3"]
+    text = kimi_tok.decode(whole.input_ids)
+    assert "THINK-ONE" not in text and "THINK-TWO" not in text and "<think>THINK-THREE</think>" in text
+    assert "<think>THINK-ONE</think>" in _split(kimi_tok, own)[0] and "<think>THINK-TWO</think>" in _split(kimi_tok, own)[0]

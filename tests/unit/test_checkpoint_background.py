@@ -176,3 +176,21 @@ def test_checkpoints_are_written_in_the_background_by_default_on_cuda_only(devic
 def test_cli_checkpoint_background(flag, want):
     a = cli.build_parser().parse_args(["train", "--store", "s", "--out", "o", *flag])
     assert cli._train_config(a).checkpoint_background is want
+
+
+def test_when_the_loop_fails_while_a_background_write_fails_the_loop_s_error_is_raised_and_the_write_s_logged(
+        small_store, tmp_path, monkeypatch, caplog):
+    """lr 1e30: step 2 diverges while step 1's checkpoint fails to write (a full disk): the user sees why training
+    stopped (the loop's error), with the write's beside it in the log, not one in place of the other."""
+    import logging
+
+    def full_disk(out, step, snap, *a, **kw):
+        time.sleep(0.5)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "write", full_disk)
+    with caplog.at_level(logging.ERROR), pytest.raises(TrainingDiverged, match="step 2: the loss is nan"):
+        train(_cfg(small_store, tmp_path / "t", lr=1e30, max_steps=4, checkpoint_every=1,
+                   checkpoint_background=True), progress=False)
+    assert "the checkpoint written in the background failed too: OSError: [Errno 28] No space left on device" \
+        in caplog.text, caplog.text

@@ -39,3 +39,20 @@ def test_the_record_names_every_file_with_its_size_and_checksum(trained_run):
     assert set(rec) == set(checkpoint.CKPT_FILES)
     for name, entry in rec.items():
         assert entry["bytes"] == (ckpt / name).stat().st_size and entry["checksum"].startswith("xxh3_128:")
+
+
+@pytest.mark.parametrize("name", checkpoint.CKPT_FILES)
+def test_a_record_that_leaves_a_file_out_makes_the_checkpoint_torn(trained_run, tmp_path, name):
+    """files.json must name every file the checkpoint holds: one that leaves a file out vouches for less than the
+    checkpoint that is resumed from."""
+    import json
+
+    _, out = trained_run
+    copy = tmp_path / "run"
+    shutil.copytree(out / "checkpoints", copy / "checkpoints")
+    newest = checkpoint.latest(copy)
+    rec = json.loads((newest / checkpoint.FILES).read_text())
+    del rec[name]
+    (newest / checkpoint.FILES).write_text(json.dumps(rec))
+    assert not checkpoint.complete(newest) and not checkpoint.sizes_match(newest)
+    assert checkpoint.latest(copy).name == "step-0000008"

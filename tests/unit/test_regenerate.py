@@ -326,3 +326,68 @@ def test_the_vllm_backend_batches_conversations_with_a_seed_and_the_end_tokens_p
     assert all(tok.eos_token_id in p["stop_token_ids"] for p in first)
     assert s.written == 3 and s.tokens == sum(turns) * len(tok("<think></think>Fine.", add_special_tokens=False)[
         "input_ids"]) + sum(turns)
+
+
+# -- round three of what the suite missed (issue 70) -----------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 10**6), a=st.tuples(st.integers(1, 10**8), st.integers(0, 255)),
+       b=st.tuples(st.integers(1, 10**8), st.integers(0, 255)))
+def test_every_line_and_turn_draws_its_own_seed(seed, a, b):
+    """At 962a6d4 line 7920's first turn drew line 1's second turn's seed (line + 7919 k): two conversations of a long
+    file sampled alike. Turn 0 keeps seed * 1000003 + line (extract --regenerate draws it too)."""
+    from eagle3.extract.regenerate import turn_seed
+
+    assert turn_seed(seed, a[0], 0) == seed * 1_000_003 + a[0]
+    assert turn_seed(seed, 1, 1) != turn_seed(seed, 7920, 0)
+    assert (turn_seed(seed, *a) == turn_seed(seed, *b)) == (a == b)
+
+
+def test_max_samples_counts_the_conversations_written_across_a_resume(tmp_path, kimi_target, kimi_tokenizer):
+    """--max-samples is the conversations OUT holds. At 962a6d4 a resumed run counted from the last input line written,
+    so the blank and bad lines before it were taken for conversations: 3 written of 5."""
+    one = [{"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": "x"}]}
+           for i in range(8)]
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps(one[0]) + "\n\n{broken\n" + "".join(json.dumps(x) + "\n" for x in one[1:]))
+    cfg = RegenConfig(target=str(kimi_target), data=str(data), out=str(tmp_path / "out.jsonl"), max_samples=5,
+                      batch_size=1)
+
+    class Stop(Exception):
+        pass
+
+    written = []
+
+    def stop_after_two(point):
+        if point == "after_line":
+            written.append(1)
+            if len(written) == 2:
+                raise Stop
+
+    with pytest.raises(Stop):
+        regenerate.run(cfg, Scripted(kimi_tokenizer, ["a"] * 8), fault=stop_after_two)
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2  # lines 1 and 4
+    regenerate.run(cfg, Scripted(kimi_tokenizer, ["a"] * 8))
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["regenerated"]["line"] for r in rows] == [1, 4, 5, 6, 7]
+
+
+def test_a_turn_ends_on_any_of_the_target_s_end_of_turn_ids(tmp_path, kimi_tokenizer):
+    """generation_config.json may list several end-of-turn ids, none of them the tokenizer's eos: a turn that ends on
+    any of them is ended ("stop", its end token learned); one that stops on another token was cut ("length")."""
+    target = tmp_path / "t"
+    kimi_tokenizer.save_pretrained(target)
+    a, b = kimi_tokenizer.convert_tokens_to_ids(["[EOS]", "<|im_user|>"])
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [a, b]}))
+    data = _data(tmp_path, [{"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": "x"}]}
+                            for i in range(3)])
+    words = kimi_tokenizer("Fine.", add_special_tokens=False)["input_ids"]
+
+    def ends(prompts, seeds, cfg, stops):
+        assert {a, b, kimi_tokenizer.eos_token_id} <= stops
+        return [words + [a], words + [b], words]
+
+    cfg = RegenConfig(target=str(target), data=str(data), out=str(tmp_path / "o.jsonl"), batch_size=3)
+    regenerate.run(cfg, ends)
+    rows = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [r["regenerated"]["finish"] for r in rows] == [["stop"], ["stop"], ["length"]]
+    assert [r["messages"][1]["content"] for r in rows] == ["Fine."] * 3
