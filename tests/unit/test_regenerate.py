@@ -391,3 +391,19 @@ def test_a_turn_ends_on_any_of_the_target_s_end_of_turn_ids(tmp_path, kimi_token
     rows = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert [r["regenerated"]["finish"] for r in rows] == [["stop"], ["stop"], ["length"]]
     assert [r["messages"][1]["content"] for r in rows] == ["Fine."] * 3
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=st.text(st.sampled_from("ab é日𝄞😀"), min_size=1, max_size=12))
+def test_a_cut_inside_a_character_of_any_utf8_length_keeps_exactly_the_whole_characters(kimi_tokenizer, text):
+    """Cut after every token of a text of 1-, 2-, 3- and 4-byte characters: what is kept decodes to the longest prefix
+    of whole characters the tokens hold, never a U+FFFD, never a whole character less."""
+    from eagle3.extract.regenerate import whole_characters
+
+    tok = kimi_tokenizer
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    for k in range(1, len(ids) + 1):
+        kept = tok.decode(whole_characters(ids[:k], tok))
+        raw = tok.decode(ids[:k])
+        assert "\ufffd" not in kept and text.startswith(kept), (text, k)
+        assert kept == raw.split("\ufffd")[0], (text, k, raw)
