@@ -34,6 +34,8 @@ CASES = {
     "EAGLE-3.1 (fc_norm and norm_output)": ("", ["--eagle-3.1"], {"fc_norm": True, "norm_output": True}),
     "fc_norm alone, two aux layers": ("2,6,8", ["--fc-norm"], {"fc_norm": True, "aux_layer_ids": [2, 6],
                                                                "num_aux_hidden_states": 2, "fc_input_size": 256}),
+    "norm_output alone": ("", ["--norm-output"], {"norm_output": True}),
+    "the target's whole vocabulary (no vocabulary map)": ("", ["--draft-vocab", "100000"], {"draft_vocab_size": 1024}),
 }
 TORCH_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
@@ -81,6 +83,8 @@ def test_each_option_reaches_what_vllm_reads(store_at, tmp_path, name):
     assert shapes["fc.weight"][0] == (128, full["fc_input_size"])
     assert sorted(k for k in shapes if k.startswith("fc_norm.")) == (
         [f"fc_norm.{i}.weight" for i in range(full["num_aux_hidden_states"])] if full["fc_norm"] else [])
+    assert ("d2t" in shapes) == (full["draft_vocab_size"] < got["vocab_size"])  # a map only for a smaller vocabulary
+    assert shapes["lm_head.weight"][0] == (full["draft_vocab_size"], 128)
 
 
 def test_problems_sees_a_config_that_names_other_layers_than_the_weights(store_at, tmp_path):

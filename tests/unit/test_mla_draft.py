@@ -20,12 +20,16 @@ from . import vllm_mla_ref as ref
 from .served_step import assert_served_step_is_the_trained_one
 
 
+TOGGLES = ((False, False), (True, False), (False, True), (True, True))  # (fc_norm, norm_output): each alone, both
+
+
 @pytest.fixture(scope="module")
 def mla_drafts(small_store, tmp_path_factory):
     """tiny-kimi's store (an MLA target: kv_lora 32, rope 8, nope 16, v 16, q_lora 64): MLA drafts trained 4 steps at a
-    high rate (every norm off 1), plain and with EAGLE-3.1's toggles: (checkpoint, published folder, result)."""
+    high rate (every norm off 1), plain, with each of EAGLE-3.1's toggles alone and both: (checkpoint, published
+    folder, result)."""
     out = {}
-    for toggles in ((False, False), (True, True)):
+    for toggles in TOGGLES:
         tmp = tmp_path_factory.mktemp(f"mla-{int(toggles[0])}")
         res = train(TrainConfig(store=str(small_store), out=str(tmp), draft_vocab_size=256, batch_samples=4,
                                 max_steps=4, lr=2e-2, seed=0, draft_arch="mla", fc_norm=toggles[0],
@@ -34,7 +38,7 @@ def mla_drafts(small_store, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("toggles", [(False, False), (True, True)])
+@pytest.mark.parametrize("toggles", TOGGLES)
 def test_the_mla_draft_computes_in_vllm_what_it_computed_in_training(mla_drafts, toggles):
     ckpt, published, res = mla_drafts[toggles]
     cfg, w = ref.read(published)

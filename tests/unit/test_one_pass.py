@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagle3.data import corpus, masks
-from eagle3.data.conversations import DataConfig
+from eagle3.data.conversations import DataConfig, DataError
 from eagle3.extract import extract, one_pass, regenerate
 from eagle3.extract.capture import CaptureError, StepLayout
 from eagle3.extract.decode_capture import RowCollector, external_id
@@ -309,3 +309,20 @@ def test_the_command_line_regenerates_records_its_settings_and_resumes(tiny_kimi
                      "--regenerate", "--backend", "vllm", "--capture", "aux"]) == 2
     assert "--capture direct or hooks" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
+
+
+@pytest.mark.parametrize("room", [-1, 0, 1, 2])
+def test_a_prompt_at_the_edge_of_max_len_gets_the_room_left_or_is_rejected(tokenizer, tmp_path, room):
+    """max_len = the prompt's tokens + room: one token of room or more, the turn may run to exactly that room (the
+    sample then reaches max_len); none, the prompt is rejected (too_long), never asked for 0 or fewer tokens."""
+    conv = {"messages": [{"role": "user", "content": "Say something long."}, {"role": "assistant", "content": "x"}]}
+    data = corpus.write_jsonl(tmp_path / "c.jsonl", [conv])
+    n = len(tokenizer(masks.chat(tokenizer, conv["messages"][:1], None, gen=True), add_special_tokens=False)["input_ids"])
+    cfg = DataConfig([str(data)], max_len=n + room, rejects_path=str(tmp_path / "r.jsonl"))
+    if room >= 1:
+        prompts, report = one_pass.load_prompts(cfg, tokenizer, one_pass.Generation(max_tokens=64))
+        assert [len(p) for p in prompts] == [n] and prompts[0].max_tokens == room and report.rejected == {}
+    else:
+        with pytest.raises(DataError, match=r"no usable prompts .*rejected: too_long: 1"):
+            one_pass.load_prompts(cfg, tokenizer, one_pass.Generation(max_tokens=64))
+        assert "no room under max_len" in json.loads((tmp_path / "r.jsonl").read_text())["error"]
