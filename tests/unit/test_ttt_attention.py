@@ -4,6 +4,8 @@ different lengths, every TTT step, GQA; and inside speculators' draft, the same 
 sdpa path. The CUDA kernels (aten flash, varlen) are the GPU test's (tests/gpu/test_bench_train.py); here the same
 merge runs with aten's CPU flash attention sample by sample."""
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -132,3 +134,14 @@ def test_training_with_varlen_follows_the_sdpa_run_and_exports_the_same_draft_co
     ca, cb = (json.loads((tmp_path / n / "draft" / "config.json").read_text()) for n in ("sdpa", "varlen"))
     assert ca == cb and ta.NAME not in json.dumps(cb)
     assert cli.build_parser().parse_args(["train", "--store", "s", "--out", "o", "--attn", "varlen"]).attn == "varlen"
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=8))
+def test_the_pack_s_boundaries_and_its_longest_sample_whatever_the_order(lengths):
+    """cu_seqlens [0, l0, l0 + l1, ...] and the longest sample's rows, which the flash varlen kernels take as
+    max_seqlen on CUDA (the CPU's flash attention does not read it, so only this and the GPU test see it wrong)."""
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    fk = ta.forward_kwargs(doc, "cpu")
+    assert fk[ta.KWARG].tolist() == [0] + list(itertools.accumulate(lengths))
+    assert fk[ta.LONGEST] == max(lengths)
