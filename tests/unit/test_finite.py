@@ -3,6 +3,7 @@ the speed of torch.isfinite on bf16 (which bounded the store reader at ~25,000 K
 with torch.isfinite(x).all() on every dtype a store holds or a reader makes (bf16, fp16, float32 from fp8), for a
 NaN, +inf or -inf anywhere, vector tails included."""
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -28,3 +29,13 @@ def test_nonfinite_layers_names_the_layer_and_counts(layer, row, v):
     hs[row, layer, 5] = v
     assert not all_finite(hs)
     assert nonfinite_layers(hs) == ([layer], 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_all_finite_is_isfinite_all_for_every_shape_dtype_and_value(dtype, bad):
+    for shape in ((0,), (0, 4, 8), (1,), (3, 4, 8)):
+        x = torch.randn(shape).to(dtype)
+        if bad is not None and x.numel():
+            x.view(-1)[x.numel() // 2] = bad
+        assert all_finite(x) == bool(torch.isfinite(x).all()), (shape, dtype, bad)

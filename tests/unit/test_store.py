@@ -420,3 +420,21 @@ def test_close_waits_for_a_submit_already_putting_its_shard(tmp_path):
     time.sleep(0.3)
     let_put.set()
     _all_returned_and_written(w, (closer, submitter))
+
+
+def test_how_far_a_store_is_counts_only_planned_samples_and_says_when_there_is_no_plan(tmp_path):
+    """status.py (JSON only): a store without a plan (made through the API) is "N of ?", every stored sample counted,
+    and never refused as incomplete; with a plan, samples it does not name are not counted toward it."""
+    import json
+
+    from eagle3.store import status
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": [{"sample_ids": ["a:1", "a:2"]},
+                                                                    {"sample_ids": ["a:3", "stray:9"]}]}))
+    assert status.counts(tmp_path) == (4, None) and status.stored(tmp_path) == "4 of ? samples"
+    assert status.incomplete_message(tmp_path) is None
+    (tmp_path / "plan.json").write_text(json.dumps({"sample_ids": ["a:1", "a:2", "a:3", "a:4"]}))
+    assert status.counts(tmp_path) == (3, 4) and status.stored(tmp_path) == "3 of 4 samples"
+    assert "holds 3 of the 4 samples its plan names (1 missing)" in status.incomplete_message(tmp_path)
+    (tmp_path / "plan.json").write_text(json.dumps({"sample_ids": ["a:1", "a:2", "a:3"]}))
+    assert status.counts(tmp_path) == (3, 3) and status.incomplete_message(tmp_path) is None
