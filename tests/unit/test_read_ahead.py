@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.store.folder import Store
+from eagle3.train.read_ahead import ReadAhead
 from eagle3.train.train import BadData, StoreSamples, train
 
 from .test_train import _cfg as train_cfg
@@ -126,3 +127,26 @@ def test_the_sustained_rate_leaves_out_a_slow_start_and_the_final_checkpoint(sma
     assert r.sustained_tokens_per_s() == pytest.approx(later), (r.timeline, r.sustained_tokens_per_s())
     assert any(line.startswith("time ") and f"sustained {r.sustained_tokens_per_s():,.0f} tok/s" in line
                for line in r.lines()), r.lines()
+
+
+def test_a_step_out_of_order_gets_its_own_read_after_the_one_ahead_has_finished():
+    """take(s) for another step than the one read ahead: that read finishes first (one reader at a time: a source is
+    read by one thread, in order), then step s is read and handed over, never the other step's samples."""
+    import threading
+    import time
+
+    active, overlaps, lock = [0], [], threading.Lock()
+
+    def read(step):
+        with lock:
+            active[0] += 1
+            overlaps.append(active[0] > 1)
+        time.sleep(0.3 if step == 1 else 0.0)
+        with lock:
+            active[0] -= 1
+        return f"samples of step {step}"
+
+    ahead = ReadAhead(read)
+    ahead.start(1)
+    assert ahead.take(2) == "samples of step 2"
+    assert overlaps == [False, False]

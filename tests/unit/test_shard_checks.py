@@ -164,3 +164,22 @@ def test_a_closed_source_stops_its_checks_between_shards(small_store, checks):
     gate[files[0]].set()
     samples.checks.join(10)
     assert not samples.checks.thread.is_alive() and seen == [(files[0], shard_checks.NAME)]
+
+
+def test_a_mismatch_is_checked_again_at_the_next_read_and_a_check_s_error_is_raised_where_it_is_needed():
+    """Only a match is kept: a shard that did not match (restored since, or read while still being copied) is
+    hashed again when next read; a check that failed (the file unreadable) raises its own error to the reader."""
+    answers = {"a": [False, True]}
+    calls = []
+
+    def check(file):
+        calls.append(file)
+        if file == "gone":
+            raise OSError(2, "No such file or directory", file)
+        return answers[file].pop(0)
+
+    checks = shard_checks.ShardChecks(check)
+    assert checks.matches("a") is False and checks.matches("a") is True and checks.matches("a") is True
+    assert calls == ["a", "a"]
+    with pytest.raises(OSError, match="No such file"):
+        checks.matches("gone")
