@@ -322,3 +322,15 @@ def test_kimi_keeps_the_thinking_of_every_turn_after_the_last_user_message_and_d
     text = kimi_tok.decode(whole.input_ids)
     assert "THINK-ONE" not in text and "THINK-TWO" not in text and "<think>THINK-THREE</think>" in text
     assert "<think>THINK-ONE</think>" in _split(kimi_tok, own)[0] and "<think>THINK-TWO</think>" in _split(kimi_tok, own)[0]
+
+
+def test_a_template_that_writes_a_call_s_name_but_not_its_arguments_is_reported(tmp_path, tokenizer):
+    """The data line says what the template left out: here each call's arguments (its name is written)."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+                         "{% for c in m.get('tool_calls') or [] %}call {{ c['function']['name'] }}{% endfor %}"
+                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    _, rep = _load(tmp_path, tok, [{"tools": kimi_traffic.TOOLS[:1], "messages": TOOL_CHAT}])
+    assert rep.template_dropped == {"assistant.tool_calls": 1}  # the tools list: its name is in the text
