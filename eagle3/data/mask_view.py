@@ -94,11 +94,10 @@ def samples(tokenizer, path: str | Path, line: int | None = None) -> Iterator[Ma
             yield e
             continue
         for v in vs:
-            ids, mask = masks.encode(tokenizer, v, stops)
-            offsets = tokenizer(v.text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+            ids, mask, offsets = masks.encode_with_offsets(tokenizer, v, stops)
             sid = f"{path.name}:{n}" + ("" if v.end == len(conv.messages) else f"@{v.end - 1}")
-            yield MaskedSample(sid, n, v.text, ids, mask, [tuple(o) for o in offsets],
-                               turn_roles(tokenizer, conv.messages, conv.tools, v, offsets))
+            yield MaskedSample(sid, n, v.text, ids, mask, offsets, turn_roles(tokenizer, conv.messages, conv.tools, v,
+                                                                               offsets))
     if line is not None and not found:
         raise DataError(path, line, "no such line (or it is blank)", "Give the number of a line that holds a "
                         "conversation (the first line is 1)")

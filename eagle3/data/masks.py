@@ -84,10 +84,17 @@ def views(tokenizer, conv: Conversation, path="?", line: int = 0) -> list[View]:
 
 
 def encode(tokenizer, view: View, stops: set[int]) -> tuple[list[int], list[int]]:
-    """View -> (input_ids [T], loss_mask [T]): 1 on tokens starting inside a span, up to the span's last end token
-    (for a turn the target did not end: up to the token before it, and at most the tokens it wrote)."""
+    """View -> (input_ids [T], loss_mask [T]) (encode_with_offsets)."""
+    ids, mask, _ = encode_with_offsets(tokenizer, view, stops)
+    return ids, mask
+
+
+def encode_with_offsets(tokenizer, view: View, stops: set[int]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """View -> (input_ids [T], loss_mask [T], each token's characters in view.text [T]): the mask 1 on tokens starting
+    inside a span, up to the span's last end token (for a turn the target did not end: up to the token before it, and
+    at most the tokens it wrote)."""
     enc = tokenizer(view.text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
     mask = [0] * len(ids)
     for (s, e), ended, written in zip(view.spans, view.ended, view.written):
         inside = [t for t, (a, _) in enumerate(offsets) if s <= a < e]
@@ -98,7 +105,7 @@ def encode(tokenizer, view: View, stops: set[int]) -> tuple[list[int], list[int]
         for t in inside:
             if t <= last:
                 mask[t] = 1
-    return ids, mask
+    return ids, mask, offsets
 
 
 def dropped(conv: Conversation, vs: list[View]) -> Counter:
