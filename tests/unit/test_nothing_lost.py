@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from eagle3 import cli, ownership
+from eagle3 import preflight as cli_preflight
 from eagle3.data.conversations import DataConfig
 from eagle3.extract import extract
 from eagle3.store import verify
@@ -517,3 +518,21 @@ def test_an_interrupted_extraction_leaves_no_writer_thread_running(tiny_kimi, sm
     with pytest.raises(KeyboardInterrupt):
         extract.run(cfg, progress=False)
     assert [t.name for t in set(threading.enumerate()) - before if t.name.startswith("eagle3-shard")] == []
+
+
+@pytest.mark.parametrize("command", ["extract", "train"])
+def test_a_store_being_written_is_refused_in_preflight_before_any_model_is_read(small_store, tmp_path, tiny_kimi,
+                                                                             small_data, command):
+    """The refusal comes from the CLI's preflight (well under a second), not from the library once the model and data
+    are loaded (the library refuses too: a second writer never gets in)."""
+    store = tmp_path / "s"
+    shutil.copytree(small_store, store)
+    holder = _hold_lock(store)
+    try:
+        argv = (_extract_argv(tiny_kimi, small_data, store) if command == "extract"
+                else ["train", "--store", str(store), "--out", str(tmp_path / "t")])
+        with pytest.raises(cli_preflight.UsageError, match=f"being written by pid {holder.pid}"):
+            cli.preflight(cli.build_parser().parse_args(argv))
+    finally:
+        holder.kill()
+        holder.wait()

@@ -438,3 +438,29 @@ def test_how_far_a_store_is_counts_only_planned_samples_and_says_when_there_is_n
     assert "holds 3 of the 4 samples its plan names (1 missing)" in status.incomplete_message(tmp_path)
     (tmp_path / "plan.json").write_text(json.dumps({"sample_ids": ["a:1", "a:2", "a:3"]}))
     assert status.counts(tmp_path) == (3, 3) and status.incomplete_message(tmp_path) is None
+
+
+@pytest.mark.parametrize("seal", [False, True])
+def test_a_session_that_seals_each_batch_hands_back_the_batch_s_own_shard(tmp_path, seal):
+    """The online spool's sessions (seal_each_batch): each submit cuts the open shard and returns it, every sample of
+    the batch in it, however large a shard may grow; an offline session keeps filling the open shard."""
+    from types import SimpleNamespace
+
+    from eagle3.data.conversations import Sample
+    from eagle3.extract.local_session import LocalSession
+
+    spec = StoreSpec(target={"name_or_path": "t"}, layer_ids=(1, 2), hidden_size=4, dtype="float32")
+    store = Store.open(tmp_path / "s", spec, create=True, fsync=False)
+
+    class States:  # [2 layers, T, 4] per sample: the backend's answer
+        def capture(self, batch):
+            return [torch.full((2, len(s), 4), float(k)) for k, s in enumerate(batch)]
+
+    cfg = SimpleNamespace(shard_tokens=10**6, shard_samples=None, fsync=False, writer_threads=0)
+    session = LocalSession(States(), store, cfg, None, seal_each_batch=seal)
+    for b in range(2):
+        batch = [Sample(f"b{b}:{i}", (1, 2, 3), (0, 1, 1)) for i in range(3)]
+        infos = session.submit(batch)
+        assert [list(i.sample_ids) for i in infos] == ([[s.sample_id for s in batch]] if seal else [])
+    assert [list(i.sample_ids) for i in session.finish()] == ([] if seal else [[f"b{b}:{i}" for b in range(2)
+                                                                                  for i in range(3)]])
