@@ -105,3 +105,22 @@ def test_the_watch_names_a_function_that_reaches_the_recompile_limit():
                 assert float(f(torch.zeros(1), k)) == k
         assert bool(hits.messages) == named and all("shift" in m for m in hits.messages), hits.messages
         assert bool(hits.notes()) == named
+
+
+def test_the_watch_reads_either_wording_names_each_function_once_and_leaves_dynamo_s_log_as_it_was():
+    """Older torch says cache_size_limit where this one says recompile_limit; a function that hits it again is named
+    once; leaving the watch takes its handler off dynamo's logger (the next run starts with no hits)."""
+    import logging
+
+    from eagle3.train.compile_watch import DYNAMO, RecompileLimitHits
+
+    log = logging.getLogger(DYNAMO)
+    before = list(log.handlers)
+    with RecompileLimitHits() as hits:
+        for wording in ("recompile_limit", "cache_size_limit", "recompile_limit"):
+            log.warning("torch._dynamo hit config.%s (8)\n   function: 'shift' (x.py:3)\n   last reason: k", wording)
+        log.warning("an unrelated warning")
+    assert hits.messages == ["function: 'shift' (x.py:3)"] * 3
+    (note,) = hits.notes()
+    assert note.count("function: 'shift'") == 1
+    assert log.handlers == before
