@@ -5,6 +5,7 @@ vLLM 0.26's request-id suffixes, a prefix cache of whole blocks), the prompts, t
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -326,3 +327,40 @@ def test_a_prompt_at_the_edge_of_max_len_gets_the_room_left_or_is_rejected(token
         with pytest.raises(DataError, match=r"no usable prompts .*rejected: too_long: 1"):
             one_pass.load_prompts(cfg, tokenizer, one_pass.Generation(max_tokens=64))
         assert "no room under max_len" in json.loads((tmp_path / "r.jsonl").read_text())["error"]
+
+
+def test_the_engine_s_row_count_is_checked_batch_by_batch():
+    """The ranks report rows counted since the session opened; each batch is judged on its own rows (the count's
+    growth), so a later batch that skipped rows is caught even after an earlier one computed extra, and each batch's
+    rows computed twice are its own. Two ranks, three batches; the third skips a row."""
+    from types import SimpleNamespace
+
+    from eagle3.extract.one_pass import Generation, Prompt, VLLMOnePass
+
+    eos, calls, counted = 9, iter(range(10**6)), [0]
+    extra = [3, 1, -1]  # rows past (or short of) each batch's own: the tails' recomputed rows, then one missing
+
+    class LLM:
+        def generate(self, prompts, params, use_tqdm=False):
+            return [SimpleNamespace(request_id=f"r{next(calls)}", outputs=[SimpleNamespace(token_ids=[4, 5, eos])])
+                    for _ in prompts]
+
+    def call(method, args=None, keys=None):
+        if method != "eagle3_regen_write":
+            return [{"rank": r, "owner": r == 0} for r in (0, 1)]
+        counted[0] += sum(len(np.frombuffer(ids, dtype=np.int32)) for _, _, ids, _ in args) + extra.pop(0)
+        return [{"rank": r, "owner": r == 0, "steps": 7, "rows": counted[0], "shards": [], "errors": []}
+                for r in (0, 1)]
+
+    backend = SimpleNamespace(vllm=SimpleNamespace(SamplingParams=lambda **kw: kw), llm=LLM(), call=call)
+    from eagle3.store.format import StoreSpec
+
+    spec = StoreSpec(target={"name_or_path": "t"}, layer_ids=(1, 2), hidden_size=4, dtype="bfloat16")
+    store = SimpleNamespace(root="s", spec=spec, next_shard_index=0)
+    session = VLLMOnePass(backend, store, SimpleNamespace(shard_tokens=None, fsync=False, writer_threads=0),
+                          Generation(), {eos})
+    batch = [Prompt(f"a:{i}", (1, 2), 0, 8) for i in range(4)]  # 4 samples of 5 tokens
+    assert session.submit(batch).recomputed == 3
+    assert session.submit(batch).recomputed == 1
+    with pytest.raises(StoreError, match="the engine computed 19 rows for samples of 20 tokens"):
+        session.submit(batch)
