@@ -560,11 +560,11 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
     try:
         if extract_cfg.selfcheck:  # the offline extraction's first-batch check, before anything is trained
             check = require_final_state(backend, spool.store, extract_cfg, list(samples[: extract_cfg.selfcheck]))
+        if producer.gate is not None:  # before the producer's first batch, which it holds the gate for
+            producer.gate.install()
         if not (cfg.resume and checkpoint.latest(Path(cfg.out)) is not None):
             producer.start_once(0)  # a fresh run extracts while the trainer builds its draft (a resumed one starts
             # where its checkpoint says, at the trainer's first batch)
-        if producer.gate is not None:
-            producer.gate.install()
         result = train(cfg, progress=progress, source=SpoolSamples(spool, samples, plan, producer, cfg.seed))
     finally:
         if producer.gate is not None:
