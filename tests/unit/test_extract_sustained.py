@@ -5,6 +5,8 @@ batch's warm-up left out), so that issue 42's online figure is set against a lik
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eagle3.data.conversations import DataConfig
 from eagle3.extract import extract
@@ -50,3 +52,18 @@ def test_the_sustained_rate_leaves_out_the_first_batch_s_warm_up(tiny_kimi, smal
 def test_one_batch_has_no_window_and_gives_the_whole_run_s_rate(tiny_kimi, small_data, backend, tmp_path):
     got = extract.run(_cfg(tiny_kimi, small_data, tmp_path / "s", 4), backend=backend, progress=False)
     assert len(got.batches) == 1 and got.sustained_tokens_per_s() == got.tokens_per_s > 0, got
+
+
+@settings(max_examples=100, deadline=None)
+@given(points=st.lists(st.tuples(st.floats(0, 100, allow_nan=False), st.integers(0, 10**6)), max_size=6).map(
+    lambda ps: sorted(ps)), less=st.floats(0, 50, allow_nan=False))
+def test_rate_past_first_is_its_definition_and_none_where_it_has_none(points, less):
+    """The tokens of the points after the first over the span from the first to the last less the waits; None with
+    fewer than two points, no span, or no time left once the waits are taken out."""
+    from eagle3.extract.timeline import rate_past_first
+
+    got = rate_past_first(points, less)
+    if len(points) < 2 or points[-1][0] <= points[0][0] or points[-1][0] - points[0][0] - less <= 0:
+        assert got is None
+    else:
+        assert got == pytest.approx(sum(n for _, n in points[1:]) / (points[-1][0] - points[0][0] - less))
