@@ -26,22 +26,22 @@ class Deferred:
     """Within it, the first SIGINT or SIGTERM only sets ``signum`` (and puts the handlers back as they were, so a
     second one acts at once); the loop asks ``signum`` between steps. Outside the main thread it defers nothing."""
 
-    def __init__(self, what: str = "the step in progress finishes and is saved"):
+    def __init__(self):
         self.signum: int | None = None
-        self.what = what
         self._old: dict[int, object] = {}
 
     def _hold(self, signum, frame) -> None:
         self.signum = signum
         self._restore()
-        log.warning("%s: %s (again to stop at once)", signal.Signals(signum).name, self.what)
+        log.warning("%s: the step in progress finishes and a checkpoint of it is written (again to stop at once)",
+                    signal.Signals(signum).name)
 
     def _restore(self) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         self._old = {}
 
-    def __enter__(self) -> "Deferred":
+    def __enter__(self) -> Deferred:
         if threading.current_thread() is threading.main_thread():
             self._old = {sig: signal.getsignal(sig) for sig in SIGNALS}
             for sig in SIGNALS:

@@ -38,10 +38,9 @@ def owner(folder: str | Path) -> str | None:
     return kind if kind in KINDS else None
 
 
-def _names(folder: Path, limit: int = 5) -> str:
-    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if not p.name.startswith(TEMP_MARK))
-    more = f" and {len(entries) - limit} more" if len(entries) > limit else ""
-    return ", ".join(entries[:limit]) + more
+def _entries(folder: Path) -> list[str]:
+    """What ``folder`` holds ("name/" for a folder), a marker being written (write_new's temp file) left out."""
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if not p.name.startswith(TEMP_MARK))
 
 
 def refusal(folder: str | Path, kind: str, option: str = "--out") -> str | None:
@@ -57,9 +56,11 @@ def refusal(folder: str | Path, kind: str, option: str = "--out") -> str | None:
     if found is not None:
         return (f"{option} {p} holds {KINDS[found]}, not {KINDS[kind]}; nothing was written. Give a new or empty "
                 f"{option} folder")
-    if not [e for e in p.iterdir() if not e.name.startswith(TEMP_MARK)]:  # a marker being written is not the user's
+    entries = _entries(p)
+    if not entries:
         return None
-    return (f"{option} {p} is not empty and eagle3 did not make it (it holds {_names(p)}); nothing was written, "
+    names = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    return (f"{option} {p} is not empty and eagle3 did not make it (it holds {names}); nothing was written, "
             f"nothing removed. Give a new or empty {option} folder")
 
 

@@ -625,7 +625,7 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     background = checkpoint.Background() if checkpoint_background(cfg) else None
     with bar, watch, contextlib.closing(samples.checks), background or contextlib.nullcontext(), \
             torch.compiler.set_stance("default" if cfg.compile else "force_eager"), \
-            interrupt.Deferred("the step in progress finishes and a checkpoint of it is written") as stop:
+            interrupt.Deferred() as stop:
         while state["step"] < total:
             step = state["step"]
             began = time.perf_counter()
