@@ -15,7 +15,11 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "ci", derandomize=True, max_examples=60, deadline=None, print_blob=True,
+    "ci",
+    derandomize=True,
+    max_examples=60,
+    deadline=None,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -33,10 +37,16 @@ def pytest_xdist_auto_num_workers(config):
 
 def pytest_addoption(parser):
     g = parser.getgroup("eagle3")
-    g.addoption("--target-model", default=None,
-                help="GPU suite: path to a real target (e.g. Kimi-K2.5); default builds mini-Kimi locally")
-    g.addoption("--target-profile", default=None,
-                help="GPU suite: target profile name (kimi-k2.5, mini-kimi, ...); default from --target-model")
+    g.addoption(
+        "--target-model",
+        default=None,
+        help="GPU suite: path to a real target (e.g. Kimi-K2.5); default builds mini-Kimi locally",
+    )
+    g.addoption(
+        "--target-profile",
+        default=None,
+        help="GPU suite: target profile name (kimi-k2.5, mini-kimi, ...); default from --target-model",
+    )
     g.addoption("--tp", type=int, default=1, help="GPU suite: tensor-parallel size")
     g.addoption("--gpu-out", default=None, help="GPU suite: folder for logs, reports and benchmark JSON")
 

@@ -20,9 +20,9 @@ BASELINES = Path(__file__).parent / "bundled" / "baselines"
 
 @dataclass
 class Record:
-    run: str          # when (pytest-benchmark datetime)
-    profile: str      # hardware profile
-    key: str          # mode/BxT
+    run: str  # when (pytest-benchmark datetime)
+    profile: str  # hardware profile
+    key: str  # mode/BxT
     tokens_per_s: float
     extra: dict
 
@@ -50,8 +50,10 @@ def regression(record: Record, baselines: dict[str, dict], disks: dict[str, floa
         scaled = f" scaled to this run's {kind} bandwidth ({now / 1e9:.2f} of {then / 1e9:.2f} GB/s)"
     floor = want * (1 - base.get("margin", 0.1))
     if record.tokens_per_s < floor:
-        return (f"{record.profile} {record.key}: {record.tokens_per_s:,.0f} tok/s is below the baseline "
-                f"{want:,.0f}{scaled} minus {base.get('margin', 0.1):.0%} ({floor:,.0f})")
+        return (
+            f"{record.profile} {record.key}: {record.tokens_per_s:,.0f} tok/s is below the baseline "
+            f"{want:,.0f}{scaled} minus {base.get('margin', 0.1):.0%} ({floor:,.0f})"
+        )
     return None
 
 
@@ -83,8 +85,11 @@ def _entries(paths: Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
 
 
 def load_history(paths: Iterable[str | Path]) -> list[Record]:
-    records = [Record(run, info.get("profile", "?"), info["key"], float(info["tokens_per_s"]), info)
-               for run, info in _entries(paths) if "tokens_per_s" in info and "key" in info]
+    records = [
+        Record(run, info.get("profile", "?"), info["key"], float(info["tokens_per_s"]), info)
+        for run, info in _entries(paths)
+        if "tokens_per_s" in info and "key" in info
+    ]
     return sorted(records, key=lambda r: (r.run, r.profile, r.key))
 
 
@@ -100,17 +105,23 @@ def split_mode(mode: str) -> tuple[str, str]:
 @dataclass(frozen=True)
 class LoopOptions:
     """How the benchmark's production loop runs a sink (tests/gpu/test_bench_extract._Loop)."""
-    sink: str                   # count | host | store: the capture's mode
-    fsync: bool = True          # store_nofsync: the shards stay in the page cache
-    fp8: bool = False           # store_fp8: --state-dtype fp8
-    slots: int = 4              # host_slots8: steps in flight (staged on the device, pinned on the host)
+
+    sink: str  # count | host | store: the capture's mode
+    fsync: bool = True  # store_nofsync: the shards stay in the page cache
+    fp8: bool = False  # store_fp8: --state-dtype fp8
+    slots: int = 4  # host_slots8: steps in flight (staged on the device, pinned on the host)
     whole_copies: bool = False  # host_whole: a step's copies issued at once (no 64 MiB chunks)
-    gil: bool = False           # _gil: the worker runs a GilSampler (a thread waking every 2 ms) and reports it
+    gil: bool = False  # _gil: the worker runs a GilSampler (a thread waking every 2 ms) and reports it
 
 
 # a sink is its capture mode and then variants, each once: "store_nofsync_gil"
-_VARIANTS = {"nofsync": ("fsync", False, "store"), "fp8": ("fp8", True, "store"), "slots8": ("slots", 8, None),
-             "whole": ("whole_copies", True, None), "gil": ("gil", True, None)}
+_VARIANTS = {
+    "nofsync": ("fsync", False, "store"),
+    "fp8": ("fp8", True, "store"),
+    "slots8": ("slots", 8, None),
+    "whole": ("whole_copies", True, None),
+    "gil": ("gil", True, None),
+}
 
 
 def loop_options(sink: str) -> LoopOptions:
@@ -125,8 +136,10 @@ def loop_options(sink: str) -> LoopOptions:
     else:
         if mode in ("count", "host", "store"):
             return LoopOptions(mode, **fields)
-    raise ValueError(f"benchmark sink {sink!r}: a capture mode (count, host, store) and variants, each once, from "
-                     f"{', '.join(f'{v} ({only} only)' if only else v for v, (_, _, only) in _VARIANTS.items())}")
+    raise ValueError(
+        f"benchmark sink {sink!r}: a capture mode (count, host, store) and variants, each once, from "
+        f"{', '.join(f'{v} ({only} only)' if only else v for v, (_, _, only) in _VARIANTS.items())}"
+    )
 
 
 # which of the run's disk figures bounds a mode: the fsynced stores by fsynced parallel writes, the writers that
@@ -150,7 +163,8 @@ def warm_steps(step_tokens: Iterable[int], config_of: Callable[[int], object] | 
     every size where config_of is None. vLLM compiles its Triton MoE kernel once per config, which it picks by a
     step's token count (the nearest key of a tuned grid: 2,048 and 3,072 tokens share one config, 512 and 4,096
     another), about 1.4 s at the first step that meets one. On the H200, kimi-depth's figures met one inside
-    their timed loop in the ffdd6a0, 8ec8ff9 and 6b3715c runs (that quarter 14-20% slow: the 6b3715c run's fsynced store 0.936x plain,
+    their timed loop in the ffdd6a0, 8ec8ff9 and 6b3715c runs (that quarter 14-20% slow: the 6b3715c run's fsynced
+    store 0.936x plain,
     against 0.99x in its other quarters); a warm-up of one step per config takes it out of the clock."""
     sizes = sorted(set(step_tokens))
     if config_of is None:
@@ -211,33 +225,46 @@ def limits(records: list[Record], disks: dict[tuple[str, str], dict[str, float]]
 def limit_lines(records: list[Record], lim: dict[tuple, tuple]) -> list[str]:
     if not lim:
         return []
-    out = ["", "Disk-bound modes against their limit, min(plain prefill, the same run's disk bandwidth / bytes a token):"]
+    out = [
+        "",
+        "Disk-bound modes against their limit, min(plain prefill, the same run's disk bandwidth / bytes a token):",
+    ]
     for r in records:
         if (r.run, r.profile, r.key) in lim:
             limit, kind, disk, bpt = lim[(r.run, r.profile, r.key)]
             by_disk = f"{kind.replace('_', ' ')} {disk / 1e9:.2f} GB/s / {bpt:,.0f} B a token"
             why = by_disk if disk / bpt <= limit else f"plain prefill; {by_disk} = {disk / bpt:,.0f}"
-            out.append(f"- {r.run} {r.profile} {r.key}: {r.tokens_per_s:,.0f} tok/s = {r.tokens_per_s / limit:.2f}x "
-                       f"of {limit:,.0f} ({why})")
+            out.append(
+                f"- {r.run} {r.profile} {r.key}: {r.tokens_per_s:,.0f} tok/s = {r.tokens_per_s / limit:.2f}x "
+                f"of {limit:,.0f} ({why})"
+            )
     return out
 
 
-def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | Path | None = None) -> tuple[Path, Path]:
+def report(
+    history: Iterable[str | Path], out: str | Path, baselines_dir: str | Path | None = None
+) -> tuple[Path, Path]:
     """Markdown table, the trend plot (throughput.png, trends) and the latest run's bars (throughput-latest.png)."""
     from eagle3.preflight import UsageError
 
     records = load_history(history)  # before matplotlib (a second to import): an empty history is refused at once
     if not records:
-        raise UsageError(f"no benchmark records with tokens_per_s in {', '.join(map(str, history))}: give the JSON "
-                         "that `pytest -m benchmark --benchmark-json=FILE` wrote on the GPU host")
+        raise UsageError(
+            f"no benchmark records with tokens_per_s in {', '.join(map(str, history))}: give the JSON "
+            "that `pytest -m benchmark --benchmark-json=FILE` wrote on the GPU host"
+        )
     import matplotlib
 
     matplotlib.use("Agg")  # no display: before pyplot is imported (by trends and bars)
     baselines = load_baselines(baselines_dir)
     out = ownership.claim(out, "bench")
-    lines = ["# eagle3 extraction throughput", "",
-             "| run | profile | key | tokens/s | per GPU | vs plain prefill | vs baseline | regression | spread in its run |",
-             "|---|---|---|---:|---:|---:|---:|---|---:|"]
+    lines = [
+        "# eagle3 extraction throughput",
+        "",
+        "| run | profile | key | tokens/s | per GPU | vs plain prefill | vs baseline | regression "
+        "| spread in its run |",
+        "|---|---|---|---:|---:|---:|---:|---|---:|",
+    ]
     plain = plain_rates(records)
     disks = load_disks(history)
     for r in records:
@@ -249,16 +276,23 @@ def report(history: Iterable[str | Path], out: str | Path, baselines_dir: str | 
         vs_base = f"{r.tokens_per_s / base:.2f}x" if base else "-"
         # (max - min) / median of the figure's rate per quarter of its batches (GPU benchmark, since the 90b2d70 run)
         spread = f"{r.extra['spread']:.1%}" if r.extra.get("spread") is not None else "-"
-        lines.append(f"| {r.run} | {r.profile} | {r.key} | {r.tokens_per_s:,.0f} | {per_gpu(r):,.0f} | {vs_plain} | "
-                     f"{vs_base} | {'YES: ' + reg if reg else 'no'} | {spread} |")
+        lines.append(
+            f"| {r.run} | {r.profile} | {r.key} | {r.tokens_per_s:,.0f} | {per_gpu(r):,.0f} | {vs_plain} | "
+            f"{vs_base} | {'YES: ' + reg if reg else 'no'} | {spread} |"
+        )
     lines += cluster_lines(records, baselines)
     lines += train_lines(records)
     lines += limit_lines(records, limits(records, disks))
     where = baselines_dir or BASELINES
     if not baselines:
-        lines += ["", f"**No baselines found in {where}**: regressions cannot be flagged (a `pip install .` without "
-                      "the package data? `--baselines FOLDER` names another folder)."]
-    lines += [f"No baseline for profile `{p}` in {where}." for p in sorted({r.profile for r in records} - set(baselines))]
+        lines += [
+            "",
+            f"**No baselines found in {where}**: regressions cannot be flagged (a `pip install .` without "
+            "the package data? `--baselines FOLDER` names another folder).",
+        ]
+    lines += [
+        f"No baseline for profile `{p}` in {where}." for p in sorted({r.profile for r in records} - set(baselines))
+    ]
     md = out / "throughput.md"
     md.write_text("\n".join(lines) + "\n")
 
@@ -313,6 +347,7 @@ def train_history(rows: list[dict], run: str, profile: str, gpus: int = 1) -> di
     """The trainer benchmark's rows ({draft, seq, precision, tok_per_s, mfu, peak_gib, ...}; a row that ran out of
     memory has no tok_per_s) as pytest-benchmark JSON, so `bench report` shows them beside the extraction's:
     tokens/s of all ``gpus`` and per GPU, MFU and peak memory in their own lines."""
+
     def key(r):  # what differs from the trainer's default in the key: train_llama_bf16-mixed_eager/32768,
         # train_llama_bf16-mixed_flex_compiled/8192, train_llama_bf16-mixed_foreach/8192 (the optimizer); the store
         # reader's row (read as training steps of seq tokens): train_reader/8192
@@ -321,12 +356,19 @@ def train_history(rows: list[dict], run: str, profile: str, gpus: int = 1) -> di
         loss = f"_{r['loss']}" if r.get("loss", "auto") != "auto" else ""
         attn = f"_{r['attn']}" if r.get("attn", "sdpa") != "sdpa" else ""
         opt = f"_{r['optimizer']}" if r.get("optimizer", "auto") != "auto" else ""
-        return (f"{TRAIN_PREFIX}{r['draft']}_{r['precision']}{loss}{attn}{opt}"
-                f"{'_compiled' if r.get('compiled') else ''}/{r['seq']}")
+        return (
+            f"{TRAIN_PREFIX}{r['draft']}_{r['precision']}{loss}{attn}{opt}"
+            f"{'_compiled' if r.get('compiled') else ''}/{r['seq']}"
+        )
 
-    return {"datetime": run, "benchmarks": [
-        {"name": key(r), "extra_info": dict(r, key=key(r), tokens_per_s=r["tok_per_s"], profile=profile, gpus=gpus)}
-        for r in rows if r.get("tok_per_s")]}
+    return {
+        "datetime": run,
+        "benchmarks": [
+            {"name": key(r), "extra_info": dict(r, key=key(r), tokens_per_s=r["tok_per_s"], profile=profile, gpus=gpus)}
+            for r in rows
+            if r.get("tok_per_s")
+        ],
+    }
 
 
 def train_lines(records: list[Record]) -> list[str]:
@@ -336,9 +378,12 @@ def train_lines(records: list[Record]) -> list[str]:
     if not rows:
         return []
     return ["", "Training (per GPU; MFU against the H200's dense bf16 peak):"] + [
-        _reader_line(r, rows) if r.key.startswith(READER_KEY + "/") else
-        f"- {r.run} {r.profile} {r.key}: {per_gpu(r):,.0f} tok/s per GPU, MFU {r.extra.get('mfu', 0):.1%}, "
-        f"peak {r.extra.get('peak_gib', '?')} GiB" for r in rows]
+        _reader_line(r, rows)
+        if r.key.startswith(READER_KEY + "/")
+        else f"- {r.run} {r.profile} {r.key}: {per_gpu(r):,.0f} tok/s per GPU, MFU {r.extra.get('mfu', 0):.1%}, "
+        f"peak {r.extra.get('peak_gib', '?')} GiB"
+        for r in rows
+    ]
 
 
 READER_KEY = TRAIN_PREFIX + "reader"
@@ -346,18 +391,32 @@ READER_KEY = TRAIN_PREFIX + "reader"
 
 def _reader_line(r: Record, rows: list[Record]) -> str:
     seq = r.key.split("/")[1]
-    same = [t for t in rows if t.run == r.run and t.profile == r.profile and t.key.endswith(f"/{seq}")
-            and not t.key.startswith(READER_KEY + "/")]
-    head = (f"- {r.run} {r.profile} {r.key}: the store reader, as training steps read: {r.tokens_per_s:,.0f} tok/s "
-            f"({r.extra.get('gb_per_s', '?')} GB/s; the samples alone {r.extra.get('samples_tok_per_s', 0):,.0f}"
-            + (f"; checksums in the reader's path {r.extra['checks_inline_tok_per_s']:,.0f}"
-               if "checks_inline_tok_per_s" in r.extra else "") + ")")
+    same = [
+        t
+        for t in rows
+        if t.run == r.run
+        and t.profile == r.profile
+        and t.key.endswith(f"/{seq}")
+        and not t.key.startswith(READER_KEY + "/")
+    ]
+    head = (
+        f"- {r.run} {r.profile} {r.key}: the store reader, as training steps read: {r.tokens_per_s:,.0f} tok/s "
+        f"({r.extra.get('gb_per_s', '?')} GB/s; the samples alone {r.extra.get('samples_tok_per_s', 0):,.0f}"
+        + (
+            f"; checksums in the reader's path {r.extra['checks_inline_tok_per_s']:,.0f}"
+            if "checks_inline_tok_per_s" in r.extra
+            else ""
+        )
+        + ")"
+    )
     if not same:
         return head + f"; no {seq}-token training figure in its run to set it against"
     need = max(same, key=per_gpu)
     ratio = r.tokens_per_s / per_gpu(need)
-    return (head + f"; {ratio:.2f}x the fastest training figure of its run at {int(seq):,} tokens ({need.key}, "
-            f"{per_gpu(need):,.0f} tok/s; goal 2x: {'met' if ratio >= 2 else 'missed'})")
+    return (
+        head + f"; {ratio:.2f}x the fastest training figure of its run at {int(seq):,} tokens ({need.key}, "
+        f"{per_gpu(need):,.0f} tok/s; goal 2x: {'met' if ratio >= 2 else 'missed'})"
+    )
 
 
 def per_gpu(r: Record) -> float:
@@ -385,10 +444,15 @@ def cluster_lines(records: list[Record], baselines: dict[str, dict]) -> list[str
     if not fig or not depth:
         return []
     base, gpus = fig
-    out = ["", f"Kimi's compute per token, per GPU, against the cluster's {base:,} tok/s on {gpus} GPUs "
-               f"({base / gpus:,.0f} per GPU):"]
+    out = [
+        "",
+        f"Kimi's compute per token, per GPU, against the cluster's {base:,} tok/s on {gpus} GPUs "
+        f"({base / gpus:,.0f} per GPU):",
+    ]
     for r in depth:
-        out.append(f"- {r.run} {r.profile} {r.key}: {per_gpu(r):,.0f} tok/s per GPU = {per_gpu(r) / (base / gpus):.1f}x")
+        out.append(
+            f"- {r.run} {r.profile} {r.key}: {per_gpu(r):,.0f} tok/s per GPU = {per_gpu(r) / (base / gpus):.1f}x"
+        )
     return out
 
 
@@ -439,14 +503,20 @@ def bars(records: list[Record], path: Path, disks: dict | None = None, cluster: 
         limited = [lim[k][0] for k in ((r.run, r.profile, r.key) for r in rs) if k in lim]
         beside_cluster = bool(per_gpu_cluster) and any(is_depth_store(r) for r in rs)
         # room for the labels, longer where they carry a limit or the cluster's multiple
-        ax.set_ylim(0, (1.6 if limited or beside_cluster else 1.15)
-                    * max([r.tokens_per_s for r in rs] + limited, default=1))
+        ax.set_ylim(
+            0, (1.6 if limited or beside_cluster else 1.15) * max([r.tokens_per_s for r in rs] + limited, default=1)
+        )
         if limited:
             ax.hlines([], 0, 0, colors="black", linewidth=2, label="limit: min(plain, disk B/s / B a token)")
         if beside_cluster:
             base, gpus = fig_cluster
-            ax.axhline(per_gpu_cluster, color="black", linestyle="--", linewidth=1,
-                       label=f"cluster: {per_gpu_cluster:,.0f} tok/s per GPU ({base:,} on {gpus} GPUs)")
+            ax.axhline(
+                per_gpu_cluster,
+                color="black",
+                linestyle="--",
+                linewidth=1,
+                label=f"cluster: {per_gpu_cluster:,.0f} tok/s per GPU ({base:,} on {gpus} GPUs)",
+            )
         ax.set_ylabel("tokens/s (sustained)")
         ax.set_title(f"{prof}, run {latest}: tokens/s per mode, labelled with the ratio to plain prefill")
         legend = ax.legend(fontsize=7, ncol=4, loc="upper left")
@@ -473,7 +543,8 @@ def update_baselines(history: Iterable[str | Path], folder: str | Path, margin: 
         path = files.get(prof, folder / f"{prof}.json")
         base = json.loads(path.read_text()) if path.exists() else {"profile": prof, "margin": margin}
         base.setdefault("tokens_per_s", {}).update(
-            {r.key: round(r.tokens_per_s) for r in records if r.profile == prof and r.run == latest})
+            {r.key: round(r.tokens_per_s) for r in records if r.profile == prof and r.run == latest}
+        )
         # the disks the run measured, which its disk-bound figures are read at (regression); a kind it did not
         # measure no longer matches the figures just written
         measured = disks.get((latest, prof), {})

@@ -28,6 +28,7 @@ def _layer_ids(text: str | None):
 
 def _number(kind, low: float | None = None, strict: bool = True, high: float | None = None, what: str = ""):
     """An argparse type: ``kind`` (int or float) in range; the message names the value and the range."""
+
     def parse(text: str):
         try:
             v = kind(text)
@@ -82,48 +83,96 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target model folder (config.json, weights, tokenizer)")
     p.add_argument("--data", nargs="+", help="JSONL conversations (OpenAI messages or ShareGPT)")
     p.add_argument("--out", help="store folder (created; rerun the same command, or --resume OUT, to continue)")
-    p.add_argument("--resume", metavar="STORE", default=None,
-                   help="continue STORE with the target, data and options it recorded (instead of --model, --data "
-                        "and --out; --batch-size, --device, --tp, --gpu-mem and --no-fsync may still be given)")
-    p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
-                   help="hf: transformers reference (CPU or one GPU); vllm: production engine")
+    p.add_argument(
+        "--resume",
+        metavar="STORE",
+        default=None,
+        help="continue STORE with the target, data and options it recorded (instead of --model, --data "
+        "and --out; --batch-size, --device, --tp, --gpu-mem and --no-fsync may still be given)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="hf: transformers reference (CPU or one GPU); vllm: production engine",
+    )
     p.add_argument("--layer-ids", type=_layer_ids, default=None, help="e.g. 2,30,58,61; default (2, L//2, L-3, L)")
     p.add_argument("--batch-size", type=POSITIVE, default=64, help="samples per engine call")
     p.add_argument("--max-len", type=_max_len, default=2048, help="tokens per sample; longer ones follow --long")
-    p.add_argument("--long", dest="long_rule", choices=["truncate", "split", "drop", "error"], default="truncate",
-                   help="samples over --max-len: keep the start, cut into windows, reject, or stop")
-    p.add_argument("--on-error", choices=["skip", "stop"], default="skip",
-                   help="bad input lines: skip and write them to STORE/rejects.jsonl (default), or stop")
+    p.add_argument(
+        "--long",
+        dest="long_rule",
+        choices=["truncate", "split", "drop", "error"],
+        default="truncate",
+        help="samples over --max-len: keep the start, cut into windows, reject, or stop",
+    )
+    p.add_argument(
+        "--on-error",
+        choices=["skip", "stop"],
+        default="skip",
+        help="bad input lines: skip and write them to STORE/rejects.jsonl (default), or stop",
+    )
     p.add_argument("--max-samples", type=POSITIVE, default=None, help="stop after this many samples (default: all)")
-    p.add_argument("--dedup", action="store_true",
-                   help="drop conversations equal to an earlier one (they are counted in the data line either way)")
-    p.add_argument("--shard-samples", type=POSITIVE, default=None,
-                   help="hf backend: also cut a shard after this many samples (the vllm backend cuts by tokens)")
+    p.add_argument(
+        "--dedup",
+        action="store_true",
+        help="drop conversations equal to an earlier one (they are counted in the data line either way)",
+    )
+    p.add_argument(
+        "--shard-samples",
+        type=POSITIVE,
+        default=None,
+        help="hf backend: also cut a shard after this many samples (the vllm backend cuts by tokens)",
+    )
     p.add_argument("--shard-tokens", type=POSITIVE, default=None, help="tokens per shard (default: ~512 MiB of states)")
     p.add_argument("--device", default="cpu", help="hf backend device")
     p.add_argument("--tp", type=POSITIVE, default=1, help="vllm backend tensor parallel size")
-    p.add_argument("--capture", choices=["auto", "hooks", "aux", "direct"], default="auto",
-                   help="vllm capture strategy (auto: direct where vLLM's runner can be wrapped, else aux, "
-                        "else hooks; see eagle3/extract/vllm_compat.py)")
+    p.add_argument(
+        "--capture",
+        choices=["auto", "hooks", "aux", "direct"],
+        default="auto",
+        help="vllm capture strategy (auto: direct where vLLM's runner can be wrapped, else aux, "
+        "else hooks; see eagle3/extract/vllm_compat.py)",
+    )
     p.add_argument("--gpu-mem", type=FRACTION, default=0.85, help="vllm gpu_memory_utilization")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (faster; a crash may lose recent shards)")
-    p.add_argument("--state-dtype", choices=["bfloat16", "fp8"], default="bfloat16",
-                   help="stored states: bfloat16, or fp8 (e4m3 with a float32 scale per token and layer: half the "
-                        "bytes, about 3%% relative error)")
-    p.add_argument("--selfcheck-prompts", type=NON_NEGATIVE, default=4,
-                   help="prompts of the final-state self-check run before anything is stored (default 4)")
-    p.add_argument("--no-selfcheck", action="store_true",
-                   help="skip the final-state self-check (final norm + lm_head on the captured last state must "
-                        "reproduce the engine's own next token)")
-    r = p.add_argument_group("--regenerate: the target writes each conversation's last assistant turn (or the turn "
-                             "after a prompt-only conversation), its states captured in the same pass")
-    r.add_argument("--regenerate", action="store_true",
-                   help="store prompt + the target's own turn, the loss on the turn only (vllm: one engine pass, "
-                        "no second prefill; see eagle3/extract/one_pass.py)")
+    p.add_argument(
+        "--state-dtype",
+        choices=["bfloat16", "fp8"],
+        default="bfloat16",
+        help="stored states: bfloat16, or fp8 (e4m3 with a float32 scale per token and layer: half the "
+        "bytes, about 3%% relative error)",
+    )
+    p.add_argument(
+        "--selfcheck-prompts",
+        type=NON_NEGATIVE,
+        default=4,
+        help="prompts of the final-state self-check run before anything is stored (default 4)",
+    )
+    p.add_argument(
+        "--no-selfcheck",
+        action="store_true",
+        help="skip the final-state self-check (final norm + lm_head on the captured last state must "
+        "reproduce the engine's own next token)",
+    )
+    r = p.add_argument_group(
+        "--regenerate: the target writes each conversation's last assistant turn (or the turn "
+        "after a prompt-only conversation), its states captured in the same pass"
+    )
+    r.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="store prompt + the target's own turn, the loss on the turn only (vllm: one engine pass, "
+        "no second prefill; see eagle3/extract/one_pass.py)",
+    )
     r.add_argument("--temperature", type=NON_NEGATIVE_FLOAT, default=0.0, help="0 = greedy")
     r.add_argument("--top-p", type=FRACTION, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
-    r.add_argument("--max-tokens", type=POSITIVE, default=512,
-                   help="tokens a turn may run to (less where the sample would pass --max-len)")
+    r.add_argument(
+        "--max-tokens",
+        type=POSITIVE,
+        default=512,
+        help="tokens a turn may run to (less where the sample would pass --max-len)",
+    )
     r.add_argument("--seed", type=NON_NEGATIVE, default=0, help="line n draws with seed*1000003 + n (as regenerate)")
 
 
@@ -144,14 +193,30 @@ def _extract_config(a):
     from eagle3.store import recipe
 
     return ExtractConfig(
-        model=a.model, out=a.out, backend=a.backend, layer_ids=a.layer_ids, batch_size=a.batch_size,
-        data=DataConfig(a.data, max_len=a.max_len, long_rule=a.long_rule, on_error=a.on_error,
-                        max_samples=a.max_samples, dedup=a.dedup),
-        shard_samples=a.shard_samples, shard_tokens=a.shard_tokens, device=a.device, tp=a.tp,
-        capture=a.capture, fsync=not a.no_fsync, vllm_kwargs={"gpu_memory_utilization": a.gpu_mem},
-        selfcheck=0 if a.no_selfcheck else a.selfcheck_prompts, recipe=recipe.from_args(a),
-        dtype=_state_dtype(a.state_dtype), regenerate=Generation(a.temperature, a.top_p, a.max_tokens, a.seed)
-        if a.regenerate else None,
+        model=a.model,
+        out=a.out,
+        backend=a.backend,
+        layer_ids=a.layer_ids,
+        batch_size=a.batch_size,
+        data=DataConfig(
+            a.data,
+            max_len=a.max_len,
+            long_rule=a.long_rule,
+            on_error=a.on_error,
+            max_samples=a.max_samples,
+            dedup=a.dedup,
+        ),
+        shard_samples=a.shard_samples,
+        shard_tokens=a.shard_tokens,
+        device=a.device,
+        tp=a.tp,
+        capture=a.capture,
+        fsync=not a.no_fsync,
+        vllm_kwargs={"gpu_memory_utilization": a.gpu_mem},
+        selfcheck=0 if a.no_selfcheck else a.selfcheck_prompts,
+        recipe=recipe.from_args(a),
+        dtype=_state_dtype(a.state_dtype),
+        regenerate=Generation(a.temperature, a.top_p, a.max_tokens, a.seed) if a.regenerate else None,
     )
 
 
@@ -168,11 +233,15 @@ def _tp_list(text: str) -> tuple[int, ...]:
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=None, help="shard store made by `eagle3 extract` (not with --online)")
     p.add_argument("--out", required=True, help="checkpoints and the final draft (OUT/draft)")
-    p.add_argument("--target", default=None, help="target folder (default: the one the store came from; "
-                                                   "--online: required)")
+    p.add_argument(
+        "--target", default=None, help="target folder (default: the one the store came from; --online: required)"
+    )
     o = p.add_argument_group("online training: extraction streams into training through a bounded spool")
-    o.add_argument("--online", action="store_true",
-                   help="extract --data with --target while training, through a spool of --spool-mb (no store)")
+    o.add_argument(
+        "--online",
+        action="store_true",
+        help="extract --data with --target while training, through a spool of --spool-mb (no store)",
+    )
     o.add_argument("--data", nargs="+", default=None, help="--online: JSONL conversations")
     o.add_argument("--spool", default=None, help="--online: spool folder (default OUT/spool; local disk or /dev/shm)")
     o.add_argument("--spool-mb", type=POSITIVE_FLOAT, default=8192, help="--online: the spool's capacity in MiB")
@@ -181,86 +250,181 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--max-len", type=_max_len, default=2048, help="--online: tokens per sample (longer ones truncated)")
     o.add_argument("--layer-ids", type=_layer_ids, default=None, help="--online: default (2, L//2, L-3, L)")
     o.add_argument("--extract-device", default=None, help="--online, hf backend: device (default: --device)")
-    o.add_argument("--gpu-mem", type=FRACTION, default=0.5,
-                   help="--online, vllm backend: the engine's share of the GPU; the trainer uses the rest")
+    o.add_argument(
+        "--gpu-mem",
+        type=FRACTION,
+        default=0.5,
+        help="--online, vllm backend: the engine's share of the GPU; the trainer uses the rest",
+    )
     o.add_argument("--tp", type=POSITIVE, default=1, help="--online, vllm backend: tensor parallel size")
-    o.add_argument("--engine-in-process", action="store_true",
-                   help="--online, vllm backend: the engine in this process, not in one of its own (one CUDA context "
-                        "with the trainer, so their kernels may overlap on the GPU; a --compile'd trainer's compiles "
-                        "pause the engine: docs/online.md)")
-    o.add_argument("--state-dtype", choices=["bfloat16", "fp8"], default="bfloat16",
-                   help="--online: states in the spool (fp8: e4m3 + a scale per token and layer, half the bytes)")
-    p.add_argument("--steps", type=POSITIVE, default=None, help="stop after this many optimizer steps (default: epochs)")
+    o.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="--online, vllm backend: the engine in this process, not in one of its own (one CUDA context "
+        "with the trainer, so their kernels may overlap on the GPU; a --compile'd trainer's compiles "
+        "pause the engine: docs/online.md)",
+    )
+    o.add_argument(
+        "--state-dtype",
+        choices=["bfloat16", "fp8"],
+        default="bfloat16",
+        help="--online: states in the spool (fp8: e4m3 + a scale per token and layer, half the bytes)",
+    )
+    p.add_argument(
+        "--steps", type=POSITIVE, default=None, help="stop after this many optimizer steps (default: epochs)"
+    )
     p.add_argument("--epochs", type=POSITIVE, default=1, help="passes over the store (default 1)")
     p.add_argument("--batch", type=POSITIVE, default=8, help="global batch in samples (default 8)")
     p.add_argument("--lr", type=POSITIVE_FLOAT, default=1e-3, help="peak learning rate, cosine to 10%% (default 1e-3)")
     p.add_argument("--ttt-steps", type=POSITIVE, default=3, help="training-time-test steps (default 3)")
-    p.add_argument("--pack-tokens", type=NON_NEGATIVE, default=0,
-                   help="pack samples into rows of up to this many tokens (default 0: one sample per forward)")
+    p.add_argument(
+        "--pack-tokens",
+        type=NON_NEGATIVE,
+        default=0,
+        help="pack samples into rows of up to this many tokens (default 0: one sample per forward)",
+    )
     p.add_argument("--draft-vocab", type=POSITIVE, default=32000, help="draft vocabulary size (default 32000)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="float32", help="training dtype (default float32)")
-    p.add_argument("--draft-arch", choices=["llama", "mla"], default="llama",
-                   help="llama: speculators' layer (Eagle3LlamaForCausalLM); mla: DeepSeek's latent attention + a dense "
-                        "MLP (Eagle3DeepseekV3ForCausalLM), for DeepseekV3 / Kimi targets")
-    p.add_argument("--eagle-3.1", dest="eagle31", action="store_true",
-                   help="EAGLE-3.1: --fc-norm and --norm-output (vLLM 0.26 serves both)")
+    p.add_argument(
+        "--draft-arch",
+        choices=["llama", "mla"],
+        default="llama",
+        help="llama: speculators' layer (Eagle3LlamaForCausalLM); mla: DeepSeek's latent attention + a dense "
+        "MLP (Eagle3DeepseekV3ForCausalLM), for DeepseekV3 / Kimi targets",
+    )
+    p.add_argument(
+        "--eagle-3.1",
+        dest="eagle31",
+        action="store_true",
+        help="EAGLE-3.1: --fc-norm and --norm-output (vLLM 0.26 serves both)",
+    )
     p.add_argument("--fc-norm", action="store_true", help="an RMSNorm on each aux state before the fusion layer")
     p.add_argument("--norm-output", action="store_true", help="the post-norm state feeds the next draft step")
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16-mixed"], default="auto",
-                   help="auto: bf16 matmuls under autocast on CUDA (float32 weights and optimizer), fp32 on the CPU")
-    p.add_argument("--attn", choices=["sdpa", "varlen", "flex"], default="sdpa",
-                   help="the draft's training attention: sdpa over speculators' dense mask (default); varlen: "
-                        "flash attention within each packed sample plus each TTT step's own key, no mask (the same "
-                        "loss and gradients; on CUDA in bf16; on an H100 36.1 %% MFU at 8k tokens against sdpa's "
-                        "27.3 %%, results/2026-12-05-0ba8398-h100-vllm0.26.0); flex: speculators' flex attention, a "
-                        "block mask (CUDA, with --compile)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the draft's forward (speculators compiles it where CUDA is; without this flag "
-                        "it runs eagerly). Minutes of compiling at the first steps and at new sequence lengths; on an "
-                        "H200, --attn flex --compile trained Kimi-K2.5's draft at 48.8 %% MFU at 8k tokens against "
-                        "30.0 %% eager (results/2026-12-05-c5ebd37-h200-vllm0.26.0)")
-    p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="dtype of the published draft OUT/draft (default bfloat16, what vLLM serves in)")
-    p.add_argument("--serve-tp", type=_tp_list, default=None,
-                   help="tensor-parallel sizes the draft must load at in vLLM, e.g. 8 (default 1,2,4,8,16); "
-                        "checked before training and again at export")
-    p.add_argument("--draft-heads", type=POSITIVE, default=None, help="draft attention heads (default: from the target)")
+    p.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16-mixed"],
+        default="auto",
+        help="auto: bf16 matmuls under autocast on CUDA (float32 weights and optimizer), fp32 on the CPU",
+    )
+    p.add_argument(
+        "--attn",
+        choices=["sdpa", "varlen", "flex"],
+        default="sdpa",
+        help="the draft's training attention: sdpa over speculators' dense mask (default); varlen: "
+        "flash attention within each packed sample plus each TTT step's own key, no mask (the same "
+        "loss and gradients; on CUDA in bf16; on an H100 36.1 %% MFU at 8k tokens against sdpa's "
+        "27.3 %%, results/2026-12-05-0ba8398-h100-vllm0.26.0); flex: speculators' flex attention, a "
+        "block mask (CUDA, with --compile)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the draft's forward (speculators compiles it where CUDA is; without this flag "
+        "it runs eagerly). Minutes of compiling at the first steps and at new sequence lengths; on an "
+        "H200, --attn flex --compile trained Kimi-K2.5's draft at 48.8 %% MFU at 8k tokens against "
+        "30.0 %% eager (results/2026-12-05-c5ebd37-h200-vllm0.26.0)",
+    )
+    p.add_argument(
+        "--export-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="dtype of the published draft OUT/draft (default bfloat16, what vLLM serves in)",
+    )
+    p.add_argument(
+        "--serve-tp",
+        type=_tp_list,
+        default=None,
+        help="tensor-parallel sizes the draft must load at in vLLM, e.g. 8 (default 1,2,4,8,16); "
+        "checked before training and again at export",
+    )
+    p.add_argument(
+        "--draft-heads", type=POSITIVE, default=None, help="draft attention heads (default: from the target)"
+    )
     p.add_argument("--draft-kv-heads", type=POSITIVE, default=None, help="draft KV heads (default 8)")
-    p.add_argument("--draft-head-dim", type=POSITIVE, default=None, help="draft head dim (default 128/64/32 by hidden size)")
-    p.add_argument("--checkpoint-every", type=NON_NEGATIVE, default=0, help="also checkpoint every N steps (default 0: off)")
-    p.add_argument("--checkpoint-minutes", type=NON_NEGATIVE_FLOAT, default=10.0,
-                   help="checkpoint every this many minutes of work (default 10; 0: off)")
-    p.add_argument("--keep-checkpoints", type=NON_NEGATIVE, default=3, help="newest checkpoints kept (default 3; 0: all)")
-    p.add_argument("--checkpoint-background", choices=["auto", "on", "off"], default="auto",
-                   help="write each checkpoint but the last in a thread while training goes on (auto: on CUDA; at "
-                        "Kimi-K2.5's draft size a checkpoint is 12 GB, 22-24 s on an H200 with its export)")
-    p.add_argument("--on-bad-sample", choices=["stop", "skip"], default="stop",
-                   help="a stored sample with a checksum mismatch or NaN/Inf: stop (default) or skip and count it")
+    p.add_argument(
+        "--draft-head-dim", type=POSITIVE, default=None, help="draft head dim (default 128/64/32 by hidden size)"
+    )
+    p.add_argument(
+        "--checkpoint-every", type=NON_NEGATIVE, default=0, help="also checkpoint every N steps (default 0: off)"
+    )
+    p.add_argument(
+        "--checkpoint-minutes",
+        type=NON_NEGATIVE_FLOAT,
+        default=10.0,
+        help="checkpoint every this many minutes of work (default 10; 0: off)",
+    )
+    p.add_argument(
+        "--keep-checkpoints", type=NON_NEGATIVE, default=3, help="newest checkpoints kept (default 3; 0: all)"
+    )
+    p.add_argument(
+        "--checkpoint-background",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="write each checkpoint but the last in a thread while training goes on (auto: on CUDA; at "
+        "Kimi-K2.5's draft size a checkpoint is 12 GB, 22-24 s on an H200 with its export)",
+    )
+    p.add_argument(
+        "--on-bad-sample",
+        choices=["stop", "skip"],
+        default="stop",
+        help="a stored sample with a checksum mismatch or NaN/Inf: stop (default) or skip and count it",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--no-resume", action="store_true", help="start over instead of resuming from OUT/checkpoints")
-    p.add_argument("--allow-incomplete", action="store_true",
-                   help="train on a store that holds fewer samples than its plan names (an extraction that stopped); "
-                        "by default that is refused, naming the command that completes it")
+    p.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="train on a store that holds fewer samples than its plan names (an extraction that stopped); "
+        "by default that is refused, naming the command that completes it",
+    )
 
 
 def _train_config(a):
     from eagle3.preflight import TRAIN_ATTN
     from eagle3.train.train import TrainConfig
 
-    shape = {k: v for k, v in (("num_attention_heads", a.draft_heads), ("num_key_value_heads", a.draft_kv_heads),
-                               ("head_dim", a.draft_head_dim)) if v is not None}
+    shape = {
+        k: v
+        for k, v in (
+            ("num_attention_heads", a.draft_heads),
+            ("num_key_value_heads", a.draft_kv_heads),
+            ("head_dim", a.draft_head_dim),
+        )
+        if v is not None
+    }
     store = (a.spool or str(Path(a.out) / "spool")) if a.online else a.store
-    return TrainConfig(store=store, out=a.out, target=a.target, max_steps=a.steps, epochs=a.epochs,
-                       batch_samples=a.batch, lr=a.lr, ttt_steps=a.ttt_steps, pack_tokens=a.pack_tokens,
-                       draft_vocab_size=a.draft_vocab, device=a.device, dtype=a.dtype, precision=a.precision,
-                       fc_norm=a.fc_norm or a.eagle31, norm_output=a.norm_output or a.eagle31, draft_arch=a.draft_arch,
-                       export_dtype=a.export_dtype, attn_impl=TRAIN_ATTN[a.attn], compile=a.compile,
-                       serve_tps=a.serve_tp or None, shape=shape, checkpoint_every=a.checkpoint_every,
-                       checkpoint_minutes=a.checkpoint_minutes, keep_checkpoints=a.keep_checkpoints,
-                       checkpoint_background={"auto": None, "on": True, "off": False}[a.checkpoint_background],
-                       on_bad_sample=a.on_bad_sample, seed=a.seed, resume=not a.no_resume,
-                       allow_incomplete=a.allow_incomplete)
+    return TrainConfig(
+        store=store,
+        out=a.out,
+        target=a.target,
+        max_steps=a.steps,
+        epochs=a.epochs,
+        batch_samples=a.batch,
+        lr=a.lr,
+        ttt_steps=a.ttt_steps,
+        pack_tokens=a.pack_tokens,
+        draft_vocab_size=a.draft_vocab,
+        device=a.device,
+        dtype=a.dtype,
+        precision=a.precision,
+        fc_norm=a.fc_norm or a.eagle31,
+        norm_output=a.norm_output or a.eagle31,
+        draft_arch=a.draft_arch,
+        export_dtype=a.export_dtype,
+        attn_impl=TRAIN_ATTN[a.attn],
+        compile=a.compile,
+        serve_tps=a.serve_tp or None,
+        shape=shape,
+        checkpoint_every=a.checkpoint_every,
+        checkpoint_minutes=a.checkpoint_minutes,
+        keep_checkpoints=a.keep_checkpoints,
+        checkpoint_background={"auto": None, "on": True, "off": False}[a.checkpoint_background],
+        on_bad_sample=a.on_bad_sample,
+        seed=a.seed,
+        resume=not a.no_resume,
+        allow_incomplete=a.allow_incomplete,
+    )
 
 
 def cmd_train_online(a):
@@ -271,12 +435,17 @@ def cmd_train_online(a):
 
     cfg = _train_config(a)
     ownership.claim(a.out, "train")  # before rejects.jsonl is written into it
-    ex = extract.ExtractConfig(model=a.target, out=cfg.store, backend=a.backend, layer_ids=a.layer_ids,
-                               dtype=_state_dtype(a.state_dtype),
-                               device=a.extract_device or a.device, tp=a.tp,
-                               vllm_kwargs={"gpu_memory_utilization": a.gpu_mem,
-                                            **({"in_process": True} if a.engine_in_process else {})},
-                               data=DataConfig(a.data, max_len=a.max_len, rejects_path=str(Path(a.out) / "rejects.jsonl")))
+    ex = extract.ExtractConfig(
+        model=a.target,
+        out=cfg.store,
+        backend=a.backend,
+        layer_ids=a.layer_ids,
+        dtype=_state_dtype(a.state_dtype),
+        device=a.extract_device or a.device,
+        tp=a.tp,
+        vllm_kwargs={"gpu_memory_utilization": a.gpu_mem, **({"in_process": True} if a.engine_in_process else {})},
+        data=DataConfig(a.data, max_len=a.max_len, rejects_path=str(Path(a.out) / "rejects.jsonl")),
+    )
     samples, report = extract.load_dataset(ex)
     print(f"data       {report.summary()}")
     return online.run(cfg, ex, samples, int(a.spool_mb * 2**20), extract_batch=a.extract_batch)
@@ -295,18 +464,34 @@ def cmd_demo(a) -> int:
     out = ownership.claim(a.out, "demo")
     t0 = time.perf_counter()
     profile = presets.from_name(a.model)
-    print(f"[1/3] building {profile.name} ({profile.architecture}, {profile.num_hidden_layers} layers, "
-          f"hidden {profile.hidden_size}, random weights) in {out / 'model'}", flush=True)
+    print(
+        f"[1/3] building {profile.name} ({profile.architecture}, {profile.num_hidden_layers} layers, "
+        f"hidden {profile.hidden_size}, random weights) in {out / 'model'}",
+        flush=True,
+    )
     model = tiny.build_model(profile, out / "model", seed=a.seed)
     print(f"[2/3] extracting layers {list(profile.layer_ids)} of {corpus.BUNDLED.name} -> {out / 'store'}", flush=True)
-    ecfg = extract.ExtractConfig(model=str(model), out=str(out / "store"), batch_size=16,
-                                 data=DataConfig([str(corpus.BUNDLED)], max_len=a.max_len, max_samples=a.samples),
-                                 shard_samples=64)
+    ecfg = extract.ExtractConfig(
+        model=str(model),
+        out=str(out / "store"),
+        batch_size=16,
+        data=DataConfig([str(corpus.BUNDLED)], max_len=a.max_len, max_samples=a.samples),
+        shard_samples=64,
+    )
     es = extract.run(ecfg, progress=not a.quiet)
     print(f"[3/3] training the EAGLE-3 draft -> {out / 'train'}", flush=True)
-    tcfg = train.TrainConfig(store=str(out / "store"), out=str(out / "train"), draft_vocab_size=512,
-                             batch_samples=8, epochs=a.epochs, max_steps=a.steps, lr=3e-3, seed=a.seed,
-                             checkpoint_every=25, restart_hint=f"remove {out} to start over")
+    tcfg = train.TrainConfig(
+        store=str(out / "store"),
+        out=str(out / "train"),
+        draft_vocab_size=512,
+        batch_samples=8,
+        epochs=a.epochs,
+        max_steps=a.steps,
+        lr=3e-3,
+        seed=a.seed,
+        checkpoint_every=25,
+        restart_hint=f"remove {out} to start over",
+    )
     tr = train.train(tcfg, progress=not a.quiet)
     draft_cfg = json.loads((Path(tr.draft) / "config.json").read_text())
     problems = check_vllm_loadable(draft_cfg)
@@ -379,27 +564,52 @@ def cmd_make_target(a) -> int:
 
     info = learnable.make_target(a.out, steps=a.steps, device=a.device, arch=a.arch)
     prof = learnable.ARCHES[a.arch]
-    print(f"target     {a.out} ({prof.name}: {prof.architecture}, hidden {prof.hidden_size}, {prof.num_hidden_layers} "
-          f"layers) trained {info['steps']} steps in {info['seconds']} s; loss {info['first_loss']:.3f} -> "
-          f"{info['final_loss']:.3f}")
+    print(
+        f"target     {a.out} ({prof.name}: {prof.architecture}, hidden {prof.hidden_size}, {prof.num_hidden_layers} "
+        f"layers) trained {info['steps']} steps in {info['seconds']} s; loss {info['first_loss']:.3f} -> "
+        f"{info['final_loss']:.3f}"
+    )
     return 0
 
 
 def _regen_config(a):
     from eagle3.extract.regenerate import RegenConfig
 
-    return RegenConfig(target=a.target, data=a.data, out=a.out, backend=a.backend, device=a.device, tp=a.tp,
-                       mode=a.mode, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed,
-                       max_samples=a.max_samples, batch_size=a.batch_size)
+    return RegenConfig(
+        target=a.target,
+        data=a.data,
+        out=a.out,
+        backend=a.backend,
+        device=a.device,
+        tp=a.tp,
+        mode=a.mode,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        max_tokens=a.max_tokens,
+        seed=a.seed,
+        max_samples=a.max_samples,
+        batch_size=a.batch_size,
+    )
 
 
 def _eval_config(a):
     from eagle3.serve import evaluate
 
-    return evaluate.EvalConfig(target=a.target, draft=a.draft, prompts=a.prompts, out=a.out, k=a.k,
-                               max_tokens=a.max_tokens, num_prompts=a.num_prompts, gpu_memory_utilization=a.gpu_mem,
-                               shifted=not a.no_shifted, baseline=not a.no_baseline, cuda_graphs=a.cuda_graphs,
-                               long_prompts=a.long_prompts, long_context=a.long_context)
+    return evaluate.EvalConfig(
+        target=a.target,
+        draft=a.draft,
+        prompts=a.prompts,
+        out=a.out,
+        k=a.k,
+        max_tokens=a.max_tokens,
+        num_prompts=a.num_prompts,
+        gpu_memory_utilization=a.gpu_mem,
+        shifted=not a.no_shifted,
+        baseline=not a.no_baseline,
+        cuda_graphs=a.cuda_graphs,
+        long_prompts=a.long_prompts,
+        long_context=a.long_context,
+    )
 
 
 def cmd_regenerate(a) -> int:
@@ -430,16 +640,22 @@ def cmd_bench_disk(a) -> int:
 
     for fsync, name, what in ((True, "fsync", "a store"), (False, "page cache", "a --no-fsync store")):
         writers = a.writers or writer_threads(fsync)  # default: as many as the store writes with
-        print(f"disk       {a.dir}: {writers} writers x {a.files} files x {a.file_mb} MiB a round (the store's "
-              f"writes, {name}), {a.rounds} timed rounds after a warm-up")
+        print(
+            f"disk       {a.dir}: {writers} writers x {a.files} files x {a.file_mb} MiB a round (the store's "
+            f"writes, {name}), {a.rounds} timed rounds after a warm-up"
+        )
         try:
             fig = bandwidth.measure(a.dir, fsync, writers, a.files, a.file_mb << 20, a.rounds)
         except OSError as e:
-            raise UsageError(f"writing test files into {a.dir}: {e}. Free space there, or give a smaller --file-mb "
-                             "or fewer --writers") from e
+            raise UsageError(
+                f"writing test files into {a.dir}: {e}. Free space there, or give a smaller --file-mb "
+                "or fewer --writers"
+            ) from e
         bps = fig.bytes_per_s
-        print(f"{name:10s} {bps / 1e9:,.2f} GB/s = {bps / a.bytes_per_token:,.0f} tok/s at {a.bytes_per_token:,} B a "
-              f"token: the most {what} can write here, however fast the GPUs")
+        print(
+            f"{name:10s} {bps / 1e9:,.2f} GB/s = {bps / a.bytes_per_token:,.0f} tok/s at {a.bytes_per_token:,} B a "
+            f"token: the most {what} can write here, however fast the GPUs"
+        )
     return 0
 
 
@@ -448,23 +664,32 @@ class _Help(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if ("default" not in text and action.default not in (None, False, argparse.SUPPRESS)
-                and action.option_strings):
+        if "default" not in text and action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
             text += " (default: %(default)s)"
         return text
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagle3", description="EAGLE-3 drafts for large targets with vLLM",
-                                     formatter_class=_Help)
+    parser = argparse.ArgumentParser(
+        prog="eagle3", description="EAGLE-3 drafts for large targets with vLLM", formatter_class=_Help
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug (workers too)")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    doc = sub.add_parser("doctor", formatter_class=_Help,
-                         help="versions, GPUs, and whether the installed vLLM is supported (about a second)")
+    doc = sub.add_parser(
+        "doctor",
+        formatter_class=_Help,
+        help="versions, GPUs, and whether the installed vLLM is supported (about a second)",
+    )
     doc.add_argument("--deep", action="store_true", help="also import every module the pipeline needs (seconds)")
-    _add_extract_args(sub.add_parser("extract", formatter_class=_Help, help="capture target hidden states into a shard store"))
-    _add_train_args(sub.add_parser("train", formatter_class=_Help, help="train an EAGLE-3 draft on a store (torchrun for DDP)"))
-    d = sub.add_parser("demo", formatter_class=_Help, help="tiny Kimi-family model + bundled data: extract and train on CPU")
+    _add_extract_args(
+        sub.add_parser("extract", formatter_class=_Help, help="capture target hidden states into a shard store")
+    )
+    _add_train_args(
+        sub.add_parser("train", formatter_class=_Help, help="train an EAGLE-3 draft on a store (torchrun for DDP)")
+    )
+    d = sub.add_parser(
+        "demo", formatter_class=_Help, help="tiny Kimi-family model + bundled data: extract and train on CPU"
+    )
     d.add_argument("--out", default="runs/demo", help="folder for the model, store and draft")
     d.add_argument("--model", default="tiny-kimi", help="a buildable preset: tiny-kimi or tiny-llama")
     d.add_argument("--samples", type=POSITIVE, default=None, help="bundled conversations used (default: all 300)")
@@ -473,32 +698,54 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=POSITIVE, default=None, help="stop training after this many steps (default: epochs)")
     d.add_argument("--seed", type=int, default=0, help="seed of the model's weights and of training")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
-    sm = sub.add_parser("show-mask", formatter_class=_Help,
-                        help="a conversation file as the target renders it, the tokens the draft trains on marked")
+    sm = sub.add_parser(
+        "show-mask",
+        formatter_class=_Help,
+        help="a conversation file as the target renders it, the tokens the draft trains on marked",
+    )
     sm.add_argument("--model", required=True, help="target folder (its tokenizer and chat template)")
     sm.add_argument("--data", required=True, help="JSONL conversations")
     sm.add_argument("--line", type=POSITIVE, default=None, help="only this line of --data (the first is 1)")
-    sm.add_argument("--json", action="store_true",
-                    help="one JSON object a sample: ids, mask, each token's turn role, counts (for scripts)")
-    sm.add_argument("--color", choices=["auto", "always", "never"], default="auto",
-                    help="trained tokens in colour on a terminal (auto), else between [[ and ]]")
-    v = sub.add_parser("verify", formatter_class=_Help, help="check a store: checksums, shapes, NaN/zero/duplicate layers, ids")
+    sm.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object a sample: ids, mask, each token's turn role, counts (for scripts)",
+    )
+    sm.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="trained tokens in colour on a terminal (auto), else between [[ and ]]",
+    )
+    v = sub.add_parser(
+        "verify", formatter_class=_Help, help="check a store: checksums, shapes, NaN/zero/duplicate layers, ids"
+    )
     v.add_argument("store", help="store folder made by `eagle3 extract`")
     v.add_argument("--fix", action="store_true", help="quarantine bad shards so a resumed extract redoes them")
     v.add_argument("--quick", action="store_true", help="skip checksums and per-sample value checks")
-    v.add_argument("--semantic", action="store_true",
-                   help="also run the final-state self-check on stored samples (needs --model): the target's final "
-                        "norm + lm_head on each stored last state must reproduce the target's own next-token logprobs")
+    v.add_argument(
+        "--semantic",
+        action="store_true",
+        help="also run the final-state self-check on stored samples (needs --model): the target's final "
+        "norm + lm_head on each stored last state must reproduce the target's own next-token logprobs",
+    )
     v.add_argument("--model", default=None, help="target folder for --semantic (default: the one the store names)")
     v.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="what runs the target for --semantic")
     v.add_argument("--device", default="cpu", help="hf backend device for --semantic (default cpu)")
-    v.add_argument("--semantic-samples", type=POSITIVE, default=8, help="stored samples checked by --semantic (default 8)")
-    e = sub.add_parser("eval", formatter_class=_Help, help="serve target + draft in vLLM; acceptance length and speedup")
+    v.add_argument(
+        "--semantic-samples", type=POSITIVE, default=8, help="stored samples checked by --semantic (default 8)"
+    )
+    e = sub.add_parser(
+        "eval", formatter_class=_Help, help="serve target + draft in vLLM; acceptance length and speedup"
+    )
     e.add_argument("--target", required=True, help="target model folder")
     e.add_argument("--draft", required=True, help="draft folder (OUT/draft of `eagle3 train`)")
-    e.add_argument("--prompts", default=None,
-                   help="JSONL conversations, prompted up to their last assistant turn (default: the learnable "
-                        "target's held-out prompts)")
+    e.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL conversations, prompted up to their last assistant turn (default: the learnable "
+        "target's held-out prompts)",
+    )
     e.add_argument("--out", required=True, help="folder for eval.json and eval.md")
     e.add_argument("--k", type=POSITIVE, default=3, help="draft tokens per step (num_speculative_tokens)")
     e.add_argument("--max-tokens", type=POSITIVE, default=128, help="tokens generated per prompt")
@@ -506,58 +753,102 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpu-mem", type=FRACTION, default=0.3, help="vLLM gpu_memory_utilization")
     e.add_argument("--no-shifted", action="store_true", help="skip the layer-ids-shifted-by-one run")
     e.add_argument("--no-baseline", action="store_true", help="skip the target-only run")
-    e.add_argument("--cuda-graphs", action="store_true",
-                   help="serve as production does (torch.compile and CUDA graphs); default eager")
-    e.add_argument("--long-prompts", type=NON_NEGATIVE, default=0,
-                   help="then, in the same engine, this many of a learnable target's held-out prompts, each made "
-                        "--long-context tokens long by earlier conversations before it (acceptance reported apart)")
-    e.add_argument("--long-context", type=POSITIVE, default=4096,
-                   help="tokens of a long prompt in all: earlier conversations, then the held-out prompt")
-    m = sub.add_parser("make-target", formatter_class=_Help,
-                       help="train a learnable tiny target, Llama or DeepseekV3 (a minute or a few on a GPU)")
-    m.add_argument("--arch", choices=["llama", "deepseek"], default="llama",
-                   help="llama (hidden 256, 8 layers) or deepseek (DeepseekV3: Kimi's MLA latent sizes, MoE 8 experts "
-                        "top-2 + 1 shared, first layer dense; hidden 256, 8 layers)")
+    e.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="serve as production does (torch.compile and CUDA graphs); default eager",
+    )
+    e.add_argument(
+        "--long-prompts",
+        type=NON_NEGATIVE,
+        default=0,
+        help="then, in the same engine, this many of a learnable target's held-out prompts, each made "
+        "--long-context tokens long by earlier conversations before it (acceptance reported apart)",
+    )
+    e.add_argument(
+        "--long-context",
+        type=POSITIVE,
+        default=4096,
+        help="tokens of a long prompt in all: earlier conversations, then the held-out prompt",
+    )
+    m = sub.add_parser(
+        "make-target",
+        formatter_class=_Help,
+        help="train a learnable tiny target, Llama or DeepseekV3 (a minute or a few on a GPU)",
+    )
+    m.add_argument(
+        "--arch",
+        choices=["llama", "deepseek"],
+        default="llama",
+        help="llama (hidden 256, 8 layers) or deepseek (DeepseekV3: Kimi's MLA latent sizes, MoE 8 experts "
+        "top-2 + 1 shared, first layer dense; hidden 256, 8 layers)",
+    )
     m.add_argument("--out", required=True, help="folder for the trained target")
     m.add_argument("--steps", type=POSITIVE, default=1500, help="training steps of the target")
     m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    g = sub.add_parser("regenerate", formatter_class=_Help,
-                       help="the target writes the assistant turns itself (resumable; never overwrites)")
+    g = sub.add_parser(
+        "regenerate",
+        formatter_class=_Help,
+        help="the target writes the assistant turns itself (resumable; never overwrites)",
+    )
     g.add_argument("--target", required=True, help="the target model folder (its tokenizer and chat template)")
     g.add_argument("--data", required=True, help="JSONL conversations")
     g.add_argument("--out", required=True, help="JSONL to write; rerun the same command to resume it")
     g.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="hf: transformers; vllm: the engine")
     g.add_argument("--device", default="cpu", help="hf backend device")
     g.add_argument("--tp", type=POSITIVE, default=1, help="vllm backend tensor parallel size")
-    g.add_argument("--mode", choices=["all", "last"], default="all",
-                   help="all: every assistant turn, each on the regenerated history; last: the last turn only, the "
-                        "earlier ones written with weight 0 (the data's words: context, not learned)")
+    g.add_argument(
+        "--mode",
+        choices=["all", "last"],
+        default="all",
+        help="all: every assistant turn, each on the regenerated history; last: the last turn only, the "
+        "earlier ones written with weight 0 (the data's words: context, not learned)",
+    )
     g.add_argument("--temperature", type=NON_NEGATIVE_FLOAT, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=FRACTION, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
     g.add_argument("--max-tokens", type=POSITIVE, default=512, help="tokens a turn may run to")
     g.add_argument("--seed", type=NON_NEGATIVE, default=0, help="line n samples with seed*1000003 + n")
     g.add_argument("--max-samples", type=POSITIVE, default=None, help="stop after this many conversations")
-    g.add_argument("--batch-size", type=POSITIVE, default=64,
-                   help="conversations an engine call serves (a killed run redoes at most one batch)")
+    g.add_argument(
+        "--batch-size",
+        type=POSITIVE,
+        default=64,
+        help="conversations an engine call serves (a killed run redoes at most one batch)",
+    )
     b = sub.add_parser("bench", formatter_class=_Help, help="benchmark reports")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
-    r = bsub.add_parser("report", formatter_class=_Help, help="Markdown table + PNG plot from pytest-benchmark JSON history")
+    r = bsub.add_parser(
+        "report", formatter_class=_Help, help="Markdown table + PNG plot from pytest-benchmark JSON history"
+    )
     r.add_argument("--history", nargs="+", required=True, help="benchmark JSON files or folders")
     r.add_argument("--out", required=True, help="folder for throughput.md and the PNG")
     r.add_argument("--baselines", default=None, help="folder of per-profile baseline JSON (default: bundled)")
-    r.add_argument("--update-baselines", action="store_true",
-                   help="write each profile's newest run into the baselines folder (--baselines, else the bundled one)")
-    d = bsub.add_parser("disk", formatter_class=_Help,
-                        help="what a disk can take from the store: its parallel writes timed, fsynced and not")
+    r.add_argument(
+        "--update-baselines",
+        action="store_true",
+        help="write each profile's newest run into the baselines folder (--baselines, else the bundled one)",
+    )
+    d = bsub.add_parser(
+        "disk",
+        formatter_class=_Help,
+        help="what a disk can take from the store: its parallel writes timed, fsynced and not",
+    )
     d.add_argument("--dir", required=True, help="a folder on the disk the store will use (test files are removed)")
-    d.add_argument("--writers", type=POSITIVE, default=None,
-                   help="parallel writers (default: the store's own, 4 fsynced and 8 into the page cache)")
+    d.add_argument(
+        "--writers",
+        type=POSITIVE,
+        default=None,
+        help="parallel writers (default: the store's own, 4 fsynced and 8 into the page cache)",
+    )
     d.add_argument("--files", type=POSITIVE, default=4, help="files each writer writes a round")
     d.add_argument("--file-mb", type=POSITIVE, default=512, help="MiB a file (the store's shard size)")
     d.add_argument("--rounds", type=POSITIVE, default=2, help="timed rounds (their median counts), after one warm-up")
-    d.add_argument("--bytes-per-token", type=POSITIVE, default=57344,
-                   help="a stored token's bytes: layers x hidden x 2 (bf16), half with --state-dtype fp8; "
-                        "Kimi-K2.5: 4 x 7168 x 2")
+    d.add_argument(
+        "--bytes-per-token",
+        type=POSITIVE,
+        default=57344,
+        help="a stored token's bytes: layers x hidden x 2 (bf16), half with --state-dtype fp8; Kimi-K2.5: 4 x 7168 x 2",
+    )
     return parser
 
 
@@ -596,8 +887,10 @@ def preflight(a) -> None:
             cfg = read_model_config(folder)
             validate_layer_ids(a.layer_ids, int((cfg.get("text_config") or cfg)["num_hidden_layers"]))
         if a.regenerate and a.backend == "vllm" and a.capture == "aux":
-            raise pf.UsageError("extract --regenerate --capture aux: the aux capture runs as a drafter, which sees no "
-                                "decode step's states; use --capture direct or hooks (or auto)")
+            raise pf.UsageError(
+                "extract --regenerate --capture aux: the aux capture runs as a drafter, which sees no "
+                "decode step's states; use --capture direct or hooks (or auto)"
+            )
         if a.backend == "vllm":
             pf.vllm_installed("extract --backend vllm")
             pf.cuda_available("extract --backend vllm")
@@ -618,15 +911,20 @@ def preflight(a) -> None:
         if a.online:
             missing = [f for f, v in (("--target", a.target), ("--data", a.data)) if not v]
             if missing or a.store:
-                raise pf.UsageError(f"train --online extracts as it trains: it needs {' and '.join(missing)}"
-                                    if missing else "train --online makes no use of --store (it reads a spool)")
+                raise pf.UsageError(
+                    f"train --online extracts as it trains: it needs {' and '.join(missing)}"
+                    if missing
+                    else "train --online makes no use of --store (it reads a spool)"
+                )
             pf.model_folder(a.target, weights=a.backend == "hf", tokenizer=True, what="--target")
             pf.data_files(a.data)
             if a.backend == "vllm":
                 pf.vllm_installed("train --online --backend vllm")
             elif a.engine_in_process:
-                raise pf.UsageError("--engine-in-process places vLLM's engine: it needs --backend vllm (the hf "
-                                    "backend always extracts in this process)")
+                raise pf.UsageError(
+                    "--engine-in-process places vLLM's engine: it needs --backend vllm (the hf "
+                    "backend always extracts in this process)"
+                )
         elif a.engine_in_process:
             raise pf.UsageError("--engine-in-process is for train --online --backend vllm")
         elif not a.store:
@@ -650,9 +948,11 @@ def preflight(a) -> None:
         checks.output_store(Path(a.out) / "store", "demo")
     elif a.cmd == "eval":
         if a.long_prompts and a.prompts:
-            raise pf.UsageError(f"--long-prompts makes long-context prompts from a learnable target's (make-target) "
-                                f"held-out conversations; with --prompts {a.prompts}, put the context in the file's "
-                                "conversations and leave --long-prompts out")
+            raise pf.UsageError(
+                f"--long-prompts makes long-context prompts from a learnable target's (make-target) "
+                f"held-out conversations; with --prompts {a.prompts}, put the context in the file's "
+                "conversations and leave --long-prompts out"
+            )
         pf.vllm_installed("eval")
         pf.model_folder(a.target, weights=True, tokenizer=True, what="--target")
         pf.model_folder(a.draft, weights=True, what="--draft")
@@ -665,8 +965,10 @@ def preflight(a) -> None:
     elif a.cmd == "bench":
         missing = [h for h in a.history if not Path(h).exists()]
         if missing:
-            raise pf.UsageError(f"--history {' '.join(missing)}: no such file or folder; give the benchmark JSON "
-                                "written by pytest --benchmark-json, or a folder of them")
+            raise pf.UsageError(
+                f"--history {' '.join(missing)}: no such file or folder; give the benchmark JSON "
+                "written by pytest --benchmark-json, or a folder of them"
+            )
 
 
 def _fail(a, e: Exception) -> int:
@@ -689,16 +991,25 @@ def interrupted_line(a, e: BaseException | None = None) -> str:
     if a.cmd in ("train", "demo"):
         saved = getattr(e, "saved", None)
         if saved is not None:
-            return (f"interrupted: saved a checkpoint of step {int(saved.name.split('-')[1])} in {saved.parent.parent} "
-                    "(the step in progress finished first); rerun the same command to resume from it")
+            return (
+                f"interrupted: saved a checkpoint of step {int(saved.name.split('-')[1])} in {saved.parent.parent} "
+                "(the step in progress finished first); rerun the same command to resume from it"
+            )
         root = Path(a.out) / ("train" if a.cmd == "demo" else "")
-        steps = sorted(int(p.name.split("-")[1]) for p in (root / "checkpoints").glob("step-*")) \
-            if (root / "checkpoints").is_dir() else []
+        steps = (
+            sorted(int(p.name.split("-")[1]) for p in (root / "checkpoints").glob("step-*"))
+            if (root / "checkpoints").is_dir()
+            else []
+        )
         if steps:
-            return (f"interrupted: the newest checkpoint in {root} is at step {steps[-1]}; rerun the same command to "
-                    "resume from it")
-        return (f"interrupted before training's first step finished: nothing to resume in {root}; rerun the same "
-                "command to start")
+            return (
+                f"interrupted: the newest checkpoint in {root} is at step {steps[-1]}; rerun the same command to "
+                "resume from it"
+            )
+        return (
+            f"interrupted before training's first step finished: nothing to resume in {root}; rerun the same "
+            "command to start"
+        )
     return "interrupted; nothing was left half-written: rerun the same command"
 
 
@@ -772,8 +1083,17 @@ def _main(args) -> int:
             return cmd_make_target(args)
         if args.cmd == "regenerate":
             return cmd_regenerate(args)
-    except (DataError, StoreError, LayerIdError, DraftShapeError, TrainingDiverged, NonFiniteWeights,
-            UsageError, SelfCheckFailed, StoreBusy) as e:
+    except (
+        DataError,
+        StoreError,
+        LayerIdError,
+        DraftShapeError,
+        TrainingDiverged,
+        NonFiniteWeights,
+        UsageError,
+        SelfCheckFailed,
+        StoreBusy,
+    ) as e:
         return _fail(args, e)
     return 2
 

@@ -78,8 +78,9 @@ def install_problems(deep: bool = True) -> list[str]:
             elif not _exists(module):
                 raise ModuleNotFoundError(f"no module named {module!r}")
         except Exception as e:  # noqa: BLE001 - reported, not swallowed
-            problems.append(f"{what} does not {'import' if deep else 'exist'}: {type(e).__name__}: {e}. "
-                            "Re-run scripts/setup-env.")
+            problems.append(
+                f"{what} does not {'import' if deep else 'exist'}: {type(e).__name__}: {e}. Re-run scripts/setup-env."
+            )
     if not deep:
         return problems
     for extra in ("torchvision", "torchaudio"):
@@ -103,8 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
     deep = "--deep" in argv
     info = collect()
-    info["imports"] = "imported each module the pipeline needs" if deep else \
-        "found (not imported; `eagle3 doctor --deep` imports them, a few seconds)"
+    info["imports"] = (
+        "imported each module the pipeline needs"
+        if deep
+        else "found (not imported; `eagle3 doctor --deep` imports them, a few seconds)"
+    )
     width = max(map(len, info))
     problems = install_problems(deep)
     for k, v in info.items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 
 def killer(point: str, k: int, sig: int = signal.SIGKILL) -> Callable[[str], None]:

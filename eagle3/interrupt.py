@@ -33,8 +33,10 @@ class Deferred:
     def _hold(self, signum, frame) -> None:
         self.signum = signum
         self._restore()
-        log.warning("%s: the step in progress finishes and a checkpoint of it is written (again to stop at once)",
-                    signal.Signals(signum).name)
+        log.warning(
+            "%s: the step in progress finishes and a checkpoint of it is written (again to stop at once)",
+            signal.Signals(signum).name,
+        )
 
     def _restore(self) -> None:
         for sig, handler in self._old.items():

@@ -54,14 +54,18 @@ def refusal(folder: str | Path, kind: str, option: str = "--out") -> str | None:
     if found == kind:
         return None
     if found is not None:
-        return (f"{option} {p} holds {KINDS[found]}, not {KINDS[kind]}; nothing was written. Give a new or empty "
-                f"{option} folder")
+        return (
+            f"{option} {p} holds {KINDS[found]}, not {KINDS[kind]}; nothing was written. Give a new or empty "
+            f"{option} folder"
+        )
     entries = _entries(p)
     if not entries:
         return None
     names = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-    return (f"{option} {p} is not empty and eagle3 did not make it (it holds {names}); nothing was written, "
-            f"nothing removed. Give a new or empty {option} folder")
+    return (
+        f"{option} {p} is not empty and eagle3 did not make it (it holds {names}); nothing was written, "
+        f"nothing removed. Give a new or empty {option} folder"
+    )
 
 
 def check(folder: str | Path, kind: str, option: str = "--out") -> None:

@@ -12,8 +12,12 @@ class UsageError(ValueError):
     """The command cannot run as given; the message says what to change."""
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "tiktoken.model")
 
 
@@ -32,11 +36,15 @@ def model_folder(path: str | Path, *, weights: bool = False, tokenizer: bool = F
     except ValueError as e:
         raise UsageError(f"{cfg}: not valid JSON ({e}); restore the file from the model's release") from None
     if weights and not any((p / f).exists() for f in WEIGHT_FILES) and not list(p.glob("*.safetensors")):
-        raise UsageError(f"{what} {p}: no weights (*.safetensors) in it. The hf backend needs the weights; "
-                         "download them, or use --backend vllm with the engine's own loader")
+        raise UsageError(
+            f"{what} {p}: no weights (*.safetensors) in it. The hf backend needs the weights; "
+            "download them, or use --backend vllm with the engine's own loader"
+        )
     if tokenizer and not any((p / f).exists() for f in TOKENIZER_FILES):
-        raise UsageError(f"{what} {p}: no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}) in it; conversations "
-                         "are turned into tokens with the target's tokenizer and chat template")
+        raise UsageError(
+            f"{what} {p}: no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}) in it; conversations "
+            "are turned into tokens with the target's tokenizer and chat template"
+        )
     return p
 
 
@@ -44,22 +52,29 @@ def vllm_installed(command: str) -> None:
     import sys
 
     if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
-        raise UsageError(f"{command} needs vLLM, which is not installed here (pip install 'eagle3[gpu]' on a GPU "
-                         "host; `eagle3 doctor` shows what is installed)")
+        raise UsageError(
+            f"{command} needs vLLM, which is not installed here (pip install 'eagle3[gpu]' on a GPU "
+            "host; `eagle3 doctor` shows what is installed)"
+        )
 
 
 def cuda_available(command: str) -> None:
     import os
 
-    if not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd",
-                                            "/dev/dxg")):
-        raise UsageError(f"{command} needs a CUDA GPU and this machine has no GPU driver (no /dev/nvidia*); run it "
-                         "on a GPU host (`eagle3 doctor` lists the GPUs)")
+    if not any(
+        os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+    ):
+        raise UsageError(
+            f"{command} needs a CUDA GPU and this machine has no GPU driver (no /dev/nvidia*); run it "
+            "on a GPU host (`eagle3 doctor` lists the GPUs)"
+        )
     import torch  # a driver is there: ask torch (seconds)
 
     if not torch.cuda.is_available():
-        raise UsageError(f"{command} needs a CUDA GPU and torch {torch.__version__} sees none here; "
-                         "run it on a GPU host (`eagle3 doctor` lists the GPUs)")
+        raise UsageError(
+            f"{command} needs a CUDA GPU and torch {torch.__version__} sees none here; "
+            "run it on a GPU host (`eagle3 doctor` lists the GPUs)"
+        )
 
 
 TRAIN_ATTN = {"sdpa": "sdpa", "varlen": "varlen", "flex": "simple_flex_attention"}  # --attn -> TrainConfig.attn_impl
@@ -71,11 +86,15 @@ def train_attention(attn: str, compile: bool, device: str) -> None:
     if attn not in ("flex", TRAIN_ATTN["flex"]):  # the CLI's name, or TrainConfig's
         return
     if not device.startswith("cuda"):
-        raise UsageError("--attn flex: flex attention has no backward on the CPU (torch), so it cannot train there; "
-                         "use --attn sdpa or varlen, or --device cuda")
+        raise UsageError(
+            "--attn flex: flex attention has no backward on the CPU (torch), so it cannot train there; "
+            "use --attn sdpa or varlen, or --device cuda"
+        )
     if not compile:
-        raise UsageError("--attn flex runs fused only compiled: without --compile it computes every query's scores "
-                         "whole (768 GiB asked for at 32k tokens); add --compile, or use --attn sdpa or varlen")
+        raise UsageError(
+            "--attn flex runs fused only compiled: without --compile it computes every query's scores "
+            "whole (768 GiB asked for at 32k tokens); add --compile, or use --attn sdpa or varlen"
+        )
 
 
 def store_folder(path: str | Path) -> Path:
@@ -87,14 +106,20 @@ def store_folder(path: str | Path) -> Path:
     return p
 
 
-def disk_test_folder(path: str | Path, writers: int, files: int, file_mb: int, rounds: int,
-                     bytes_per_token: int) -> Path:
+def disk_test_folder(
+    path: str | Path, writers: int, files: int, file_mb: int, rounds: int, bytes_per_token: int
+) -> Path:
     """`bench disk`: a writable folder with room for every writer's file at once, and positive sizes."""
     import os
     import shutil
 
-    for name, v in (("--writers", writers), ("--files", files), ("--file-mb", file_mb), ("--rounds", rounds),
-                    ("--bytes-per-token", bytes_per_token)):
+    for name, v in (
+        ("--writers", writers),
+        ("--files", files),
+        ("--file-mb", file_mb),
+        ("--rounds", rounds),
+        ("--bytes-per-token", bytes_per_token),
+    ):
         if v < 1:
             raise UsageError(f"{name} {v}: give a positive number")
     p = Path(path)
@@ -106,8 +131,10 @@ def disk_test_folder(path: str | Path, writers: int, files: int, file_mb: int, r
         raise UsageError(f"--dir {p}: not writable by this user; give a folder you can write to")
     need, free = writers * (file_mb << 20), shutil.disk_usage(p).free  # each writer holds one file at a time
     if need > free:
-        raise UsageError(f"--dir {p}: {writers} writers x {file_mb} MiB need {need / 2**30:.1f} GiB at once and "
-                         f"{free / 2**30:.1f} GiB are free; give a smaller --file-mb or fewer --writers")
+        raise UsageError(
+            f"--dir {p}: {writers} writers x {file_mb} MiB need {need / 2**30:.1f} GiB at once and "
+            f"{free / 2**30:.1f} GiB are free; give a smaller --file-mb or fewer --writers"
+        )
     return p
 
 
@@ -120,8 +147,10 @@ def data_files(paths) -> None:
         if p.is_dir():
             raise UsageError(f"--data {p}: is a directory; give the JSONL files in it (--data {p}/*.jsonl)")
         if blank(p):
-            raise UsageError(f"--data {p}: the file is empty (no line holds a conversation); give JSONL conversations, "
-                             "one JSON object a line")
+            raise UsageError(
+                f"--data {p}: the file is empty (no line holds a conversation); give JSONL conversations, "
+                "one JSON object a line"
+            )
 
 
 def blank(path: Path) -> bool:

@@ -22,9 +22,10 @@ import logging
 import os
 import random
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from eagle3.data import masks, schema, tool_ids
 from eagle3.data.schema import ROLES, Conversation, DataError  # noqa: F401 - ROLES, DataError: the package's names
@@ -38,8 +39,8 @@ ON_ERROR = ("skip", "stop")
 @dataclass(frozen=True)
 class Sample:
     sample_id: str
-    input_ids: tuple[int, ...]   # [T]
-    loss_mask: tuple[int, ...]   # [T], 1 = assistant token
+    input_ids: tuple[int, ...]  # [T]
+    loss_mask: tuple[int, ...]  # [T], 1 = assistant token
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -53,7 +54,7 @@ class DataConfig:
     on_error: str = "skip"
     rejects_path: str | None = None
     max_samples: int | None = None
-    dedup: bool = False            # drop exact duplicates (same messages, tools, weights); counted either way
+    dedup: bool = False  # drop exact duplicates (same messages, tools, weights); counted either way
 
     def __post_init__(self):
         if self.long_rule not in LONG_RULES:
@@ -73,33 +74,44 @@ class DataReport:
     assistant_tokens: int = 0
     truncated: int = 0
     split_parts: int = 0
-    duplicates: int = 0            # lines equal to an earlier one (dropped with dedup)
-    views: int = 0                 # extra samples: turns the template renders differently once later turns follow
-    unended: int = 0               # regenerated turns cut at max_tokens: learned without an end-of-turn token
+    duplicates: int = 0  # lines equal to an earlier one (dropped with dedup)
+    views: int = 0  # extra samples: turns the template renders differently once later turns follow
+    unended: int = 0  # regenerated turns cut at max_tokens: learned without an end-of-turn token
     rejected: Counter = field(default_factory=Counter)
     template_dropped: Counter = field(default_factory=Counter)  # "role.field" -> turns whose data the template left out
     tool_ids: Counter = field(default_factory=Counter)  # "role.field" -> ids rewritten as the target writes them
-    prompts_only: bool = False     # extract --regenerate: samples are prompts, the target writes the turns
+    prompts_only: bool = False  # extract --regenerate: samples are prompts, the target writes the turns
 
     def summary(self) -> str:
         rej = ", ".join(f"{k}: {v}" for k, v in sorted(self.rejected.items())) or "none"
         if self.prompts_only:
-            return (f"{self.lines} lines ({self.blank_lines} blank) -> {self.samples} prompts, {self.tokens} tokens "
-                    f"(the target writes each turn); duplicates {self.duplicates}; rejected: {rej}")
-        out = (f"{self.lines} lines ({self.blank_lines} blank) -> {self.samples} samples, {self.tokens} tokens "
-               f"({self.assistant_tokens} assistant); truncated {self.truncated}, split parts {self.split_parts}; "
-               f"duplicates {self.duplicates}; rejected: {rej}")
+            return (
+                f"{self.lines} lines ({self.blank_lines} blank) -> {self.samples} prompts, {self.tokens} tokens "
+                f"(the target writes each turn); duplicates {self.duplicates}; rejected: {rej}"
+            )
+        out = (
+            f"{self.lines} lines ({self.blank_lines} blank) -> {self.samples} samples, {self.tokens} tokens "
+            f"({self.assistant_tokens} assistant); truncated {self.truncated}, split parts {self.split_parts}; "
+            f"duplicates {self.duplicates}; rejected: {rej}"
+        )
         if self.views:
             out += f"; {self.views} turns learned from their own view (the template re-renders them later)"
         if self.unended:
-            out += (f"; {self.unended} turns the target did not end (regenerated, cut at max_tokens): learned "
-                    "without the end-of-turn token the template closes them with")
+            out += (
+                f"; {self.unended} turns the target did not end (regenerated, cut at max_tokens): learned "
+                "without the end-of-turn token the template closes them with"
+            )
         if self.tool_ids:
-            out += ("; tool-call ids written as the target writes them (functions.NAME:INDEX): "
-                    f"{self.tool_ids['assistant.tool_calls.id']} calls, {self.tool_ids['tool.tool_call_id']} results")
+            out += (
+                "; tool-call ids written as the target writes them (functions.NAME:INDEX): "
+                f"{self.tool_ids['assistant.tool_calls.id']} calls, {self.tool_ids['tool.tool_call_id']} results"
+            )
         if self.template_dropped:
-            out += "; the chat template dropped " + ", ".join(
-                f"{k} in {v} turns" for k, v in sorted(self.template_dropped.items())) + " (the data held them)"
+            out += (
+                "; the chat template dropped "
+                + ", ".join(f"{k} in {v} turns" for k, v in sorted(self.template_dropped.items()))
+                + " (the data held them)"
+            )
         return out
 
 
@@ -112,11 +124,13 @@ def json_problem(text: str, e: json.JSONDecodeError) -> str:
     end = len(text.rstrip("\r\n"))
     open_string = e.msg.startswith(("Unterminated string", "Invalid control character"))
     if open_string and (e.pos >= end or e.msg.startswith("Unterminated")):
-        return f"a string is still open where the line ends, column {end}: a closing quote is missing, or the line " \
-               "was cut short"
+        return (
+            f"a string is still open where the line ends, column {end}: a closing quote is missing, or the line "
+            "was cut short"
+        )
     if e.pos >= end:
         return f"{e.msg}: the line ends at column {end} before the JSON does (cut short?)"
-    return f"{e.msg} at column {e.colno} of {end}: ...{text[max(0, e.pos - 20):e.pos + 1]!r} <- here"
+    return f"{e.msg} at column {e.colno} of {end}: ...{text[max(0, e.pos - 20) : e.pos + 1]!r} <- here"
 
 
 def parse_line(text: str, path: str | Path, line: int, need_assistant: bool = True) -> Conversation:
@@ -124,8 +138,13 @@ def parse_line(text: str, path: str | Path, line: int, need_assistant: bool = Tr
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(path, line, f"invalid JSON ({json_problem(text, e)})",
-                        "Each line must be one JSON object; fix or remove the line", "invalid_json") from None
+        raise DataError(
+            path,
+            line,
+            f"invalid JSON ({json_problem(text, e)})",
+            "Each line must be one JSON object; fix or remove the line",
+            "invalid_json",
+        ) from None
 
     def err(problem, fix, reason):
         raise DataError(path, line, problem, fix, reason)
@@ -138,8 +157,9 @@ def parse_conversation(text: str, path: str | Path, line: int) -> list[dict]:
     return parse_line(text, path, line).messages
 
 
-def read_conversations(path: str | Path, report: DataReport,
-                       need_assistant: bool = True) -> Iterator[tuple[int, str | None, Any]]:
+def read_conversations(
+    path: str | Path, report: DataReport, need_assistant: bool = True
+) -> Iterator[tuple[int, str | None, Any]]:
     """Yield (line number, raw text, messages or DataError) for each non-blank line (need_assistant: parse_line's)."""
     path = Path(path)
     if not path.exists():
@@ -152,8 +172,13 @@ def read_conversations(path: str | Path, report: DataReport,
             try:
                 text = raw.decode("utf-8").lstrip("\ufeff")
             except UnicodeDecodeError as e:
-                yield lineno, None, DataError(path, lineno, f"not UTF-8 (byte {e.start})",
-                                              "Re-encode the file as UTF-8", "bad_encoding")
+                yield (
+                    lineno,
+                    None,
+                    DataError(
+                        path, lineno, f"not UTF-8 (byte {e.start})", "Re-encode the file as UTF-8", "bad_encoding"
+                    ),
+                )
                 continue
             if not text.strip():
                 report.blank_lines += 1
@@ -169,31 +194,47 @@ def read_conversations(path: str | Path, report: DataReport,
 
 def check_tokenizer(tokenizer, where: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(where, None, "the tokenizer has no chat template",
-                        "Use the target's own tokenizer folder (tokenizer_config.json or chat_template.jinja "
-                        "must define chat_template)", "no_chat_template")
+        raise DataError(
+            where,
+            None,
+            "the tokenizer has no chat template",
+            "Use the target's own tokenizer folder (tokenizer_config.json or chat_template.jinja "
+            "must define chat_template)",
+            "no_chat_template",
+        )
     if not getattr(tokenizer, "is_fast", False):
-        raise DataError(where, None, "the tokenizer is not a fast (Rust) tokenizer; offsets are needed for "
-                        "the loss mask", "Provide tokenizer.json", "slow_tokenizer")
+        raise DataError(
+            where,
+            None,
+            "the tokenizer is not a fast (Rust) tokenizer; offsets are needed for the loss mask",
+            "Provide tokenizer.json",
+            "slow_tokenizer",
+        )
 
 
 def render(tokenizer, messages: list[dict] | Conversation, path: str | Path = "?", line: int = 0):
     """messages -> (input_ids, loss_mask) of the whole conversation (its first view)."""
-    conv = messages if isinstance(messages, Conversation) else Conversation(
-        messages, None, [1] * len(messages))
+    conv = messages if isinstance(messages, Conversation) else Conversation(messages, None, [1] * len(messages))
     return masks.encode(tokenizer, masks.views(tokenizer, conv, path, line)[0], masks.stop_ids(tokenizer))
 
 
-def _cut(sample_id: str, ids: list[int], mask: list[int], cfg: DataConfig, report: DataReport,
-         path: Path, line: int) -> list[Sample]:
+def _cut(
+    sample_id: str, ids: list[int], mask: list[int], cfg: DataConfig, report: DataReport, path: Path, line: int
+) -> list[Sample]:
     if len(ids) <= cfg.max_len:
         return [Sample(sample_id, tuple(ids), tuple(mask))]
     if cfg.long_rule == "error":
-        raise DataError(path, line, f"sample has {len(ids)} tokens, more than max_len {cfg.max_len}",
-                        "Raise --max-len or choose --long truncate/split/drop", "too_long")
+        raise DataError(
+            path,
+            line,
+            f"sample has {len(ids)} tokens, more than max_len {cfg.max_len}",
+            "Raise --max-len or choose --long truncate/split/drop",
+            "too_long",
+        )
     if cfg.long_rule == "drop":
-        raise DataError(path, line, f"sample has {len(ids)} tokens > max_len {cfg.max_len}",
-                        "Dropped by --long drop", "too_long")
+        raise DataError(
+            path, line, f"sample has {len(ids)} tokens > max_len {cfg.max_len}", "Dropped by --long drop", "too_long"
+        )
     if cfg.long_rule == "truncate":
         report.truncated += 1
         return [Sample(sample_id, tuple(ids[: cfg.max_len]), tuple(mask[: cfg.max_len]))]
@@ -206,15 +247,17 @@ def _cut(sample_id: str, ids: list[int], mask: list[int], cfg: DataConfig, repor
     return parts
 
 
-def unique_conversations(cfg: DataConfig, report: DataReport, rejects: list[dict],
-                         need_assistant: bool = True) -> Iterator[tuple[Path, int, str | None, Conversation]]:
+def unique_conversations(
+    cfg: DataConfig, report: DataReport, rejects: list[dict], need_assistant: bool = True
+) -> Iterator[tuple[Path, int, str | None, Conversation]]:
     """(path, line, raw text, Conversation) for each line of cfg.paths, in file then line order: a line that does not
     parse is rejected (``reject``), a duplicate of an earlier line counted and, with cfg.dedup, dropped."""
     names = [Path(p).name for p in cfg.paths]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
-        raise DataError(sorted(dup)[0], None, "two input files share this name, so sample ids would collide",
-                        "Rename one of them")
+        raise DataError(
+            sorted(dup)[0], None, "two input files share this name, so sample ids would collide", "Rename one of them"
+        )
     seen = set()
     for path in map(Path, cfg.paths):
         for line, text, parsed in read_conversations(path, report, need_assistant):
@@ -257,8 +300,13 @@ def load_samples(cfg: DataConfig, tokenizer, tokenizer_where: str = "tokenizer")
                 parts += _cut(sid, ids, mask, cfg, report, path, line)
             kept = [s for s in parts if any(s.loss_mask)]
             if not kept:
-                raise DataError(path, line, "no assistant tokens left after the long-sample rule",
-                                "Raise --max-len", "no_assistant_tokens")
+                raise DataError(
+                    path,
+                    line,
+                    "no assistant tokens left after the long-sample rule",
+                    "Raise --max-len",
+                    "no_assistant_tokens",
+                )
             if len(kept) < len(parts):
                 report.rejected["no_assistant_tokens"] += len(parts) - len(kept)
         except DataError as e:
@@ -276,19 +324,30 @@ def load_samples(cfg: DataConfig, tokenizer, tokenizer_where: str = "tokenizer")
     if cfg.rejects_path and rejects:
         write_rejects(cfg.rejects_path, rejects)
     if report.tool_ids:
-        log.warning("tool-call ids rewritten as the target writes them (functions.NAME:INDEX): %s", dict(report.tool_ids))
+        log.warning(
+            "tool-call ids rewritten as the target writes them (functions.NAME:INDEX): %s", dict(report.tool_ids)
+        )
     if report.template_dropped:
         log.warning("the chat template dropped what the data held: %s", dict(report.template_dropped))
     if rejects:
-        log.warning("skipped %d bad lines (%s)%s", len(rejects), dict(report.rejected),
-                    f"; see {cfg.rejects_path}" if cfg.rejects_path else "")
+        log.warning(
+            "skipped %d bad lines (%s)%s",
+            len(rejects),
+            dict(report.rejected),
+            f"; see {cfg.rejects_path}" if cfg.rejects_path else "",
+        )
     if not samples:
         if not rejects:
-            raise DataError(", ".join(cfg.paths), None, f"no conversations: {report.lines} lines, "
-                            f"{report.blank_lines} blank", "Give JSONL files with one conversation per line")
+            raise DataError(
+                ", ".join(cfg.paths),
+                None,
+                f"no conversations: {report.lines} lines, {report.blank_lines} blank",
+                "Give JSONL files with one conversation per line",
+            )
         where = f"; each rejected line and its reason: {cfg.rejects_path}" if cfg.rejects_path else ""
-        raise DataError(", ".join(cfg.paths), None, f"no usable samples ({report.summary()})",
-                        f"Check the input format{where}")
+        raise DataError(
+            ", ".join(cfg.paths), None, f"no usable samples ({report.summary()})", f"Check the input format{where}"
+        )
     return samples, report
 
 
@@ -302,10 +361,11 @@ def write_rejects(path: str | Path, rejects: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def random_samples(n: int, seq_len: int | list[int], vocab_size: int, seed: int = 0,
-                   low: int = 8) -> list[Sample]:
+def random_samples(n: int, seq_len: int | list[int], vocab_size: int, seed: int = 0, low: int = 8) -> list[Sample]:
     """Token-id samples for targets without a tokenizer (GPU suite). loss_mask all ones."""
     r = random.Random(seed)
     lengths = seq_len if isinstance(seq_len, list) else [seq_len] * n
-    return [Sample(f"rand:{seed}:{i}", tuple(r.randrange(low, vocab_size) for _ in range(t)), (1,) * t)
-            for i, t in enumerate(lengths[:n])]
+    return [
+        Sample(f"rand:{seed}:{i}", tuple(r.randrange(low, vocab_size) for _ in range(t)), (1,) * t)
+        for i, t in enumerate(lengths[:n])
+    ]

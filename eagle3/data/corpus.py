@@ -9,19 +9,71 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September",
-          "October", "November", "December"]
-WORDS = ["river", "garden", "window", "planet", "silver", "forest", "candle", "bridge", "market", "yellow",
-         "puzzle", "rocket", "meadow", "harbor", "pencil", "orange", "valley", "castle", "thunder", "blanket"]
+MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
+WORDS = [
+    "river",
+    "garden",
+    "window",
+    "planet",
+    "silver",
+    "forest",
+    "candle",
+    "bridge",
+    "market",
+    "yellow",
+    "puzzle",
+    "rocket",
+    "meadow",
+    "harbor",
+    "pencil",
+    "orange",
+    "valley",
+    "castle",
+    "thunder",
+    "blanket",
+]
 COLORS = ["red", "orange", "yellow", "green", "blue", "indigo", "violet"]
 ANIMALS = {"cat": "meow", "dog": "woof", "cow": "moo", "duck": "quack", "sheep": "baa", "owl": "hoot"}
-NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-                "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
-                "nineteen", "twenty"]
+NUMBER_WORDS = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+    "twenty",
+]
 SYSTEM = "You are a helpful assistant. Answer briefly and exactly."
 
 
@@ -60,13 +112,18 @@ def _calendar(r: random.Random) -> list[tuple[str, str]]:
     if r.random() < 0.5:
         i = r.randrange(7)
         n = r.randint(1, 5)
-        return [(f"What day comes after {DAYS[i]}?", f"After {DAYS[i]} comes {DAYS[(i + 1) % 7]}."),
-                (f"And {n} days after {DAYS[i]}?", f"{NUMBER_WORDS[n].capitalize()} days after {DAYS[i]} is "
-                 f"{DAYS[(i + n) % 7]}.")]
+        return [
+            (f"What day comes after {DAYS[i]}?", f"After {DAYS[i]} comes {DAYS[(i + 1) % 7]}."),
+            (
+                f"And {n} days after {DAYS[i]}?",
+                f"{NUMBER_WORDS[n].capitalize()} days after {DAYS[i]} is {DAYS[(i + n) % 7]}.",
+            ),
+        ]
     i = r.randrange(12)
-    return [(f"Which month follows {MONTHS[i]}?", f"{MONTHS[(i + 1) % 12]} follows {MONTHS[i]}."),
-            ("List the next three months after that.",
-             ", ".join(MONTHS[(i + k) % 12] for k in (2, 3, 4)) + ".")]
+    return [
+        (f"Which month follows {MONTHS[i]}?", f"{MONTHS[(i + 1) % 12]} follows {MONTHS[i]}."),
+        ("List the next three months after that.", ", ".join(MONTHS[(i + k) % 12] for k in (2, 3, 4)) + "."),
+    ]
 
 
 def _units(r: random.Random) -> list[tuple[str, str]]:
@@ -84,8 +141,10 @@ def _lists(r: random.Random) -> list[tuple[str, str]]:
         k = r.randint(3, 7)
         return [(f"Name the first {NUMBER_WORDS[k]} colors of the rainbow.", ", ".join(COLORS[:k]) + ".")]
     animal = r.choice(sorted(ANIMALS))
-    return [(f"What sound does a {animal} make?", f"A {animal} says {ANIMALS[animal]}."),
-            ("Say it three times.", " ".join([ANIMALS[animal].capitalize() + "!"] * 3))]
+    return [
+        (f"What sound does a {animal} make?", f"A {animal} says {ANIMALS[animal]}."),
+        ("Say it three times.", " ".join([ANIMALS[animal].capitalize() + "!"] * 3)),
+    ]
 
 
 def _words(r: random.Random) -> list[tuple[str, str]]:
@@ -97,7 +156,13 @@ def _words(r: random.Random) -> list[tuple[str, str]]:
 
 
 TOPICS: list[Callable[[random.Random], list[tuple[str, str]]]] = [
-    _arith, _count, _spell, _calendar, _units, _lists, _words,
+    _arith,
+    _count,
+    _spell,
+    _calendar,
+    _units,
+    _lists,
+    _words,
 ]
 
 

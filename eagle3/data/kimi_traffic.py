@@ -22,15 +22,38 @@ TRAFFIC = ("chat", "thinking", "tool")
 WEATHER = ["sunny", "cloudy", "rainy", "windy", "snowy", "foggy"]
 CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Delhi", "Quito", "Seoul", "Dakar", "Perth", "Austin", "Bergen"]
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": {"type": "object", "required": ["city"],
-                                                     "properties": {"city": {"type": "string"}}}}},
-    {"type": "function", "function": {"name": "add", "description": "Add two integers",
-                                      "parameters": {"type": "object", "required": ["a", "b"],
-                                                     "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}},
-    {"type": "function", "function": {"name": "day_after", "description": "The weekday n days after a weekday",
-                                      "parameters": {"type": "object", "required": ["day", "n"],
-                                                     "properties": {"day": {"type": "string"}, "n": {"type": "integer"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers",
+            "parameters": {
+                "type": "object",
+                "required": ["a", "b"],
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "day_after",
+            "description": "The weekday n days after a weekday",
+            "parameters": {
+                "type": "object",
+                "required": ["day", "n"],
+                "properties": {"day": {"type": "string"}, "n": {"type": "integer"}},
+            },
+        },
+    },
 ]
 
 
@@ -45,16 +68,31 @@ def _tool_use(r: random.Random) -> tuple[str, str, dict, dict, str]:
     if kind == 0:
         city = r.choice(CITIES)
         w = _weather(city)
-        return (f"What is the weather in {city} right now?", "get_weather", {"city": city}, w,
-                f"It is {w['weather']} in {city}, {w['celsius']} degrees Celsius.")
+        return (
+            f"What is the weather in {city} right now?",
+            "get_weather",
+            {"city": city},
+            w,
+            f"It is {w['weather']} in {city}, {w['celsius']} degrees Celsius.",
+        )
     if kind == 1:
         a, b = r.randint(100, 999), r.randint(100, 999)
-        return (f"Use the calculator to add {a} and {b}.", "add", {"a": a, "b": b}, {"sum": a + b},
-                f"{a} plus {b} is {a + b}.")
+        return (
+            f"Use the calculator to add {a} and {b}.",
+            "add",
+            {"a": a, "b": b},
+            {"sum": a + b},
+            f"{a} plus {b} is {a + b}.",
+        )
     day, n = r.choice(corpus.DAYS), r.randint(1, 30)
     got = corpus.DAYS[(corpus.DAYS.index(day) + n) % 7]
-    return (f"Which weekday is {n} days after {day}?", "day_after", {"day": day, "n": n}, {"day": got},
-            f"{n} days after {day} is {got}.")
+    return (
+        f"Which weekday is {n} days after {day}?",
+        "day_after",
+        {"day": day, "n": n},
+        {"day": got},
+        f"{n} days after {day} is {got}.",
+    )
 
 
 def chat(r: random.Random) -> dict:
@@ -64,20 +102,34 @@ def chat(r: random.Random) -> dict:
 def thinking(r: random.Random) -> dict:
     question, answer = r.choice(corpus.TOPICS)(r)[0]
     reasoning = f"The user asks: {question} Working it out: {answer} So I answer that."
-    return {"traffic": "thinking", "messages": [{"role": "user", "content": question},
-                                                {"role": "assistant", "reasoning_content": reasoning,
-                                                 "content": answer}]}
+    return {
+        "traffic": "thinking",
+        "messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "reasoning_content": reasoning, "content": answer},
+        ],
+    }
 
 
 def tool(r: random.Random) -> dict:
     question, name, args, reply, answer = _tool_use(r)
     call_id = f"functions.{name}:0"
-    return {"traffic": "tool", "tools": TOOLS, "messages": [
-        {"role": "user", "content": question},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]},
-        {"role": "tool", "tool_call_id": call_id, "content": json.dumps(reply)},
-        {"role": "assistant", "content": answer}]}
+    return {
+        "traffic": "tool",
+        "tools": TOOLS,
+        "messages": [
+            {"role": "user", "content": question},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": call_id, "content": json.dumps(reply)},
+            {"role": "assistant", "content": answer},
+        ],
+    }
 
 
 def generate(n: int, seed: int = 0) -> list[dict]:

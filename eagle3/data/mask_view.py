@@ -18,7 +18,7 @@ from eagle3.data.conversations import DataReport, read_conversations
 from eagle3.data.schema import DataError
 
 TRAINED = ("\x1b[1;32m", "\x1b[0m")  # bold green on a terminal
-BRACKETS = ("[[", "]]")              # elsewhere
+BRACKETS = ("[[", "]]")  # elsewhere
 
 
 @dataclass
@@ -29,7 +29,7 @@ class MaskedSample:
     input_ids: list[int]
     loss_mask: list[int]
     offsets: list[tuple[int, int]]  # each token's characters in text
-    roles: list[str]                # each token's turn role ("template" before the first turn)
+    roles: list[str]  # each token's turn role ("template" before the first turn)
     counts: dict[str, Counter] = field(default_factory=dict)  # {"trained": role -> n, "untrained": role -> n}
 
     def __post_init__(self):
@@ -56,9 +56,17 @@ class MaskedSample:
         return "".join(out + [self.text[at:], end if inside else ""])
 
     def to_json(self) -> dict:
-        return {"sample_id": self.sample_id, "line": self.line, "tokens": len(self.input_ids),
-                "trained": dict(self.counts["trained"]), "untrained": dict(self.counts["untrained"]),
-                "input_ids": self.input_ids, "loss_mask": self.loss_mask, "roles": self.roles, "text": self.text}
+        return {
+            "sample_id": self.sample_id,
+            "line": self.line,
+            "tokens": len(self.input_ids),
+            "trained": dict(self.counts["trained"]),
+            "untrained": dict(self.counts["untrained"]),
+            "input_ids": self.input_ids,
+            "loss_mask": self.loss_mask,
+            "roles": self.roles,
+            "text": self.text,
+        }
 
 
 def turn_roles(tokenizer, messages: list[dict], tools, view: masks.View, offsets) -> list[str]:
@@ -96,8 +104,13 @@ def samples(tokenizer, path: str | Path, line: int | None = None) -> Iterator[Ma
         for v in vs:
             ids, mask, offsets = masks.encode_with_offsets(tokenizer, v, stops)
             sid = f"{path.name}:{n}" + ("" if v.end == len(conv.messages) else f"@{v.end - 1}")
-            yield MaskedSample(sid, n, v.text, ids, mask, offsets, turn_roles(tokenizer, conv.messages, conv.tools, v,
-                                                                               offsets))
+            yield MaskedSample(
+                sid, n, v.text, ids, mask, offsets, turn_roles(tokenizer, conv.messages, conv.tools, v, offsets)
+            )
     if line is not None and not found:
-        raise DataError(path, line, "no such line (or it is blank)", "Give the number of a line that holds a "
-                        "conversation (the first line is 1)")
+        raise DataError(
+            path,
+            line,
+            "no such line (or it is blank)",
+            "Give the number of a line that holds a conversation (the first line is 1)",
+        )

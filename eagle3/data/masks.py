@@ -26,12 +26,12 @@ from eagle3.data.schema import Conversation, DataError
 
 @dataclass
 class View:
-    end: int                       # messages[:end] rendered
+    end: int  # messages[:end] rendered
     text: str
-    spans: list[tuple[int, int]]   # character spans of the assistant turns learned in this view
-    turns: list[int]               # their message indexes
-    ended: list[bool]              # per span: the target ended the turn (its end-of-turn token is learned)
-    written: list[int | None]      # per span not ended: the tokens the target wrote in it (None: not recorded)
+    spans: list[tuple[int, int]]  # character spans of the assistant turns learned in this view
+    turns: list[int]  # their message indexes
+    ended: list[bool]  # per span: the target ended the turn (its end-of-turn token is learned)
+    written: list[int | None]  # per span not ended: the tokens the target wrote in it (None: not recorded)
 
 
 def chat(tokenizer, messages: list[dict], tools=None, gen: bool = False) -> str:
@@ -40,8 +40,13 @@ def chat(tokenizer, messages: list[dict], tools=None, gen: bool = False) -> str:
     from transformers.utils.chat_template_utils import render_jinja_template
 
     messages, _ = tool_ids.as_target_writes(messages, tool_ids.style(tokenizer))  # Kimi's ids for Kimi's template
-    rendered, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=tokenizer.get_chat_template(),
-                                        add_generation_prompt=gen, **tokenizer.special_tokens_map)
+    rendered, _ = render_jinja_template(
+        conversations=[messages],
+        tools=tools,
+        chat_template=tokenizer.get_chat_template(),
+        add_generation_prompt=gen,
+        **tokenizer.special_tokens_map,
+    )
     return rendered[0]
 
 
@@ -64,10 +69,14 @@ def views(tokenizer, conv: Conversation, path="?", line: int = 0) -> list[View]:
     for i in learn:
         before, through = chat(tokenizer, msgs[:i], tools, gen=True), chat(tokenizer, msgs[: i + 1], tools)
         if not through.startswith(before):
-            raise DataError(path, line, f"the chat template's rendering of turns 0..{i} does not start with its "
-                            f"generation prompt for turn {i}, so the assistant's span cannot be located",
-                            "Use a template whose generation prompt is what precedes an assistant turn's content",
-                            "template_not_prefix")
+            raise DataError(
+                path,
+                line,
+                f"the chat template's rendering of turns 0..{i} does not start with its "
+                f"generation prompt for turn {i}, so the assistant's span cannot be located",
+                "Use a template whose generation prompt is what precedes an assistant turn's content",
+                "template_not_prefix",
+            )
         turn_span[i] = (before, through)
     out, left, end, unended = [], list(learn), len(msgs), conv.unended()
     while left:
@@ -75,8 +84,16 @@ def views(tokenizer, conv: Conversation, path="?", line: int = 0) -> list[View]:
         # always progresses: a view that ends at a turn renders that turn as its own generation did
         here = [i for i in left if i < end and text.startswith(turn_span[i][1])]
         if here:
-            out.append(View(end, text, [(len(turn_span[i][0]), len(turn_span[i][1])) for i in here], here,
-                            [i not in unended for i in here], [unended.get(i) for i in here]))
+            out.append(
+                View(
+                    end,
+                    text,
+                    [(len(turn_span[i][0]), len(turn_span[i][1])) for i in here],
+                    here,
+                    [i not in unended for i in here],
+                    [unended.get(i) for i in here],
+                )
+            )
             left = [i for i in left if i not in here]
         if left:
             end = left[-1] + 1

@@ -31,7 +31,7 @@ def as_target_writes(messages: list[dict], id_style: str | None) -> tuple[list[d
         return messages, changed
     out, index = [], 0
     renamed: dict[str, str] = {}  # the last calling turn's ids: the data's -> Kimi's
-    unanswered: list[str] = []    # its calls in order, for results that name no id (ShareGPT's observation turns)
+    unanswered: list[str] = []  # its calls in order, for results that name no id (ShareGPT's observation turns)
     for m in messages:
         if m.get("tool_calls"):
             calls, renamed, unanswered = [], {}, []

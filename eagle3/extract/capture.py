@@ -31,9 +31,9 @@ import threading
 import time
 import traceback
 from collections import Counter, defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -60,8 +60,8 @@ class StepLayout:
     """Requests of one forward step, in row order."""
 
     req_ids: list[str]
-    starts: list[int]       # [n_req + 1] row offsets (query_start_loc)
-    computed: list[int]     # [n_req] tokens of each request computed before this step
+    starts: list[int]  # [n_req + 1] row offsets (query_start_loc)
+    computed: list[int]  # [n_req] tokens of each request computed before this step
     prompts: list[Sequence[int] | None]  # prompt token ids
 
     @property
@@ -83,8 +83,8 @@ class StepLayout:
 @dataclass
 class Announced:
     sample_id: str
-    input_ids: torch.Tensor   # [T] int32
-    loss_mask: torch.Tensor   # [T] uint8
+    input_ids: torch.Tensor  # [T] int32
+    loss_mask: torch.Tensor  # [T] uint8
 
 
 def pack_announcement(samples) -> tuple[list[str], list[int], bytes, bytes]:
@@ -99,17 +99,24 @@ def pack_announcement(samples) -> tuple[list[str], list[int], bytes, bytes]:
     return [s.sample_id for s in samples], lengths, ids.tobytes(), masks.tobytes()
 
 
-def unpack_announcement(sample_ids: Sequence[str], lengths: Sequence[int], ids: bytes,
-                        masks: bytes) -> list[Announced]:
+def unpack_announcement(sample_ids: Sequence[str], lengths: Sequence[int], ids: bytes, masks: bytes) -> list[Announced]:
     """pack_announcement's inverse, in the worker: views of two tensors (int32 [sum T], uint8 [sum T])."""
     n = sum(lengths)
     if len(sample_ids) != len(lengths) or len(ids) != 4 * n or len(masks) != n:
-        raise CaptureError(f"a malformed announcement: {len(sample_ids)} ids, {len(lengths)} lengths of {n} tokens, "
-                           f"{len(ids)} bytes of input ids (expected {4 * n}), {len(masks)} of loss masks")
-    id_views = torch.frombuffer(bytearray(ids), dtype=torch.int32).split(list(lengths)) if n else [
-        torch.zeros(0, dtype=torch.int32)] * len(lengths)
-    mask_views = torch.frombuffer(bytearray(masks), dtype=torch.uint8).split(list(lengths)) if n else [
-        torch.zeros(0, dtype=torch.uint8)] * len(lengths)
+        raise CaptureError(
+            f"a malformed announcement: {len(sample_ids)} ids, {len(lengths)} lengths of {n} tokens, "
+            f"{len(ids)} bytes of input ids (expected {4 * n}), {len(masks)} of loss masks"
+        )
+    id_views = (
+        torch.frombuffer(bytearray(ids), dtype=torch.int32).split(list(lengths))
+        if n
+        else [torch.zeros(0, dtype=torch.int32)] * len(lengths)
+    )
+    mask_views = (
+        torch.frombuffer(bytearray(masks), dtype=torch.uint8).split(list(lengths))
+        if n
+        else [torch.zeros(0, dtype=torch.uint8)] * len(lengths)
+    )
     return [Announced(sid, i, m) for sid, i, m in zip(sample_ids, id_views, mask_views)]
 
 
@@ -123,9 +130,9 @@ class ShardBuffer:
     scales: torch.Tensor | None = None  # fp8 stores: float32 [cap, n_layers]
     used: int = 0
     samples: list[tuple[str, int]] = field(default_factory=list)  # (sample_id, length) in row order
-    missing: int = 0          # rows reserved but not yet arrived on the host
-    sealed: bool = False      # no more requests will be placed here
-    queued: bool = False      # handed to the writer
+    missing: int = 0  # rows reserved but not yet arrived on the host
+    sealed: bool = False  # no more requests will be placed here
+    queued: bool = False  # handed to the writer
 
     @property
     def capacity(self) -> int:
@@ -137,9 +144,9 @@ class Placement:
     """Where a request's prompt rows go, and how many (from row 0) have been copied so far."""
 
     buf: ShardBuffer
-    row: int          # first row in buf
-    length: int       # prompt tokens
-    filled: int = 0   # watermark: rows [0, filled) are copied (or in flight)
+    row: int  # first row in buf
+    length: int  # prompt tokens
+    filled: int = 0  # watermark: rows [0, filled) are copied (or in flight)
 
 
 def _prompt_key(ids) -> bytes:
@@ -151,8 +158,17 @@ def _prompt_key(ids) -> bytes:
 class ShardFiller:
     """Reserves rows for requests in pinned shard buffers and hands complete shards to a ShardWriter."""
 
-    def __init__(self, writer, n_layers: int, hidden: int, dtype: torch.dtype, capacity: int, pin: bool,
-                 free: list[ShardBuffer] | None = None, max_buffers: int | None = None):
+    def __init__(
+        self,
+        writer,
+        n_layers: int,
+        hidden: int,
+        dtype: torch.dtype,
+        capacity: int,
+        pin: bool,
+        free: list[ShardBuffer] | None = None,
+        max_buffers: int | None = None,
+    ):
         self.writer, self.n_layers, self.hidden, self.dtype = writer, n_layers, hidden, dtype
         self.capacity, self.pin = capacity, pin
         self.free: list[ShardBuffer] = free if free is not None else []  # pinned buffers, reused
@@ -209,11 +225,17 @@ class ShardFiller:
         return self._new(max(rows, self.capacity))
 
     def _new(self, cap: int) -> ShardBuffer:
-        scales = (torch.empty(cap, self.n_layers, dtype=torch.float32, pin_memory=self.pin)
-                  if self.dtype == torch.float8_e4m3fn else None)
-        return ShardBuffer(torch.empty(cap, dtype=torch.int32), torch.empty(cap, dtype=torch.uint8),
-                           torch.empty(cap, self.n_layers, self.hidden, dtype=self.dtype, pin_memory=self.pin),
-                           scales)
+        scales = (
+            torch.empty(cap, self.n_layers, dtype=torch.float32, pin_memory=self.pin)
+            if self.dtype == torch.float8_e4m3fn
+            else None
+        )
+        return ShardBuffer(
+            torch.empty(cap, dtype=torch.int32),
+            torch.empty(cap, dtype=torch.uint8),
+            torch.empty(cap, self.n_layers, self.hidden, dtype=self.dtype, pin_memory=self.pin),
+            scales,
+        )
 
     def pin_all(self) -> None:
         """Pin now every buffer the filler may hold (max_buffers of ``capacity`` rows), so the forward pins none
@@ -228,8 +250,10 @@ class ShardFiller:
     def reserve(self, req: str, prompt: Sequence[int], computed: int) -> Placement | None:
         """First sight of a request: its sample and rows. None (and an error) if it cannot be placed."""
         if computed != 0:
-            self.errors.append(f"request {req}: first captured rows start at token {computed}, not 0 - the engine "
-                               "skipped computing a prefix (prefix caching must be off for extraction)")
+            self.errors.append(
+                f"request {req}: first captured rows start at token {computed}, not 0 - the engine "
+                "skipped computing a prefix (prefix caching must be off for extraction)"
+            )
             return None
         key, t = _prompt_key(prompt), len(prompt)
         q = self.expected.get(key)
@@ -277,8 +301,12 @@ class ShardFiller:
 
         def build(b=b):
             offsets = shard_offsets([n for _, n in b.samples])
-            tensors = {"input_ids": b.input_ids[: b.used], "loss_mask": b.loss_mask[: b.used], "offsets": offsets,
-                       "hidden_states": b.states[: b.used]}
+            tensors = {
+                "input_ids": b.input_ids[: b.used],
+                "loss_mask": b.loss_mask[: b.used],
+                "offsets": offsets,
+                "hidden_states": b.states[: b.used],
+            }
             if b.scales is not None:
                 tensors["scales"] = b.scales[: b.used]
             return tensors, [sid for sid, _ in b.samples]
@@ -292,7 +320,9 @@ class ShardFiller:
         self.writer.submit(build, release)
 
 
-def copy_chunks(copies: list[tuple[torch.Tensor, torch.Tensor]], limit: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def copy_chunks(
+    copies: list[tuple[torch.Tensor, torch.Tensor]], limit: int
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """``copies`` ((dst, src) pairs of equal shapes, rows along dim 0) cut into groups of at most ``limit`` bytes
     of source, in order, rows whole (a row over the limit goes alone); ``limit`` 0: one group, the pairs as given."""
     if not limit:
@@ -385,10 +415,15 @@ class CaptureStats:
     def timing(self) -> dict:
         """``step_tokens``: the 8 commonest step sizes, e.g. {"16384": 64, "64": 32}: a batch's prompts in full
         token-budget steps, and any further steps the engine ran for it; ``gil``: GilSampler.summary()."""
-        timing = {"steps": self.steps, "bytes_to_host": self.bytes_to_host, "wait_s": round(self.wait_s, 4),
-                  "stage_s": round(self.stage_s, 4), "copy_s": round(self.copy_s, 4),
-                  "pinned_allocs": self.pinned_allocs,
-                  "step_tokens": {str(n): k for n, k in self.step_tokens.most_common(8)}}
+        timing = {
+            "steps": self.steps,
+            "bytes_to_host": self.bytes_to_host,
+            "wait_s": round(self.wait_s, 4),
+            "stage_s": round(self.stage_s, 4),
+            "copy_s": round(self.copy_s, 4),
+            "pinned_allocs": self.pinned_allocs,
+            "step_tokens": {str(n): k for n, k in self.step_tokens.most_common(8)},
+        }
         if self.gil is not None:
             timing["gil"] = self.gil.summary()
         return timing
@@ -423,9 +458,17 @@ class Capturer:
         self.thread = threading.Thread(target=self._consume, name="eagle3-capture", daemon=True)
         self.thread.start()
 
-    def start(self, mode: str, writer=None, shard_tokens: int = 8192, dtype: torch.dtype | None = None,
-              copy_chunk_bytes: int = COPY_CHUNK_BYTES, gil_sampler: bool = False,
-              max_step_tokens: int | None = None, step_dtype: torch.dtype | None = None) -> None:
+    def start(
+        self,
+        mode: str,
+        writer=None,
+        shard_tokens: int = 8192,
+        dtype: torch.dtype | None = None,
+        copy_chunk_bytes: int = COPY_CHUNK_BYTES,
+        gil_sampler: bool = False,
+        max_step_tokens: int | None = None,
+        step_dtype: torch.dtype | None = None,
+    ) -> None:
         """Begin a session in ``mode`` storing states as ``dtype`` (default: as before), copying to the host in
         chunks of ``copy_chunk_bytes`` (0: a step's copies at once), with a GilSampler if asked (benchmarks: how
         long this process's threads wait for the GIL); ``stop`` (or another start) ends it. Host mode pins its
@@ -444,8 +487,9 @@ class Capturer:
             self.stats.gil = GilSampler().start()
         self.filler = None
         if mode == "store":
-            self.filler = ShardFiller(writer, self.n_layers, self.hidden, self.dtype, shard_tokens, self.cuda,
-                                      free=self.shard_buffers)
+            self.filler = ShardFiller(
+                writer, self.n_layers, self.hidden, self.dtype, shard_tokens, self.cuda, free=self.shard_buffers
+            )
             self.filler.pin_all()
         if mode == "host" and max_step_tokens:
             fp8 = self.dtype == torch.float8_e4m3fn  # quantized on the device: e4m3 states and float32 scales
@@ -473,8 +517,10 @@ class Capturer:
             return
         for t in layers:
             if t.shape[0] < n:
-                raise CaptureError(f"captured {t.shape[0]} rows but the step has {n} tokens (sequence-parallel "
-                                   "shards? use --capture aux)")
+                raise CaptureError(
+                    f"captured {t.shape[0]} rows but the step has {n} tokens (sequence-parallel "
+                    "shards? use --capture aux)"
+                )
         t0 = time.perf_counter()
         self.in_flight.acquire()  # released by the consumer once the step's copies are on the host
         self.stats.wait_s += time.perf_counter() - t0
@@ -491,7 +537,7 @@ class Capturer:
         scales = None
         if self.dtype == torch.float8_e4m3fn:  # quantized on the device: half the bytes cross to the host
             staged, scales = quantize_fp8(staged)  # [n, n_layers, H] e4m3, [n, n_layers] float32
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []   # (host destination, device source)
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host destination, device source)
         arrivals: list[tuple[ShardBuffer, int]] = []
         host = []
         if self.mode == "host":
@@ -521,20 +567,24 @@ class Capturer:
                     f.done.add(req)
                     continue
                 if c > place.filled:
-                    f.errors.append(f"request {req}: rows {place.filled}..{c} were never computed (the engine "
-                                    "skipped them: prefix caching must be off for extraction)")
+                    f.errors.append(
+                        f"request {req}: rows {place.filled}..{c} were never computed (the engine "
+                        "skipped them: prefix caching must be off for extraction)"
+                    )
                     del f.where[req]
                     f.done.add(req)
                     continue
                 end = min(c + (b - a), place.length)  # tokens beyond the prompt (decode) are not captured
-                start = max(c, place.filled)          # rows below the watermark: recomputed after preemption
+                start = max(c, place.filled)  # rows below the watermark: recomputed after preemption
                 f.recomputed += max(0, min(end, place.filled) - c)
                 if end > start:
-                    copies.append((place.buf.states[place.row + start : place.row + end],
-                                   staged[a + start - c : a + end - c]))
+                    copies.append(
+                        (place.buf.states[place.row + start : place.row + end], staged[a + start - c : a + end - c])
+                    )
                     if scales is not None:
-                        copies.append((place.buf.scales[place.row + start : place.row + end],
-                                       scales[a + start - c : a + end - c]))
+                        copies.append(
+                            (place.buf.scales[place.row + start : place.row + end], scales[a + start - c : a + end - c])
+                        )
                     arrivals.append((place.buf, end - start))
                     place.filled = end
                 if place.filled >= place.length:
@@ -546,7 +596,8 @@ class Capturer:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream())  # the stage is computed
         self.stats.bytes_to_host += staged.numel() * staged.element_size() + (
-            0 if scales is None else scales.numel() * scales.element_size())
+            0 if scales is None else scales.numel() * scales.element_size()
+        )
         # The consumer issues the copies once the stage is computed, not the forward now: a device-to-host copy
         # issued here would sit ahead of the engine's own small copies of this step (sampled-token counts, on
         # other streams), which its next step waits for, in the copy engine's queue (the 118974b run on the H200: the

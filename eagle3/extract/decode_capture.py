@@ -15,8 +15,8 @@ step's event recorded; ``take`` waits for the events of the rows it returns. Els
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -35,9 +35,9 @@ def external_id(req_id: str, names: set[str]) -> str | None:
 
 @dataclass
 class _Chunk:
-    start: int                # the position of its first row in the request's tokens
-    rows: torch.Tensor        # [n, n_layers, H] on the host
-    event: object = None      # a CUDA event the copy recorded (None: already there)
+    start: int  # the position of its first row in the request's tokens
+    rows: torch.Tensor  # [n, n_layers, H] on the host
+    event: object = None  # a CUDA event the copy recorded (None: already there)
 
 
 class RowCollector:
@@ -47,7 +47,7 @@ class RowCollector:
     def __init__(self, keep: bool = True):
         self.keep = keep
         self.chunks: dict[str, list[_Chunk]] = defaultdict(list)
-        self.rows = 0            # rows seen (every rank: the driver checks that the ranks agree)
+        self.rows = 0  # rows seen (every rank: the driver checks that the ranks agree)
         self.steps = 0
         self.errors: list[str] = []
         self._stream = None
@@ -103,13 +103,15 @@ class RowCollector:
                 c.event.synchronize()
             end = min(c.start + len(c.rows), length)
             if end > c.start:
-                out[c.start:end] = c.rows[: end - c.start]
-                seen[c.start:end] = True
+                out[c.start : end] = c.rows[: end - c.start]
+                seen[c.start : end] = True
         if not bool(seen.all()):
             missing = (~seen).nonzero().flatten().tolist()
-            raise CaptureError(f"sample {sample_id}: no row for {len(missing)} of its {length} positions (first "
-                               f"{missing[:5]}); its requests {list(names)} computed {sum(len(c.rows) for c in chunks)}"
-                               " rows (prefix caching on the first request? it must skip reading the cache)")
+            raise CaptureError(
+                f"sample {sample_id}: no row for {len(missing)} of its {length} positions (first "
+                f"{missing[:5]}); its requests {list(names)} computed {sum(len(c.rows) for c in chunks)}"
+                " rows (prefix caching on the first request? it must skip reading the cache)"
+            )
         return out
 
     def drop(self) -> int:

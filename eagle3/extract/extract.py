@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from eagle3 import faults
 from eagle3.data.conversations import DataConfig, Sample, load_samples
 from eagle3.extract.local_session import LocalSession
 from eagle3.extract.timeline import rate_past_first
-from eagle3.store.committer import BackgroundCommitter
 from eagle3.store import lock as store_lock
 from eagle3.store import status as store_status
+from eagle3.store.committer import BackgroundCommitter
 from eagle3.store.folder import Store, claim, read_manifest
 from eagle3.store.format import MANIFEST, StoreError, StoreSpec
 from eagle3.targets.layers import default_layer_ids, validate_layer_ids
@@ -35,24 +36,24 @@ ANNOUNCE_BATCHES = 8
 
 @dataclass
 class ExtractConfig:
-    model: str                              # target folder (config.json, weights, tokenizer)
-    out: str                                # store folder
-    data: DataConfig | None = None          # conversations; or pass samples to run()
-    backend: str = "hf"                     # hf | vllm
+    model: str  # target folder (config.json, weights, tokenizer)
+    out: str  # store folder
+    data: DataConfig | None = None  # conversations; or pass samples to run()
+    backend: str = "hf"  # hf | vllm
     layer_ids: tuple[int, ...] | None = None  # default (2, L//2, L-3, L)
-    batch_size: int = 8                     # samples per backend call
-    dtype: str = "bfloat16"                 # dtype of stored states: bfloat16 | float16 | float32 | float8_e4m3fn
-    device: str = "cpu"                     # hf backend
-    compute_dtype: str | None = None        # hf backend; None = the checkpoint's dtype
-    shard_tokens: int | None = None         # default: about 512 MiB of states per shard
+    batch_size: int = 8  # samples per backend call
+    dtype: str = "bfloat16"  # dtype of stored states: bfloat16 | float16 | float32 | float8_e4m3fn
+    device: str = "cpu"  # hf backend
+    compute_dtype: str | None = None  # hf backend; None = the checkpoint's dtype
+    shard_tokens: int | None = None  # default: about 512 MiB of states per shard
     shard_samples: int | None = None
     writer_threads: int = 1
     fsync: bool = True
-    tp: int = 1                             # vllm backend
-    capture: str = "auto"                   # vllm backend: auto (direct, else aux, else hooks) | hooks | aux | direct
+    tp: int = 1  # vllm backend
+    capture: str = "auto"  # vllm backend: auto (direct, else aux, else hooks) | hooks | aux | direct
     vllm_kwargs: dict = field(default_factory=dict)
-    selfcheck: int = 4                      # prompts for the final-state self-check before storing (0 = skip)
-    recipe: dict | None = None              # the CLI options, recorded for `extract --resume` (recipe.py)
+    selfcheck: int = 4  # prompts for the final-state self-check before storing (0 = skip)
+    recipe: dict | None = None  # the CLI options, recorded for `extract --resume` (recipe.py)
     regenerate: Generation | None = None  # the target writes each last assistant turn, captured in the same
     # pass (one_pass.py); None: the data's turns
     fault: Callable[[str], None] | None = None  # tests: kill points
@@ -69,8 +70,8 @@ class ExtractSummary:
     bytes_written: int
     data_report: str = ""
     selfcheck: str = ""
-    recomputed_rows: int = 0   # vLLM: prompt rows computed again after a preemption (captured once each)
-    generation: str = ""       # --regenerate: tokens generated, how the turns ended, rows computed twice
+    recomputed_rows: int = 0  # vLLM: prompt rows computed again after a preemption (captured once each)
+    generation: str = ""  # --regenerate: tokens generated, how the turns ended, rows computed twice
     # each batch as its submit returned and its commit was queued: (perf_counter, tokens), as online.py's commits
     batches: list[tuple[float, int]] = field(default_factory=list)
 
@@ -86,17 +87,23 @@ class ExtractSummary:
         return self.tokens_per_s if rate is None else rate
 
     def lines(self) -> list[str]:
-        return [
-            f"store      {self.store}",
-            f"samples    {self.samples_written} written now, {self.samples_done_before} already there, "
-            f"{self.samples_total} planned",
-            f"tokens     {self.tokens_written} in {self.seconds:.1f} s = {self.tokens_per_s:,.0f} tok/s",
-            f"bytes      {self.bytes_written / 2**20:,.1f} MiB"
-            + (f" = {_rate(self.bytes_written / self.seconds)} (`eagle3 bench disk` says what the disk can take)"
-               if self.seconds else ""),
-        ] + ([f"generated  {self.generation}"] if self.generation else []) + (
-            [f"data       {self.data_report}"] if self.data_report else []) + (
-            [f"check      {self.selfcheck}"] if self.selfcheck else [])
+        return (
+            [
+                f"store      {self.store}",
+                f"samples    {self.samples_written} written now, {self.samples_done_before} already there, "
+                f"{self.samples_total} planned",
+                f"tokens     {self.tokens_written} in {self.seconds:.1f} s = {self.tokens_per_s:,.0f} tok/s",
+                f"bytes      {self.bytes_written / 2**20:,.1f} MiB"
+                + (
+                    f" = {_rate(self.bytes_written / self.seconds)} (`eagle3 bench disk` says what the disk can take)"
+                    if self.seconds
+                    else ""
+                ),
+            ]
+            + ([f"generated  {self.generation}"] if self.generation else [])
+            + ([f"data       {self.data_report}"] if self.data_report else [])
+            + ([f"check      {self.selfcheck}"] if self.selfcheck else [])
+        )
 
 
 def _rate(bytes_per_s: float) -> str:
@@ -108,9 +115,13 @@ def store_spec(model: str | Path, layer_ids: Sequence[int] | None, dtype: str) -
     text = cfg.get("text_config") or cfg
     num_layers = int(text["num_hidden_layers"])
     ids = validate_layer_ids(layer_ids, num_layers) if layer_ids else default_layer_ids(num_layers)
-    target = {"name_or_path": str(Path(model).resolve()), "config_hash": config_hash(cfg),
-              "architecture": (cfg.get("architectures") or ["?"])[0], "num_hidden_layers": num_layers,
-              "vocab_size": int(text["vocab_size"])}
+    target = {
+        "name_or_path": str(Path(model).resolve()),
+        "config_hash": config_hash(cfg),
+        "architecture": (cfg.get("architectures") or ["?"])[0],
+        "num_hidden_layers": num_layers,
+        "vocab_size": int(text["vocab_size"]),
+    }
     return StoreSpec(target=target, layer_ids=ids, hidden_size=int(text["hidden_size"]), dtype=dtype)
 
 
@@ -118,8 +129,13 @@ def make_backend(cfg: ExtractConfig, spec: StoreSpec):
     if cfg.backend == "hf":
         from eagle3.extract.hf_backend import HFBackend
 
-        return HFBackend(cfg.model, spec.layer_ids, device=cfg.device, compute_dtype=cfg.compute_dtype,
-                         out_dtype="bfloat16" if spec.fp8 else cfg.dtype)  # fp8: quantized by the shard writer
+        return HFBackend(
+            cfg.model,
+            spec.layer_ids,
+            device=cfg.device,
+            compute_dtype=cfg.compute_dtype,
+            out_dtype="bfloat16" if spec.fp8 else cfg.dtype,
+        )  # fp8: quantized by the shard writer
     if cfg.backend == "vllm":
         from eagle3.extract.vllm_backend import VLLMBackend
 
@@ -139,8 +155,9 @@ def load_dataset(cfg: ExtractConfig):
     return load_samples(cfg.data, tokenizer, tokenizer_where=f"{cfg.model} (tokenizer)")
 
 
-def run(cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=None,
-        progress: bool = True) -> ExtractSummary:
+def run(
+    cfg: ExtractConfig, samples: Sequence[Sample] | None = None, backend=None, progress: bool = True
+) -> ExtractSummary:
     """Extract every sample not yet in the store at cfg.out. ``backend`` may be passed in to reuse an engine."""
     fault = cfg.fault or faults.from_env()
     report = ""
@@ -183,15 +200,18 @@ def resume_line(root: str | Path) -> str | None:
     return f"resuming: {store_status.stored(root, counted)} already stored in {root}" if counted[0] else None
 
 
-def _run_locked(cfg: ExtractConfig, samples, backend, progress: bool, store: Store, spec: StoreSpec, fault,
-                report: str) -> ExtractSummary:
+def _run_locked(
+    cfg: ExtractConfig, samples, backend, progress: bool, store: Store, spec: StoreSpec, fault, report: str
+) -> ExtractSummary:
     ids = [s.sample_id for s in samples]
     if len(set(ids)) != len(ids):
         raise ValueError("sample ids repeat; each sample needs its own id")
     plan = store.plan()
     if plan is not None and plan != ids:
-        raise StoreError(f"{cfg.out} was planned for a different sample list ({len(plan)} samples, this run "
-                         f"{len(ids)}); use a new --out folder or the same data and options")
+        raise StoreError(
+            f"{cfg.out} was planned for a different sample list ({len(plan)} samples, this run "
+            f"{len(ids)}); use a new --out folder or the same data and options"
+        )
     if plan is None:
         store.write_plan(ids, fsync=cfg.fsync, recipe=cfg.recipe)
     done_before = len(store.done_ids)
@@ -202,15 +222,17 @@ def _run_locked(cfg: ExtractConfig, samples, backend, progress: bool, store: Sto
     if cfg.selfcheck and todo:
         try:
             check = todo[: cfg.selfcheck]  # --regenerate: the prompts (the check needs no generated turn)
-            check_line = require_final_state(backend, store, cfg,
-                                             [s.as_sample() if hasattr(s, "as_sample") else s for s in check])
+            check_line = require_final_state(
+                backend, store, cfg, [s.as_sample() if hasattr(s, "as_sample") else s for s in check]
+            )
         except BaseException:
             if own_backend:
                 backend.close()
             raise
     if cfg.regenerate is not None:
-        return _run_one_pass(cfg, samples, todo, done_before, backend, own_backend, progress, store, fault, report,
-                             check_line)
+        return _run_one_pass(
+            cfg, samples, todo, done_before, backend, own_backend, progress, store, fault, report, check_line
+        )
     t0 = time.perf_counter()
     written_tokens = written_bytes = 0
     bar = _progress(progress, total=sum(len(s) for s in todo), unit="tok", desc=f"extract ({cfg.backend})")
@@ -243,12 +265,34 @@ def _run_locked(cfg: ExtractConfig, samples, backend, progress: bool, store: Sto
     missing = set(ids) - store.done_ids
     if missing:
         raise StoreError(f"{len(missing)} samples were not written (e.g. {sorted(missing)[:3]})")
-    return ExtractSummary(str(cfg.out), len(samples), done_before, len(todo), written_tokens,
-                          time.perf_counter() - t0, written_bytes, report, check_line, recomputed, batches=timeline)
+    return ExtractSummary(
+        str(cfg.out),
+        len(samples),
+        done_before,
+        len(todo),
+        written_tokens,
+        time.perf_counter() - t0,
+        written_bytes,
+        report,
+        check_line,
+        recomputed,
+        batches=timeline,
+    )
 
 
-def _run_one_pass(cfg: ExtractConfig, prompts, todo, done_before: int, backend, own_backend: bool, progress: bool,
-                  store: Store, fault, report: str, check_line: str) -> ExtractSummary:
+def _run_one_pass(
+    cfg: ExtractConfig,
+    prompts,
+    todo,
+    done_before: int,
+    backend,
+    own_backend: bool,
+    progress: bool,
+    store: Store,
+    fault,
+    report: str,
+    check_line: str,
+) -> ExtractSummary:
     """--regenerate: batches of prompts generated and captured in one pass (one_pass.py), committed as they come."""
     from transformers import AutoTokenizer
 
@@ -275,8 +319,19 @@ def _run_one_pass(cfg: ExtractConfig, prompts, todo, done_before: int, backend, 
     missing = {p.sample_id for p in prompts} - store.done_ids
     if missing:
         raise StoreError(f"{len(missing)} samples were not written (e.g. {sorted(missing)[:3]})")
-    return ExtractSummary(str(cfg.out), len(prompts), done_before, len(todo), tokens, time.perf_counter() - t0,
-                          nbytes, report, check_line, stats.recomputed, stats.line())
+    return ExtractSummary(
+        str(cfg.out),
+        len(prompts),
+        done_before,
+        len(todo),
+        tokens,
+        time.perf_counter() - t0,
+        nbytes,
+        report,
+        check_line,
+        stats.recomputed,
+        stats.line(),
+    )
 
 
 def require_final_state(backend, store: Store, cfg: ExtractConfig, samples: Sequence[Sample]) -> str:
@@ -290,7 +345,8 @@ def require_final_state(backend, store: Store, cfg: ExtractConfig, samples: Sequ
             f"{result.line()}. The captured id-{store.spec.layer_ids[-1]} states do not reproduce the engine's own "
             "next token through its final norm and lm_head: they are not the last layer's output before the norm "
             "(a post-norm state, another layer, or misaligned rows). Nothing was stored. Check the layer ids "
-            "and the vLLM version (`eagle3 doctor`); --no-selfcheck skips this check.")
+            "and the vLLM version (`eagle3 doctor`); --no-selfcheck skips this check."
+        )
     return result.line()
 
 
@@ -343,16 +399,16 @@ def check_store(root: str | Path, model: str | Path, backend: str = "hf", sample
     return selfcheck.compare(head, selfcheck.last_states(got, store.spec.layer_ids[-1]), tops)
 
 
-def open_session(backend, store: Store, cfg: ExtractConfig, fault=None, seal_each_batch: bool = False,
-                 wait_for_shards: bool = True):
+def open_session(
+    backend, store: Store, cfg: ExtractConfig, fault=None, seal_each_batch: bool = False, wait_for_shards: bool = True
+):
     """The backend's writing session into ``store``: vLLM's ranks write shards themselves; the hf backend's
     states come back here and go to a ShardWriter. ``submit(batch)`` returns the shards finished so far;
     with ``seal_each_batch`` it cuts the open shard and waits for it: every sample of the batch is in them. With
     ``wait_for_shards=False`` as well it does not wait for their write: a later submit, ``settle()`` (which waits)
     or finish reports them."""
     if hasattr(backend, "open_session"):
-        return backend.open_session(store, cfg, fault, seal_each_batch=seal_each_batch,
-                                    wait_for_shards=wait_for_shards)
+        return backend.open_session(store, cfg, fault, seal_each_batch=seal_each_batch, wait_for_shards=wait_for_shards)
     return LocalSession(backend, store, cfg, fault, seal_each_batch, wait_for_shards)
 
 

@@ -42,6 +42,9 @@ class GilSampler:
     def summary(self) -> dict:
         """{"samples", "late_ms_mean", "late_ms_max", "late_over_ms": {"1": share, "5": share, "20": share}}"""
         n = self.samples
-        return {"samples": n, "late_ms_mean": round(self.late_s / n * 1e3, 3) if n else None,
-                "late_ms_max": round(self.max_s * 1e3, 2),
-                "late_over_ms": {str(ms): round(k / n, 4) if n else None for ms, k in self.over.items()}}
+        return {
+            "samples": n,
+            "late_ms_mean": round(self.late_s / n * 1e3, 3) if n else None,
+            "late_ms_max": round(self.max_s * 1e3, 2),
+            "late_over_ms": {str(ms): round(k / n, 4) if n else None for ms, k in self.over.items()},
+        }

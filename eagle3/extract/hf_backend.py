@@ -8,8 +8,8 @@ the last layer's output before the norm, as vLLM captures it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -34,24 +34,40 @@ def decoder_stack(model) -> torch.nn.Module:
 
 
 @torch.inference_mode()
-def generate_turn(model, device, ids, seed: int, max_tokens: int, temperature: float, top_p: float,
-                  stops: set[int]) -> list[int]:
+def generate_turn(
+    model, device, ids, seed: int, max_tokens: int, temperature: float, top_p: float, stops: set[int]
+) -> list[int]:
     """transformers' generate after ``ids`` with its own seed (greedy at temperature 0): the new tokens, the
     end-of-turn token kept where the turn ended on one."""
     torch.manual_seed(seed)
     x = torch.tensor([list(ids)], device=device)
     sample = temperature > 0
-    y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=sample,
-                       temperature=temperature if sample else None, top_p=top_p if sample else None, top_k=None,
-                       eos_token_id=sorted(stops), pad_token_id=sorted(stops)[0])
-    return y[0, len(ids):].tolist()
+    y = model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=max_tokens,
+        do_sample=sample,
+        temperature=temperature if sample else None,
+        top_p=top_p if sample else None,
+        top_k=None,
+        eos_token_id=sorted(stops),
+        pad_token_id=sorted(stops)[0],
+    )
+    return y[0, len(ids) :].tolist()
 
 
 class HFBackend:
     name = "hf"
 
-    def __init__(self, model_path: str | Path, layer_ids: Sequence[int], device: str = "cpu",
-                 compute_dtype: str | None = None, out_dtype: str = "bfloat16", batch_size: int = 1):
+    def __init__(
+        self,
+        model_path: str | Path,
+        layer_ids: Sequence[int],
+        device: str = "cpu",
+        compute_dtype: str | None = None,
+        out_dtype: str = "bfloat16",
+        batch_size: int = 1,
+    ):
         from transformers import AutoModelForCausalLM
 
         dtype = getattr(torch, compute_dtype) if compute_dtype else "auto"
@@ -69,8 +85,12 @@ class HFBackend:
     @torch.inference_mode()
     def forward_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> states [B, n_layers, T, H] in the compute dtype (ids in self.layer_ids)."""
-        out = self.model(input_ids=input_ids.to(self.device), attention_mask=None if attention_mask is None
-                         else attention_mask.to(self.device), output_hidden_states=True, use_cache=False)
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+            output_hidden_states=True,
+            use_cache=False,
+        )
         hs = out.hidden_states  # L + 1 entries; [L] is post-norm
         states = [self._prenorm if i == self.num_layers else hs[i] for i in self.layer_ids]
         return torch.stack(states, dim=1)
@@ -93,8 +113,10 @@ class HFBackend:
 
     def generate(self, prompts, gen, stops: set[int]) -> list[list[int]]:
         """`extract --regenerate`: each prompt's turn (one_pass.Prompt: ids, seed, max_tokens; gen: the sampling)."""
-        return [generate_turn(self.model, self.device, p.ids, p.seed, p.max_tokens, gen.temperature, gen.top_p,
-                              stops) for p in prompts]
+        return [
+            generate_turn(self.model, self.device, p.ids, p.seed, p.max_tokens, gen.temperature, gen.top_p, stops)
+            for p in prompts
+        ]
 
     @torch.inference_mode()
     def top_logprobs(self, samples: Sequence[Sample], k: int):

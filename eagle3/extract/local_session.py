@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,9 +24,16 @@ class LocalSession:
 
         self.backend, self.fault, self.seal_each_batch = backend, fault, seal_each_batch
         self.wait_for_shards = wait_for_shards  # with seal_each_batch (extract.open_session)
-        self.writer = ShardWriter(store.root, store.spec, store.next_shard_index,
-                                  shard_tokens(store.spec, cfg.shard_tokens),
-                                  cfg.shard_samples, cfg.fsync, threads=cfg.writer_threads, fault=fault)
+        self.writer = ShardWriter(
+            store.root,
+            store.spec,
+            store.next_shard_index,
+            shard_tokens(store.spec, cfg.shard_tokens),
+            cfg.shard_samples,
+            cfg.fsync,
+            threads=cfg.writer_threads,
+            fault=fault,
+        )
 
     def submit(self, batch: Sequence[Sample], ahead: Sequence[Sequence[Sample]] = ()):
         """``ahead`` (the batches that come next) is the vLLM session's to announce; here nothing needs it."""

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -45,9 +45,9 @@ ID_SUFFIX = "~regen"
 class Generation:
     """What the target's turns are drawn with (recorded in the store's recipe)."""
 
-    temperature: float = 0.0   # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    max_tokens: int = 512      # tokens a turn may run to (less where the sample would pass max_len)
+    max_tokens: int = 512  # tokens a turn may run to (less where the sample would pass max_len)
     seed: int = 0
 
 
@@ -56,7 +56,7 @@ class Prompt:
     sample_id: str
     ids: tuple[int, ...]
     seed: int
-    max_tokens: int            # min(Generation.max_tokens, max_len - len(ids))
+    max_tokens: int  # min(Generation.max_tokens, max_len - len(ids))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -72,8 +72,8 @@ class Written:
 
     shards: list[ShardInfo]
     samples: list[Sample]
-    finish: list[str]          # "stop" (an end-of-turn token) or "length" (max_tokens / max_len)
-    recomputed: int = 0        # rows computed twice (vLLM: the second request's tail)
+    finish: list[str]  # "stop" (an end-of-turn token) or "length" (max_tokens / max_len)
+    recomputed: int = 0  # rows computed twice (vLLM: the second request's tail)
 
 
 def load_prompts(cfg: DataConfig, tokenizer, gen: Generation) -> tuple[list[Prompt], DataReport]:
@@ -90,22 +90,37 @@ def load_prompts(cfg: DataConfig, tokenizer, gen: Generation) -> tuple[list[Prom
         head = msgs[: turns[-1]] if turns else msgs
         ids = tokenizer(masks.chat(tokenizer, head, parsed.tools, gen=True), add_special_tokens=False)["input_ids"]
         if len(ids) >= cfg.max_len:
-            e = DataError(path, line, f"the prompt has {len(ids)} tokens, no room under max_len {cfg.max_len} for "
-                          "the target's turn", "Raise --max-len", "too_long")
+            e = DataError(
+                path,
+                line,
+                f"the prompt has {len(ids)} tokens, no room under max_len {cfg.max_len} for the target's turn",
+                "Raise --max-len",
+                "too_long",
+            )
             if cfg.on_error == "stop":
                 raise e
             reject(report, rejects, path, line, text, e)
             continue
-        prompts.append(Prompt(f"{path.name}:{line}{ID_SUFFIX}", tuple(ids), turn_seed(gen.seed, line),
-                              min(gen.max_tokens, cfg.max_len - len(ids))))
+        prompts.append(
+            Prompt(
+                f"{path.name}:{line}{ID_SUFFIX}",
+                tuple(ids),
+                turn_seed(gen.seed, line),
+                min(gen.max_tokens, cfg.max_len - len(ids)),
+            )
+        )
         if cfg.max_samples and len(prompts) >= cfg.max_samples:
             break
     report.samples, report.tokens = len(prompts), sum(len(p) for p in prompts)
     if cfg.rejects_path and rejects:
         write_rejects(cfg.rejects_path, rejects)
     if not prompts:
-        raise DataError(", ".join(cfg.paths), None, f"no usable prompts ({report.summary()})",
-                        "Give JSONL conversations whose prompts fit under --max-len")
+        raise DataError(
+            ", ".join(cfg.paths),
+            None,
+            f"no usable prompts ({report.summary()})",
+            "Give JSONL conversations whose prompts fit under --max-len",
+        )
     return prompts, report
 
 
@@ -118,8 +133,15 @@ def sample_of(p: Prompt, generated: Sequence[int], stops: set[int]) -> tuple[Sam
 
 def sampling_params(vllm, p: Prompt, gen: Generation, stops: set[int]):
     """The first request: the turn, every prompt row computed (the prefix cache not read)."""
-    return vllm.SamplingParams(temperature=gen.temperature, top_p=gen.top_p, max_tokens=p.max_tokens, seed=p.seed,
-                               stop_token_ids=sorted(stops), detokenize=False, skip_reading_prefix_cache=True)
+    return vllm.SamplingParams(
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        max_tokens=p.max_tokens,
+        seed=p.seed,
+        stop_token_ids=sorted(stops),
+        detokenize=False,
+        skip_reading_prefix_cache=True,
+    )
 
 
 class LocalOnePass:
@@ -151,26 +173,49 @@ class VLLMOnePass:
 
         self.backend, self.gen, self.stops, self.fault = backend, gen, stops, fault
         self.rows = 0
-        backend.call("eagle3_regen_open", {
-            "root": str(store.root), "spec": store.spec.to_json(), "start_index": store.next_shard_index,
-            "shard_tokens": shard_tokens(store.spec, cfg.shard_tokens), "fsync": cfg.fsync,
-            "writer_threads": max(writer_threads(cfg.fsync), cfg.writer_threads)}, keys=frozenset({"rank", "owner"}))
+        backend.call(
+            "eagle3_regen_open",
+            {
+                "root": str(store.root),
+                "spec": store.spec.to_json(),
+                "start_index": store.next_shard_index,
+                "shard_tokens": shard_tokens(store.spec, cfg.shard_tokens),
+                "fsync": cfg.fsync,
+                "writer_threads": max(writer_threads(cfg.fsync), cfg.writer_threads),
+            },
+            keys=frozenset({"rank", "owner"}),
+        )
 
     def submit(self, batch: Sequence[Prompt]) -> Written:
         from eagle3.extract.rpc import check_consistent
 
         vllm, llm = self.backend.vllm, self.backend.llm
-        first = llm.generate([{"prompt_token_ids": list(p.ids)} for p in batch],
-                             [sampling_params(vllm, p, self.gen, self.stops) for p in batch], use_tqdm=False)
+        first = llm.generate(
+            [{"prompt_token_ids": list(p.ids)} for p in batch],
+            [sampling_params(vllm, p, self.gen, self.stops) for p in batch],
+            use_tqdm=False,
+        )
         pairs = [sample_of(p, o.outputs[0].token_ids, self.stops) for p, o in zip(batch, first)]
         samples = [s for s, _ in pairs]
         # the last token's row: its sample's final tokens again, all but the last block read from the prefix cache
-        tail = llm.generate([{"prompt_token_ids": list(s.input_ids)} for s in samples],
-                            vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
-        records = self.backend.call("eagle3_regen_write", [
-            (s.sample_id, [a.request_id, b.request_id], np.asarray(s.input_ids, dtype=np.int32).tobytes(),
-             np.asarray(s.loss_mask, dtype=np.uint8).tobytes()) for s, a, b in zip(samples, first, tail)],
-            keys=REGEN_KEYS)
+        tail = llm.generate(
+            [{"prompt_token_ids": list(s.input_ids)} for s in samples],
+            vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False),
+            use_tqdm=False,
+        )
+        records = self.backend.call(
+            "eagle3_regen_write",
+            [
+                (
+                    s.sample_id,
+                    [a.request_id, b.request_id],
+                    np.asarray(s.input_ids, dtype=np.int32).tobytes(),
+                    np.asarray(s.loss_mask, dtype=np.uint8).tobytes(),
+                )
+                for s, a, b in zip(samples, first, tail)
+            ],
+            keys=REGEN_KEYS,
+        )
         errors = [f"rank {r['rank']}: {e}" for r in records for e in r["errors"]]
         if errors:
             raise StoreError("capture failed: " + "; ".join(errors[:5]))
@@ -217,15 +262,21 @@ def run_batches(session, batches: Sequence[Sequence[Prompt]], committer, bar) ->
         for f in w.finish:
             stats.finish[f] = stats.finish.get(f, 0) + 1
         bar.update(len(batch))
-        log.info("extract --regenerate: %d samples, %s tokens generated, %.0f tok/s stored",
-                 bar.n, f"{stats.generated_tokens:,}", tokens / max(time.perf_counter() - t0, 1e-9))
+        log.info(
+            "extract --regenerate: %d samples, %s tokens generated, %.0f tok/s stored",
+            bar.n,
+            f"{stats.generated_tokens:,}",
+            tokens / max(time.perf_counter() - t0, 1e-9),
+        )
     return tokens, nbytes, stats
 
 
 def open_session(backend, store, cfg, gen: Generation, stops: set[int], fault=None):
     if getattr(backend, "name", "") == "vllm":
         if backend.strategy == "aux":
-            raise StoreError("extract --regenerate needs the direct or hooks capture (--capture direct or hooks): "
-                             "the aux capture runs as a drafter, which sees no decode step's states")
+            raise StoreError(
+                "extract --regenerate needs the direct or hooks capture (--capture direct or hooks): "
+                "the aux capture runs as a drafter, which sees no decode step's states"
+            )
         return VLLMOnePass(backend, store, cfg, gen, stops, fault)
     return LocalOnePass(backend, store, cfg, gen, stops, fault)

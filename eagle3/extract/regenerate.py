@@ -28,12 +28,12 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
-from eagle3.data import masks, schema
 from eagle3 import ownership
+from eagle3.data import masks, schema
 from eagle3.data.conversations import DataReport, read_conversations
 from eagle3.data.schema import DataError
 from eagle3.preflight import UsageError
@@ -45,7 +45,9 @@ MODES = ("all", "last")
 SEED_STRIDE = 1_000_003
 
 
-TURN_SHIFT = 40  # turn k's seeds lie k * 2**40 above turn 0's: apart for any file under 2**40 - seed * SEED_STRIDE lines
+TURN_SHIFT = (
+    40  # turn k's seeds lie k * 2**40 above turn 0's: apart for any file under 2**40 - seed * SEED_STRIDE lines
+)
 
 
 def turn_seed(seed: int, line: int, k: int = 0) -> int:
@@ -68,9 +70,9 @@ class RegenConfig:
     max_tokens: int = 512
     seed: int = 0
     max_samples: int | None = None
-    batch_size: int = 64          # conversations an engine call serves (one call per turn round)
+    batch_size: int = 64  # conversations an engine call serves (one call per turn round)
     gpu_memory_utilization: float = 0.85  # vllm backend: its engine's share of each GPU
-    max_model_len: int | None = None      # vllm backend: None = the target's
+    max_model_len: int | None = None  # vllm backend: None = the target's
 
     def settings(self) -> dict:
         """What decides the output (recorded; a resume must match it): not where or how fast it runs."""
@@ -97,17 +99,23 @@ def parse_turn(text: str, kimi: bool) -> dict:
     think_open, think_close = kimi_format.THINK
     rest = text
     if rest.startswith(think_open):  # no </think>: cut at max_tokens inside the thinking, which is all it wrote
-        reasoning, _, rest = rest[len(think_open):].partition(think_close)
+        reasoning, _, rest = rest[len(think_open) :].partition(think_close)
         if reasoning:
             msg["reasoning_content"] = reasoning
-    begin, end, call, arg, call_end = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
-                                       "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+    begin, end, call, arg, call_end = (
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    )
     if begin in rest:
         rest, section = rest.split(begin, 1)
         section = section.split(end, 1)[0]
         calls = []
-        for m in re.finditer(re.escape(call) + r"(.*?)" + re.escape(arg) + r"(.*?)(?:" + re.escape(call_end) + r"|$)",
-                             section, re.S):
+        for m in re.finditer(
+            re.escape(call) + r"(.*?)" + re.escape(arg) + r"(.*?)(?:" + re.escape(call_end) + r"|$)", section, re.S
+        ):
             call_id, args = m.group(1).strip(), m.group(2)
             name = call_id.split(":")[0].removeprefix("functions.")  # functions.NAME:I -> NAME, as vLLM's kimi_k2
             # parser (vllm/parser/kimi_k2.py): a dotted name ("server.tool") stays whole
@@ -150,16 +158,22 @@ def check_output(cfg: RegenConfig) -> bool:
         except UnicodeDecodeError:
             raise RegenError(f"{side} is not text; restore it, or give a new --out") from None
         if not isinstance(recorded, dict):
-            raise RegenError(f"--out {out}: {side} is not the settings eagle3 regenerate writes; it is left untouched: "
-                             "give a new --out")
+            raise RegenError(
+                f"--out {out}: {side} is not the settings eagle3 regenerate writes; it is left untouched: "
+                "give a new --out"
+            )
         if recorded != cfg.settings():
             diff = sorted(k for k in set(recorded) | set(cfg.settings()) if recorded.get(k) != cfg.settings().get(k))
-            raise RegenError(f"--out {out} was regenerated with other settings ({', '.join(diff)} differ); rerun "
-                             f"that command to resume it, or give a new --out")
+            raise RegenError(
+                f"--out {out} was regenerated with other settings ({', '.join(diff)} differ); rerun "
+                f"that command to resume it, or give a new --out"
+            )
         return True
     if out.exists():
-        raise RegenError(f"--out {out} exists and was not written by eagle3 regenerate (no {side.name}); it is "
-                         f"left untouched: give a new --out")
+        raise RegenError(
+            f"--out {out} exists and was not written by eagle3 regenerate (no {side.name}); it is "
+            f"left untouched: give a new --out"
+        )
     return False
 
 
@@ -202,8 +216,10 @@ class HFGenerator:
     def __call__(self, prompts: list[list[int]], seeds: list[int], cfg: RegenConfig, stops: set[int]):
         from eagle3.extract.hf_backend import generate_turn
 
-        return [generate_turn(self.model, self.device, ids, seed, cfg.max_tokens, cfg.temperature, cfg.top_p, stops)
-                for ids, seed in zip(prompts, seeds)]
+        return [
+            generate_turn(self.model, self.device, ids, seed, cfg.max_tokens, cfg.temperature, cfg.top_p, stops)
+            for ids, seed in zip(prompts, seeds)
+        ]
 
 
 class VLLMGenerator:
@@ -216,8 +232,14 @@ class VLLMGenerator:
 
         prepare_environment()
         self.vllm = vllm
-        self.llm = vllm.LLM(model=target, tensor_parallel_size=tp, dtype="bfloat16", enable_prefix_caching=True,
-                            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
+        self.llm = vllm.LLM(
+            model=target,
+            tensor_parallel_size=tp,
+            dtype="bfloat16",
+            enable_prefix_caching=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+        )
 
     def close(self) -> None:
         """The engine's GPU memory back (a process that starts another engine next needs it)."""
@@ -228,9 +250,18 @@ class VLLMGenerator:
             shutdown_engine(llm)
 
     def __call__(self, prompts: list[list[int]], seeds: list[int], cfg: RegenConfig, stops: set[int]):
-        params = [self.vllm.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
-                                           seed=s, stop_token_ids=sorted(stops), skip_special_tokens=False,
-                                           detokenize=False) for s in seeds]
+        params = [
+            self.vllm.SamplingParams(
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                max_tokens=cfg.max_tokens,
+                seed=s,
+                stop_token_ids=sorted(stops),
+                skip_special_tokens=False,
+                detokenize=False,
+            )
+            for s in seeds
+        ]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -240,23 +271,25 @@ class VLLMGenerator:
 
 @dataclass
 class RegenSummary:
-    lines: int = 0          # input lines read this run (after the resumed ones)
+    lines: int = 0  # input lines read this run (after the resumed ones)
     written: int = 0
-    skipped: int = 0        # bad input lines (schema errors)
+    skipped: int = 0  # bad input lines (schema errors)
     blank_lines: int = 0
-    duplicates: int = 0     # lines equal to an earlier line of the file (regenerated too)
+    duplicates: int = 0  # lines equal to an earlier line of the file (regenerated too)
     resumed_after: int = 0  # input lines already in OUT
-    tokens: int = 0         # generated this run
-    cut: int = 0            # conversations ended early: a regenerated tool call differed from the data's
+    tokens: int = 0  # generated this run
+    cut: int = 0  # conversations ended early: a regenerated tool call differed from the data's
     seconds: float = 0.0
 
     def line(self) -> str:
         rate = self.tokens / self.seconds if self.seconds else 0.0
-        return (f"regenerated {self.written} conversations ({self.tokens:,} tokens, {rate:,.0f} tok/s)"
-                + (f" after the {self.resumed_after} lines already written" if self.resumed_after else "")
-                + f"; skipped {_n(self.skipped, 'bad line')}, {_n(self.blank_lines, 'blank line')}; "
-                + f"{_n(self.duplicates, 'duplicate')} of an earlier line (regenerated each); "
-                + f"{self.cut} cut at a differing tool call")
+        return (
+            f"regenerated {self.written} conversations ({self.tokens:,} tokens, {rate:,.0f} tok/s)"
+            + (f" after the {self.resumed_after} lines already written" if self.resumed_after else "")
+            + f"; skipped {_n(self.skipped, 'bad line')}, {_n(self.blank_lines, 'blank line')}; "
+            + f"{_n(self.duplicates, 'duplicate')} of an earlier line (regenerated each); "
+            + f"{self.cut} cut at a differing tool call"
+        )
 
 
 def _n(k: int, what: str) -> str:
@@ -286,8 +319,12 @@ def _read(cfg: RegenConfig, done: int, summary: RegenSummary):
     summary.blank_lines = report.blank_lines - resumed_blanks  # those after the last line too
 
 
-def run(cfg: RegenConfig, generator: Callable | None = None, fault: Callable[[str], None] | None = None,
-        progress_every_s: float = 10.0) -> RegenSummary:
+def run(
+    cfg: RegenConfig,
+    generator: Callable | None = None,
+    fault: Callable[[str], None] | None = None,
+    progress_every_s: float = 10.0,
+) -> RegenSummary:
     """Regenerate cfg.data into cfg.out, ``batch_size`` conversations an engine call (one call per turn round)."""
     from transformers import AutoTokenizer
 
@@ -297,8 +334,11 @@ def run(cfg: RegenConfig, generator: Callable | None = None, fault: Callable[[st
     tok = AutoTokenizer.from_pretrained(cfg.target)
     kimi = all(t in tok.get_vocab() for t in kimi_format.TOOL_TOKENS + kimi_format.THINK)
     stops = masks.stop_ids(tok)
-    gen = generator or (HFGenerator(cfg.target, cfg.device) if cfg.backend == "hf" else VLLMGenerator(
-        cfg.target, cfg.tp, cfg.gpu_memory_utilization, cfg.max_model_len))
+    gen = generator or (
+        HFGenerator(cfg.target, cfg.device)
+        if cfg.backend == "hf"
+        else VLLMGenerator(cfg.target, cfg.tp, cfg.gpu_memory_utilization, cfg.max_model_len)
+    )
     try:
         return _regenerate(cfg, gen, tok, kimi, stops, done, held, fault, progress_every_s)
     finally:
@@ -306,8 +346,9 @@ def run(cfg: RegenConfig, generator: Callable | None = None, fault: Callable[[st
             gen.close()
 
 
-def _regenerate(cfg: RegenConfig, gen, tok, kimi: bool, stops: set[int], done: int, held: int, fault,
-                progress_every_s: float) -> RegenSummary:
+def _regenerate(
+    cfg: RegenConfig, gen, tok, kimi: bool, stops: set[int], done: int, held: int, fault, progress_every_s: float
+) -> RegenSummary:
     """Regenerate the input lines after line ``done``; OUT holds ``held`` conversations already (--max-samples
     counts them, not the blank or bad lines before ``done``)."""
     summary = RegenSummary(resumed_after=done)
@@ -317,19 +358,28 @@ def _regenerate(cfg: RegenConfig, gen, tok, kimi: bool, stops: set[int], done: i
     left = cfg.max_samples - held if cfg.max_samples else None
     batch: list = []
     with open(cfg.out, "ab") as out:
+
         def flush():
             nonlocal last_report
             for (_, conv), line in zip(batch, regenerate_batch(batch, cfg, tok, gen, stops, kimi, summary)):
-                record = dict(conv.extra, messages=line["messages"], **({"tools": conv.tools} if conv.tools else {}),
-                              regenerated=line["regenerated"])
+                record = dict(
+                    conv.extra,
+                    messages=line["messages"],
+                    **({"tools": conv.tools} if conv.tools else {}),
+                    regenerated=line["regenerated"],
+                )
                 _append(out, (json.dumps(record, ensure_ascii=False) + "\n").encode(), fault)
                 summary.written += 1
             batch.clear()
             now = time.perf_counter()
             if now - last_report >= progress_every_s:
                 last_report = now
-                log.info("regenerate: %d conversations, %s tokens, %.0f tok/s", summary.written,
-                         f"{summary.tokens:,}", summary.tokens / (now - t0))
+                log.info(
+                    "regenerate: %d conversations, %s tokens, %.0f tok/s",
+                    summary.written,
+                    f"{summary.tokens:,}",
+                    summary.tokens / (now - t0),
+                )
 
         for item in _read(cfg, done, summary):
             if left is not None and summary.written + len(batch) >= left:
@@ -357,15 +407,33 @@ def _append(out, data: bytes, fault) -> None:
         fault("after_line")
 
 
-def regenerate_batch(items: list[tuple[int, schema.Conversation]], cfg: RegenConfig, tok, gen, stops: set[int],
-                     kimi: bool, summary: RegenSummary) -> list[dict]:
+def regenerate_batch(
+    items: list[tuple[int, schema.Conversation]],
+    cfg: RegenConfig,
+    tok,
+    gen,
+    stops: set[int],
+    kimi: bool,
+    summary: RegenSummary,
+) -> list[dict]:
     """Each conversation's turns in order; round r generates turn r of every conversation that has one, in one call."""
     state = []
     for n, conv in items:
         turns = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant" and conv.weights[i]]
         turns = turns[-1:] if cfg.mode == "last" else turns
-        state.append({"n": n, "conv": conv, "msgs": context_only(conv, turns), "turns": turns, "k": 0, "done": [],
-                      "tokens": [], "finish": [], "cut": None})
+        state.append(
+            {
+                "n": n,
+                "conv": conv,
+                "msgs": context_only(conv, turns),
+                "turns": turns,
+                "k": 0,
+                "done": [],
+                "tokens": [],
+                "finish": [],
+                "cut": None,
+            }
+        )
     while True:
         active = [st for st in state if st["cut"] is None and st["k"] < len(st["turns"])]
         if not active:
@@ -373,13 +441,25 @@ def regenerate_batch(items: list[tuple[int, schema.Conversation]], cfg: RegenCon
         prompts, seeds = [], []
         for st in active:
             i = st["turns"][st["k"]]
-            prompts.append(tok(masks.chat(tok, st["msgs"][:i], st["conv"].tools, gen=True),
-                               add_special_tokens=False)["input_ids"])
+            prompts.append(
+                tok(masks.chat(tok, st["msgs"][:i], st["conv"].tools, gen=True), add_special_tokens=False)["input_ids"]
+            )
             seeds.append(turn_seed(cfg.seed, st["n"], st["k"]))
         for st, ids in zip(active, gen(prompts, seeds, cfg, stops)):
             _take(st, ids, tok, stops, kimi, summary)
-    return [{"messages": st["msgs"], "regenerated": {"line": st["n"], "turns": st["done"], "tokens": st["tokens"],
-                                                     "finish": st["finish"], "cut_after": st["cut"]}} for st in state]
+    return [
+        {
+            "messages": st["msgs"],
+            "regenerated": {
+                "line": st["n"],
+                "turns": st["done"],
+                "tokens": st["tokens"],
+                "finish": st["finish"],
+                "cut_after": st["cut"],
+            },
+        }
+        for st in state
+    ]
 
 
 def context_only(conv: schema.Conversation, turns: list[int]) -> list[dict]:
@@ -387,8 +467,10 @@ def context_only(conv: schema.Conversation, turns: list[int]) -> list[dict]:
     data keeps out of the loss, and on every assistant turn before the first of ``turns`` (mode last: the data's
     words, not the target's; extract learns only what the target wrote)."""
     first = turns[0] if turns else len(conv.messages)
-    return [dict(m, weight=0) if not w or (m["role"] == "assistant" and i < first) else dict(m)
-            for i, (m, w) in enumerate(zip(conv.messages, conv.weights))]
+    return [
+        dict(m, weight=0) if not w or (m["role"] == "assistant" and i < first) else dict(m)
+        for i, (m, w) in enumerate(zip(conv.messages, conv.weights))
+    ]
 
 
 def whole_characters(ids: list[int], tok) -> list[int]:
@@ -425,5 +507,5 @@ def _take(st: dict, ids: list[int], tok, stops: set[int], kimi: bool, summary: R
                 c["id"] = o["id"]
     if not same or (not ended and follows_tool):
         st["cut"] = i
-        del msgs[i + 1:]
+        del msgs[i + 1 :]
         summary.cut += 1

@@ -19,8 +19,9 @@ vLLM 0.11.1 stopped wrapping unique replies is exactly what this module refuses 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -207,9 +208,7 @@ def normalize_reply(reply: Any, expect: Expect) -> Any:
             return _conform(reply, expect, where)
         if wrapped_ok:
             return _conform(reply[0], expect, where)
-        raise ReplyError(
-            f"{where}: expected {item} or a 1-element list around it, got {describe(reply)}"
-        )
+        raise ReplyError(f"{where}: expected {item} or a 1-element list around it, got {describe(reply)}")
 
     where = f"collective_rpc reply (world size {expect.world_size})"
     if not isinstance(reply, (list, tuple)) or _is_encoded_tensor(reply):

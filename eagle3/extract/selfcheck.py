@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 log = logging.getLogger(__name__)
 
-K = 20              # vLLM's default max_logprobs
+K = 20  # vLLM's default max_logprobs
 MIN_RECALL = 0.5
 MAX_SHAPE_ERR = 0.25
 
@@ -46,9 +46,9 @@ class SelfCheckFailed(RuntimeError):
 
 @dataclass
 class FinalHead:
-    norm: torch.Tensor      # [H] float32
+    norm: torch.Tensor  # [H] float32
     eps: float
-    lm_head: torch.Tensor   # [V, H]
+    lm_head: torch.Tensor  # [V, H]
     source: str
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
@@ -84,8 +84,10 @@ def load_head(model: str | Path) -> FinalHead:
     text = cfg.get("text_config") or cfg
     files = _weight_files(folder)
     if not files:
-        raise SelfCheckFailed(f"{folder} has no weights: the self-check needs the final norm and lm_head "
-                              "(for a dummy-weight engine, take them from the engine: VLLMBackend.dump_head)")
+        raise SelfCheckFailed(
+            f"{folder} has no weights: the self-check needs the final norm and lm_head "
+            "(for a dummy-weight engine, take them from the engine: VLLMBackend.dump_head)"
+        )
 
     def get(names):
         for n in names:
@@ -99,8 +101,9 @@ def load_head(model: str | Path) -> FinalHead:
     if head is None and text.get("tie_word_embeddings", cfg.get("tie_word_embeddings")):
         head = get(EMBED_NAMES)
     if norm is None or head is None:
-        raise SelfCheckFailed(f"{folder}: cannot find the final norm ({NORM_NAMES[0]}) or lm_head "
-                              f"({HEAD_NAMES[0]}) in its weights")
+        raise SelfCheckFailed(
+            f"{folder}: cannot find the final norm ({NORM_NAMES[0]}) or lm_head ({HEAD_NAMES[0]}) in its weights"
+        )
     return FinalHead(norm.float(), float(text.get("rms_norm_eps", 1e-6)), head, f"checkpoint {folder}")
 
 
@@ -160,10 +163,12 @@ class SelfCheckResult:
         return self.recall >= MIN_RECALL and self.shape_err <= MAX_SHAPE_ERR
 
     def line(self) -> str:
-        return (f"final-state self-check {'PASS' if self.ok else 'FAIL'}: {self.n} prompts, top-{self.k} logprob "
-                f"shape error {self.shape_err:.4f} (pass <= {MAX_SHAPE_ERR}), recall@{2 * self.k} {self.recall:.3f} "
-                f"(pass >= {MIN_RECALL}), top-1 agreement {self.top1:.3f}, rank percentile {self.rank:.4f}, "
-                f"logprob error {self.lp_err:.4f}; head from {self.head}")
+        return (
+            f"final-state self-check {'PASS' if self.ok else 'FAIL'}: {self.n} prompts, top-{self.k} logprob "
+            f"shape error {self.shape_err:.4f} (pass <= {MAX_SHAPE_ERR}), recall@{2 * self.k} {self.recall:.3f} "
+            f"(pass >= {MIN_RECALL}), top-1 agreement {self.top1:.3f}, rank percentile {self.rank:.4f}, "
+            f"logprob error {self.lp_err:.4f}; head from {self.head}"
+        )
 
 
 def compare(head: FinalHead, states: torch.Tensor, engine: Sequence[EngineTop], k: int = K) -> SelfCheckResult:
@@ -185,16 +190,23 @@ def compare(head: FinalHead, states: torch.Tensor, engine: Sequence[EngineTop], 
         b = torch.tensor([top.logprobs[t] for t in theirs if t < vocab], dtype=torch.float64)
         a, b = a - a.mean(), b - b.mean()  # differences between the top-k: no normalizer, no scale
         shape_err = float((a - b).norm() / b.norm().clamp_min(1e-12))
-        per.append({"recall": sum(t in ours for t in theirs) / max(1, len(theirs)),
-                    "top1": float(int(row.argmax()) == top.token), "rank": sum(pct) / max(1, len(pct)),
-                    "lp_err": sum(err) / max(1, len(err)), "shape_err": shape_err})
+        per.append(
+            {
+                "recall": sum(t in ours for t in theirs) / max(1, len(theirs)),
+                "top1": float(int(row.argmax()) == top.token),
+                "rank": sum(pct) / max(1, len(pct)),
+                "lp_err": sum(err) / max(1, len(err)),
+                "shape_err": shape_err,
+            }
+        )
     n = len(per)
 
     def mean(key):
         return sum(p[key] for p in per) / max(1, n)
 
-    return SelfCheckResult(n, mean("recall"), mean("top1"), mean("rank"), mean("lp_err"), k, head.source, per,
-                           mean("shape_err"))
+    return SelfCheckResult(
+        n, mean("recall"), mean("top1"), mean("rank"), mean("lp_err"), k, head.source, per, mean("shape_err")
+    )
 
 
 def last_states(samples: Sequence[dict], layer_id: int) -> torch.Tensor:

@@ -3,7 +3,7 @@ by its time."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def rate_past_first(points: Sequence[tuple[float, int]], less: float = 0.0) -> float | None:

@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 from eagle3.data.conversations import Sample
 from eagle3.extract import vllm_compat as compat
@@ -22,18 +22,42 @@ from eagle3.store.threads import writer_threads
 log = logging.getLogger(__name__)
 
 SETUP_KEYS = frozenset({"rank", "tp_rank", "tp_size", "owner", "num_layers", "layer_ids", "strategy"})
-COLLECT_KEYS = frozenset({"rank", "owner", "steps", "tokens", "completed", "shards", "errors", "recomputed",
-                          "writer", "files_written", "timing"})
+COLLECT_KEYS = frozenset(
+    {
+        "rank",
+        "owner",
+        "steps",
+        "tokens",
+        "completed",
+        "shards",
+        "errors",
+        "recomputed",
+        "writer",
+        "files_written",
+        "timing",
+    }
+)
 
 
 class VLLMBackend:
     name = "vllm"
 
-    def __init__(self, model: str, spec: StoreSpec, tp: int = 1, capture: str = "auto",
-                 gpu_memory_utilization: float = 0.85, max_model_len: int | None = None,
-                 load_format: str = "auto", skip_tokenizer_init: bool = True,
-                 max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                 extra_engine_args: dict | None = None, log_level: str | None = None, in_process: bool = False):
+    def __init__(
+        self,
+        model: str,
+        spec: StoreSpec,
+        tp: int = 1,
+        capture: str = "auto",
+        gpu_memory_utilization: float = 0.85,
+        max_model_len: int | None = None,
+        load_format: str = "auto",
+        skip_tokenizer_init: bool = True,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        extra_engine_args: dict | None = None,
+        log_level: str | None = None,
+        in_process: bool = False,
+    ):
         """in_process: the engine core in this process (compat.engine_in_process), not in a process of its own."""
         import vllm
 
@@ -42,11 +66,19 @@ class VLLMBackend:
         self.strategy = compat.pick_strategy(capture)
         compat.prepare_environment(log_level or logging.getLevelName(logging.getLogger("eagle3").getEffectiveLevel()))
         kwargs = compat.engine_kwargs(
-            str(model), strategy=self.strategy, layer_ids=spec.layer_ids, tp=tp,
+            str(model),
+            strategy=self.strategy,
+            layer_ids=spec.layer_ids,
+            tp=tp,
             dtype="bfloat16" if spec.fp8 else spec.dtype,  # an fp8 store's states are quantized at capture
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, load_format=load_format,
-            skip_tokenizer_init=skip_tokenizer_init, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, extra=extra_engine_args)
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            load_format=load_format,
+            skip_tokenizer_init=skip_tokenizer_init,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            extra=extra_engine_args,
+        )
         # an engine with prefix caching (extract --regenerate's): a prefill to capture must compute every row
         self.read_cache = {"skip_reading_prefix_cache": True} if kwargs.get("enable_prefix_caching") else {}
         self.in_process = in_process
@@ -58,16 +90,27 @@ class VLLMBackend:
             self._put_back()
             raise
         self.start_seconds = time.perf_counter() - t0
-        records = self.call("eagle3_setup", {"layer_ids": list(spec.layer_ids), "strategy": self.strategy,
-                                             "log_level": os.environ.get("EAGLE3_LOG_LEVEL")},
-                            keys=SETUP_KEYS)
+        records = self.call(
+            "eagle3_setup",
+            {
+                "layer_ids": list(spec.layer_ids),
+                "strategy": self.strategy,
+                "log_level": os.environ.get("EAGLE3_LOG_LEVEL"),
+            },
+            keys=SETUP_KEYS,
+        )
         check_consistent(records, ["num_layers", "layer_ids", "strategy", "tp_size"])
         owners = [r["rank"] for r in records if r["owner"]]
         if len(owners) != 1:
             raise StoreError(f"expected exactly one owner rank (TP rank 0 of the last stage), got {owners}")
         self.world = len(records)
-        log.info("vLLM engine up in %.1f s: %d worker(s), strategy %s, owner rank %d", self.start_seconds,
-                 self.world, self.strategy, owners[0])
+        log.info(
+            "vLLM engine up in %.1f s: %d worker(s), strategy %s, owner rank %d",
+            self.start_seconds,
+            self.world,
+            self.strategy,
+            owners[0],
+        )
 
     def call(self, method: str, *args, keys: frozenset = frozenset()) -> list[dict]:
         """collective_rpc -> one validated record per rank."""
@@ -93,9 +136,13 @@ class VLLMBackend:
 
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, detokenize=False)
         outs = self.llm.generate([{"prompt_token_ids": list(s.input_ids)} for s in samples], params, use_tqdm=False)
-        return [EngineTop(int(o.outputs[0].token_ids[0]),
-                          {int(t): float(getattr(lp, "logprob", lp)) for t, lp in o.outputs[0].logprobs[0].items()})
-                for o in outs]
+        return [
+            EngineTop(
+                int(o.outputs[0].token_ids[0]),
+                {int(t): float(getattr(lp, "logprob", lp)) for t, lp in o.outputs[0].logprobs[0].items()},
+            )
+            for o in outs
+        ]
 
     def dump_head(self, folder) -> list[str]:
         """Each rank writes its slice of the final norm + lm_head (dummy-weight targets have no checkpoint)."""
@@ -111,8 +158,15 @@ class VLLMBackend:
             raise RuntimeError(f"ranks set {sorted(counts)} RMSNorm weights to 1; expected the same non-zero count")
         return counts.pop()
 
-    def open_session(self, store: Store, cfg, fault=None, mode: str = "store",
-                     seal_each_batch: bool = False, wait_for_shards: bool = True) -> "VLLMSession":
+    def open_session(
+        self,
+        store: Store,
+        cfg,
+        fault=None,
+        mode: str = "store",
+        seal_each_batch: bool = False,
+        wait_for_shards: bool = True,
+    ) -> VLLMSession:
         return VLLMSession(self, store, cfg, mode, seal_each_batch, wait_for_shards=wait_for_shards)
 
     def close(self) -> None:
@@ -148,23 +202,45 @@ class VLLMSession:
     ANNOUNCE_TOKENS = 1 << 18  # tokens announced in one RPC at most (64x512 batches: 8; the worker keeps them)
     # and states (bytes) announced in one RPC at most: a group's shards are committed only at the collect after it,
     # so the store holds up to a group more than it has committed (a reader of the manifest cannot have them yet).
-    # With 8 mini-Kimi 64x512 batches a group (15 GB; the 9f3c587 run, H200) the page-cache store's folder reached 21 GB,
+    # With 8 mini-Kimi 64x512 batches a group (15 GB; the 9f3c587 run, H200) the page-cache store's folder reached 21
+    # GB,
     # past the kernel's writeback threshold (~12 GB), and fell to 0.27x vllm_ehs. 4 GiB: 2 of those batches.
     ANNOUNCE_BYTES = 4 << 30
 
-    def __init__(self, backend: VLLMBackend, store: Store | None, cfg, mode: str = "store",
-                 seal_each_batch: bool = False, slots: int = 4, copy_chunk_bytes: int = COPY_CHUNK_BYTES,
-                 gil_sampler: bool = False, wait_for_shards: bool = True):
+    def __init__(
+        self,
+        backend: VLLMBackend,
+        store: Store | None,
+        cfg,
+        mode: str = "store",
+        seal_each_batch: bool = False,
+        slots: int = 4,
+        copy_chunk_bytes: int = COPY_CHUNK_BYTES,
+        gil_sampler: bool = False,
+        wait_for_shards: bool = True,
+    ):
         self.backend, self.mode, self.seal_each_batch = backend, mode, seal_each_batch
         self.wait_for_shards = wait_for_shards
         spec = store.spec if store is not None else backend.spec  # the store decides the states' dtype (fp8)
         self.announce_tokens = min(self.ANNOUNCE_TOKENS, self.ANNOUNCE_BYTES // spec.bytes_per_token)
         threads = max(writer_threads(getattr(cfg, "fsync", True)), getattr(cfg, "writer_threads", 0) or 0)
-        open_cfg = {"mode": mode, "hidden_size": spec.hidden_size, "dtype": spec.dtype, "writer_threads": threads,
-                    "slots": slots, "copy_chunk_bytes": copy_chunk_bytes, "gil_sampler": gil_sampler}
+        open_cfg = {
+            "mode": mode,
+            "hidden_size": spec.hidden_size,
+            "dtype": spec.dtype,
+            "writer_threads": threads,
+            "slots": slots,
+            "copy_chunk_bytes": copy_chunk_bytes,
+            "gil_sampler": gil_sampler,
+        }
         if mode == "store":
-            open_cfg.update(root=str(store.root), spec=store.spec.to_json(), start_index=store.next_shard_index,
-                            shard_tokens=shard_tokens(store.spec, cfg.shard_tokens), fsync=cfg.fsync)
+            open_cfg.update(
+                root=str(store.root),
+                spec=store.spec.to_json(),
+                start_index=store.next_shard_index,
+                shard_tokens=shard_tokens(store.spec, cfg.shard_tokens),
+                fsync=cfg.fsync,
+            )
         backend.call("eagle3_open", open_cfg, keys=frozenset({"rank", "mode"}))
         self.tokens = 0  # prompt tokens the engine computed so far in this session
         self.recomputed = 0  # prompt rows the engine computed again after preempting their request
@@ -193,8 +269,10 @@ class VLLMSession:
         if self.announced:
             want = self.announced.popleft()
             if want != ids:
-                raise ValueError(f"submitted a batch of samples {_some(ids)}, but the next batch announced ahead "
-                                 f"holds {_some(want)}: submit the batches passed as `ahead`, in their order")
+                raise ValueError(
+                    f"submitted a batch of samples {_some(ids)}, but the next batch announced ahead "
+                    f"holds {_some(want)}: submit the batches passed as `ahead`, in their order"
+                )
         else:
             group, room = [batch], self.announce_tokens - tokens
             for b in ahead:
@@ -203,8 +281,13 @@ class VLLMSession:
                     break
                 group.append(b)
             t0 = time.perf_counter()
-            infos = self._collect("eagle3_collect", self.pending_tokens, False, False,
-                                  list(pack_announcement([s for b in group for s in b])))
+            infos = self._collect(
+                "eagle3_collect",
+                self.pending_tokens,
+                False,
+                False,
+                list(pack_announcement([s for b in group for s in b])),
+            )
             self.phase_s["collect_s"] += time.perf_counter() - t0
             self.pending_tokens = 0
             self.announced.extend([s.sample_id for s in b] for b in group[1:])
@@ -240,18 +323,25 @@ class VLLMSession:
         check_consistent(records, ["steps", "tokens"])  # every rank ran the same steps over the same tokens
         writers = [r["rank"] for r in records if r["writer"] or r["files_written"]]
         if writers != ([next(r["rank"] for r in records if r["owner"])] if self.mode == "store" else []):
-            raise StoreError(f"ranks {writers} opened a shard writer or wrote shard files; only the owner rank "
-                             "(TP rank 0) may write: racing writers would overwrite each other's files")
+            raise StoreError(
+                f"ranks {writers} opened a shard writer or wrote shard files; only the owner rank "
+                "(TP rank 0) may write: racing writers would overwrite each other's files"
+            )
         tokens = records[0]["tokens"]
         if expected_tokens is not None and tokens - self.tokens < expected_tokens:
-            raise StoreError(f"the engine computed {tokens - self.tokens} prompt tokens for batches of "
-                             f"{expected_tokens} since the last check: some were skipped (prefix caching?)")
+            raise StoreError(
+                f"the engine computed {tokens - self.tokens} prompt tokens for batches of "
+                f"{expected_tokens} since the last check: some were skipped (prefix caching?)"
+            )
         self.tokens = tokens
         owner = next(r for r in records if r["owner"])
         if owner["recomputed"] > self.recomputed:
-            log.info("preemption: the engine recomputed %d prompt rows so far (captured once each)",
-                     owner["recomputed"])
+            log.info(
+                "preemption: the engine recomputed %d prompt rows so far (captured once each)", owner["recomputed"]
+            )
         self.recomputed = owner["recomputed"]
         self.capture_timing = owner["timing"]
-        log.debug("%s: %d shards from the owner, %d samples completed", method, len(owner["shards"]), owner["completed"])
+        log.debug(
+            "%s: %d shards from the owner, %d samples completed", method, len(owner["shards"]), owner["completed"]
+        )
         return [ShardInfo(**s) for s in owner["shards"]]

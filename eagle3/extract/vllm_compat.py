@@ -159,19 +159,36 @@ def _envs():
     return envs
 
 
-def engine_kwargs(model: str, *, strategy: str, layer_ids: tuple[int, ...], tp: int = 1, dtype: str = "bfloat16",
-                  gpu_memory_utilization: float = 0.85, max_model_len: int | None = None,
-                  load_format: str = "auto", skip_tokenizer_init: bool = True,
-                  max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def engine_kwargs(
+    model: str,
+    *,
+    strategy: str,
+    layer_ids: tuple[int, ...],
+    tp: int = 1,
+    dtype: str = "bfloat16",
+    gpu_memory_utilization: float = 0.85,
+    max_model_len: int | None = None,
+    load_format: str = "auto",
+    skip_tokenizer_init: bool = True,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """LLM(**kwargs) for extraction. Prefix caching off: it skips computing shared prefixes, whose states
     would then be missing. Async scheduling off (but for direct): the capture reads the runner's batch layout
     of the step it is in, written before that step's forward in either case. Hooks need eager mode; the aux
     and direct paths keep torch.compile and CUDA graphs."""
     kw: dict[str, Any] = dict(
-        model=model, tensor_parallel_size=tp, dtype=dtype, enable_prefix_caching=False, async_scheduling=False,
-        worker_extension_cls=WORKER_EXTENSION, gpu_memory_utilization=gpu_memory_utilization,
-        load_format=load_format, skip_tokenizer_init=skip_tokenizer_init, disable_log_stats=True,
+        model=model,
+        tensor_parallel_size=tp,
+        dtype=dtype,
+        enable_prefix_caching=False,
+        async_scheduling=False,
+        worker_extension_cls=WORKER_EXTENSION,
+        gpu_memory_utilization=gpu_memory_utilization,
+        load_format=load_format,
+        skip_tokenizer_init=skip_tokenizer_init,
+        disable_log_stats=True,
         kernel_config={"enable_flashinfer_autotune": False},
     )
     if max_model_len:
@@ -184,7 +201,8 @@ def engine_kwargs(model: str, *, strategy: str, layer_ids: tuple[int, ...], tp: 
         kw["enforce_eager"] = True
     elif strategy == "aux":
         kw["speculative_config"] = {
-            "method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
         }
     elif strategy == "direct":  # a plain engine: vLLM schedules the next step while the GPU runs this one
@@ -275,8 +293,12 @@ def layer_state(output) -> Any:
 def parallel_info() -> dict[str, Any]:
     from vllm.distributed import parallel_state as ps
 
-    return {"tp_rank": ps.get_tensor_model_parallel_rank(), "tp_size": ps.get_tensor_model_parallel_world_size(),
-            "pp_last": ps.get_pp_group().is_last_rank, "pp_size": ps.get_pp_group().world_size}
+    return {
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "tp_size": ps.get_tensor_model_parallel_world_size(),
+        "pp_last": ps.get_pp_group().is_last_rank,
+        "pp_size": ps.get_pp_group().world_size,
+    }
 
 
 def step_layout(runner):
@@ -314,8 +336,10 @@ def patch_runner_for_direct_capture(runner_cls) -> bool:
         layers = getattr(self.model_config.hf_config, DIRECT_KEY, None)
         if layers and self.speculative_config is None:
             if not callable(getattr(self.model, "set_aux_hidden_state_layers", None)):
-                raise RuntimeError(f"{type(self.model).__name__} has no EAGLE-3 aux outputs (set_aux_hidden_state_"
-                                   "layers): the direct capture cannot use it; use --capture hooks")
+                raise RuntimeError(
+                    f"{type(self.model).__name__} has no EAGLE-3 aux outputs (set_aux_hidden_state_"
+                    "layers): the direct capture cannot use it; use --capture hooks"
+                )
             self.use_aux_hidden_state_outputs = True
             self._eagle3_direct_layers = [int(i) for i in layers]
             self.model.set_aux_hidden_state_layers(tuple(self._eagle3_direct_layers))
@@ -349,12 +373,16 @@ def attach_direct_capture(runner, layer_ids, on_aux) -> None:
     outputs (the engine was started with engine_kwargs(strategy="direct") and the patch was in place)."""
     got = getattr(runner, "_eagle3_direct_layers", None)
     if not getattr(runner, "use_aux_hidden_state_outputs", False) or got is None:
-        raise RuntimeError("the direct capture needs an engine started with engine_kwargs(strategy='direct') and "
-                           "eagle3's worker extension imported before the model loaded; this runner returns no aux "
-                           "states (use --capture aux)")
+        raise RuntimeError(
+            "the direct capture needs an engine started with engine_kwargs(strategy='direct') and "
+            "eagle3's worker extension imported before the model loaded; this runner returns no aux "
+            "states (use --capture aux)"
+        )
     if list(got) != list(layer_ids):
-        raise RuntimeError(f"the engine returns the states of layer ids {list(got)}, the capture wants "
-                           f"{list(layer_ids)}: start the engine with the capture's layer ids")
+        raise RuntimeError(
+            f"the engine returns the states of layer ids {list(got)}, the capture wants "
+            f"{list(layer_ids)}: start the engine with the capture's layer ids"
+        )
     runner._eagle3_direct = on_aux
 
 
@@ -377,11 +405,13 @@ def drafter_facts(runner, target) -> dict:
     Eagle3LlamaForCausalLM): shared embedding / lm_head with the target, weight dtype, rotary module."""
     draft = runner.drafter.model
     lm = target.get_language_model() if hasattr(target, "get_language_model") else target
-    return {"shares_embedding": draft.model.embed_tokens is lm.model.embed_tokens,
-            "shares_lm_head": draft.lm_head is getattr(lm, "lm_head", None),
-            "dtype": str(draft.model.fc.weight.dtype).removeprefix("torch."),
-            "draft_class": type(draft).__name__,
-            "rotary": draft.model.layers[0].self_attn.rotary_emb}
+    return {
+        "shares_embedding": draft.model.embed_tokens is lm.model.embed_tokens,
+        "shares_lm_head": draft.lm_head is getattr(lm, "lm_head", None),
+        "dtype": str(draft.model.fc.weight.dtype).removeprefix("torch."),
+        "draft_class": type(draft).__name__,
+        "rotary": draft.model.layers[0].self_attn.rotary_emb,
+    }
 
 
 def set_aux_layers(model, layer_ids) -> None:

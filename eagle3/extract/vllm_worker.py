@@ -29,7 +29,9 @@ def configure_worker_logging(level: str | None = None) -> None:
     logger.setLevel(level)
     if not any(getattr(h, "_eagle3", False) for h in logger.handlers):
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s eagle3 worker pid={os.getpid()}: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s %(levelname)s eagle3 worker pid={os.getpid()}: %(message)s")
+        )
         handler._eagle3 = True
         logger.addHandler(handler)
         logger.propagate = False
@@ -47,8 +49,15 @@ class CaptureExtension:
         model = compat.get_model(self)
         layers = compat.decoder_layers(model)
         ids = validate_layer_ids(cfg["layer_ids"], len(layers))
-        self._e3 = {"ids": ids, "strategy": cfg["strategy"], "owner": par["tp_rank"] == 0 and par["pp_last"],
-                    "capturer": None, "step": [], "last": None, "par": par}
+        self._e3 = {
+            "ids": ids,
+            "strategy": cfg["strategy"],
+            "owner": par["tp_rank"] == 0 and par["pp_last"],
+            "capturer": None,
+            "step": [],
+            "last": None,
+            "par": par,
+        }
         runner = self.model_runner
         if cfg["strategy"] == "hooks":
             handles = []
@@ -61,11 +70,25 @@ class CaptureExtension:
         else:
             compat.patch_drafter(runner, self._e3_on_step)
         hidden = int(getattr(model.config, "hidden_size", 0) or 0) if hasattr(model, "config") else 0
-        log.info("capture installed: strategy %s, layer ids %s, tp rank %d/%d, owner %s",
-                 cfg["strategy"], list(ids), par["tp_rank"], par["tp_size"], self._e3["owner"])
-        return {"rank": int(getattr(self, "rank", par["tp_rank"])), "tp_rank": par["tp_rank"],
-                "tp_size": par["tp_size"], "owner": self._e3["owner"], "num_layers": len(layers),
-                "layer_ids": list(ids), "hidden_size": hidden, "strategy": cfg["strategy"], "pid": os.getpid()}
+        log.info(
+            "capture installed: strategy %s, layer ids %s, tp rank %d/%d, owner %s",
+            cfg["strategy"],
+            list(ids),
+            par["tp_rank"],
+            par["tp_size"],
+            self._e3["owner"],
+        )
+        return {
+            "rank": int(getattr(self, "rank", par["tp_rank"])),
+            "tp_rank": par["tp_rank"],
+            "tp_size": par["tp_size"],
+            "owner": self._e3["owner"],
+            "num_layers": len(layers),
+            "layer_ids": list(ids),
+            "hidden_size": hidden,
+            "strategy": cfg["strategy"],
+            "pid": os.getpid(),
+        }
 
     def _e3_hook(self, last: bool):
         def hook(module, args, output):
@@ -73,6 +96,7 @@ class CaptureExtension:
             if last:
                 step, self._e3["step"] = self._e3["step"], []
                 self._e3_on_step(step)
+
         return hook
 
     def _e3_on_step(self, layers: list) -> None:
@@ -108,20 +132,33 @@ class CaptureExtension:
         e3 = self._e3
         mode = cfg["mode"] if e3["owner"] else "count"
         if e3["capturer"] is None:
-            e3["capturer"] = Capturer(len(e3["ids"]), int(cfg["hidden_size"]), getattr(torch, cfg.get("dtype", "bfloat16")),
-                                      slots=cfg.get("slots", 4))
+            e3["capturer"] = Capturer(
+                len(e3["ids"]),
+                int(cfg["hidden_size"]),
+                getattr(torch, cfg.get("dtype", "bfloat16")),
+                slots=cfg.get("slots", 4),
+            )
         writer = None
         if mode == "store":
-            writer = ShardWriter(cfg["root"], StoreSpec.from_json(cfg["spec"]), cfg["start_index"],
-                                 fsync=cfg["fsync"], threads=cfg.get("writer_threads", 2),
-                                 writer_id=f"tp{e3['par']['tp_rank']} pid {os.getpid()}")
+            writer = ShardWriter(
+                cfg["root"],
+                StoreSpec.from_json(cfg["spec"]),
+                cfg["start_index"],
+                fsync=cfg["fsync"],
+                threads=cfg.get("writer_threads", 2),
+                writer_id=f"tp{e3['par']['tp_rank']} pid {os.getpid()}",
+            )
         e3["writer"], e3["files_reported"] = writer, 0  # files_reported: how many of writer.written replies named
-        e3["capturer"].start(mode, writer, shard_tokens=cfg.get("shard_tokens") or 8192,
-                             dtype=getattr(torch, cfg.get("dtype", "bfloat16")),
-                             copy_chunk_bytes=cfg.get("copy_chunk_bytes", COPY_CHUNK_BYTES),
-                             gil_sampler=bool(cfg.get("gil_sampler")),
-                             max_step_tokens=compat.max_step_tokens(self.model_runner),
-                             step_dtype=getattr(self.model_runner, "dtype", None))
+        e3["capturer"].start(
+            mode,
+            writer,
+            shard_tokens=cfg.get("shard_tokens") or 8192,
+            dtype=getattr(torch, cfg.get("dtype", "bfloat16")),
+            copy_chunk_bytes=cfg.get("copy_chunk_bytes", COPY_CHUNK_BYTES),
+            gil_sampler=bool(cfg.get("gil_sampler")),
+            max_step_tokens=compat.max_step_tokens(self.model_runner),
+            step_dtype=getattr(self.model_runner, "dtype", None),
+        )
         return {"rank": e3["par"]["tp_rank"], "mode": mode}
 
     def eagle3_expect(self, sample_ids: list, lengths: list, ids: bytes, masks: bytes) -> dict:
@@ -131,8 +168,14 @@ class CaptureExtension:
             cap.filler.announce(unpack_announcement(sample_ids, lengths, ids, masks))
         return {"rank": self._e3["par"]["tp_rank"], "announced": len(sample_ids)}
 
-    def eagle3_collect(self, final: bool = False, seal: bool = False, announce: list | None = None,
-                       withdraw: list | None = None, wait: bool = True) -> dict:
+    def eagle3_collect(
+        self,
+        final: bool = False,
+        seal: bool = False,
+        announce: list | None = None,
+        withdraw: list | None = None,
+        wait: bool = True,
+    ) -> dict:
         """After generate(): report the shards the writer has finished and any errors. By default it does not wait
         for the copies of the batch's last steps to reach the host: the next batch's prefill overlaps them
         (waiting here idled the GPU for one copy per batch). Samples matched, rows placed and tokens counted are
@@ -174,12 +217,21 @@ class CaptureExtension:
             self.eagle3_expect(*announce)
         writer, new_files = e3["writer"], []
         if writer is not None:  # the files written since the last reply (the whole list grew with the session)
-            new_files, e3["files_reported"] = writer.written[e3["files_reported"]:], len(writer.written)
-        return {"rank": e3["par"]["tp_rank"], "owner": e3["owner"], "steps": cap.stats.steps,
-                "tokens": cap.stats.tokens, "bytes_to_host": cap.stats.bytes_to_host,
-                "completed": cap.filler.completed if cap.filler else 0, "shards": shards, "errors": errors,
-                "recomputed": cap.filler.recomputed if cap.filler else 0, "writer": writer is not None,
-                "files_written": new_files, "timing": cap.stats.timing()}
+            new_files, e3["files_reported"] = writer.written[e3["files_reported"] :], len(writer.written)
+        return {
+            "rank": e3["par"]["tp_rank"],
+            "owner": e3["owner"],
+            "steps": cap.stats.steps,
+            "tokens": cap.stats.tokens,
+            "bytes_to_host": cap.stats.bytes_to_host,
+            "completed": cap.filler.completed if cap.filler else 0,
+            "shards": shards,
+            "errors": errors,
+            "recomputed": cap.filler.recomputed if cap.filler else 0,
+            "writer": writer is not None,
+            "files_written": new_files,
+            "timing": cap.stats.timing(),
+        }
 
     def eagle3_close(self, withdraw: list | None = None) -> dict:
         """Seal and write the open shard, wait for every write; returns the last shards. ``withdraw``: as collect's."""
@@ -201,10 +253,19 @@ class CaptureExtension:
 
         e3 = self._e3
         e3["regen"] = RowCollector(keep=e3["owner"])
-        e3["regen_writer"] = ShardWriter(
-            cfg["root"], StoreSpec.from_json(cfg["spec"]), cfg["start_index"], cfg["shard_tokens"],
-            fsync=cfg["fsync"], threads=cfg.get("writer_threads", 2),
-            writer_id=f"tp{e3['par']['tp_rank']} pid {os.getpid()}") if e3["owner"] else None
+        e3["regen_writer"] = (
+            ShardWriter(
+                cfg["root"],
+                StoreSpec.from_json(cfg["spec"]),
+                cfg["start_index"],
+                cfg["shard_tokens"],
+                fsync=cfg["fsync"],
+                threads=cfg.get("writer_threads", 2),
+                writer_id=f"tp{e3['par']['tp_rank']} pid {os.getpid()}",
+            )
+            if e3["owner"]
+            else None
+        )
         return {"rank": e3["par"]["tp_rank"], "owner": e3["owner"]}
 
     def eagle3_regen_write(self, samples: list) -> dict:
@@ -233,8 +294,14 @@ class CaptureExtension:
                 shards = [vars(i) for i in writer.flush()]
             except Exception as ex:  # noqa: BLE001 - reported, not raised here
                 errors.append(f"shard writer: {type(ex).__name__}: {ex}")
-        return {"rank": e3["par"]["tp_rank"], "owner": e3["owner"], "steps": rows.steps, "rows": rows.rows,
-                "shards": shards, "errors": errors}
+        return {
+            "rank": e3["par"]["tp_rank"],
+            "owner": e3["owner"],
+            "steps": rows.steps,
+            "rows": rows.rows,
+            "shards": shards,
+            "errors": errors,
+        }
 
     def eagle3_regen_close(self) -> dict:
         """End the session: the writer's threads end; rows no sample claimed are dropped (and counted)."""
@@ -252,8 +319,14 @@ class CaptureExtension:
         norm, head, start, end = compat.final_head(compat.get_model(self))
         rank = self._e3["par"]["tp_rank"] if hasattr(self, "_e3") else compat.parallel_info()["tp_rank"]
         path = os.path.join(folder, f"head-tp{rank}.safetensors")
-        save_file({"norm": norm.detach().float().cpu().contiguous(), "lm_head": head[: end - start].detach().cpu().contiguous()},
-                  path, metadata={"vocab_start": str(start), "vocab_end": str(end)})
+        save_file(
+            {
+                "norm": norm.detach().float().cpu().contiguous(),
+                "lm_head": head[: end - start].detach().cpu().contiguous(),
+            },
+            path,
+            metadata={"vocab_start": str(start), "vocab_end": str(end)},
+        )
         return {"rank": rank, "file": path}
 
     def eagle3_unit_norms(self) -> dict:
@@ -282,9 +355,12 @@ class CaptureExtension:
         rope = info.pop("rotary")
         cache = rope.cos_sin_cache
         half = cache.shape[-1] // 2
-        info.update(rope_class=type(rope).__name__, rope_base=float(getattr(rope, "base", 0.0)),
-                    rope_cos=[cache[p, :half].float().tolist() for p in positions],
-                    rope_sin=[cache[p, half:].float().tolist() for p in positions])
+        info.update(
+            rope_class=type(rope).__name__,
+            rope_base=float(getattr(rope, "base", 0.0)),
+            rope_cos=[cache[p, :half].float().tolist() for p in positions],
+            rope_sin=[cache[p, half:].float().tolist() for p in positions],
+        )
         return info
 
     def eagle3_set_aux_layers(self, layer_ids: list) -> dict:

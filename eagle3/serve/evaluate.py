@@ -12,9 +12,9 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 from eagle3 import ownership
 from eagle3.extract.rpc import Expect, Record, normalize_reply
@@ -30,7 +30,7 @@ DRAFTER_KEYS = frozenset({"shares_embedding", "shares_lm_head", "dtype", "rope_b
 class EvalConfig:
     target: str
     draft: str
-    prompts: str | None = None     # JSONL conversations; None = the learnable target's held-out prompts
+    prompts: str | None = None  # JSONL conversations; None = the learnable target's held-out prompts
     prompt_ids: list | None = None  # token-id prompts instead (targets without a tokenizer, random-token tests)
     out: str = "eval"
     k: int = 3
@@ -40,22 +40,27 @@ class EvalConfig:
     baseline: bool = True
     gpu_memory_utilization: float = 0.3
     tp: int = 1
-    load_format: str = "auto"       # "dummy": a config-only target (no weights; acceptance means nothing there)
+    load_format: str = "auto"  # "dummy": a config-only target (no weights; acceptance means nothing there)
     max_model_len: int | None = None  # None: 2048, or room for the long-context prompts and their answers
     context_tokens: int = 0  # the learnable target's prompts made this many tokens long by earlier conversations before
     # them (0: none)
     cuda_graphs: bool = False  # serve as production does (torch.compile + CUDA graphs); eager by default
-    long_prompts: int = 0    # then, in the same engine, this many of the learnable target's held-out prompts made
+    long_prompts: int = 0  # then, in the same engine, this many of the learnable target's held-out prompts made
     long_context: int = 4096  # this many tokens long by earlier conversations (learnable.LONG_CONTEXT): report.long
 
     def __post_init__(self):
         if self.long_prompts and (self.prompts is not None or self.prompt_ids is not None):
-            raise ValueError("long_prompts makes long-context prompts from the learnable target's held-out "
-                             "conversations; prompts from a file or token ids carry their own context: put the long "
-                             "ones in a file of their own and evaluate it apart")
+            raise ValueError(
+                "long_prompts makes long-context prompts from the learnable target's held-out "
+                "conversations; prompts from a file or token ids carry their own context: put the long "
+                "ones in a file of their own and evaluate it apart"
+            )
         if self.max_model_len is None:
-            self.max_model_len = max(2048, self.context_tokens + self.max_tokens,
-                                     (self.long_context + self.max_tokens) if self.long_prompts else 0)
+            self.max_model_len = max(
+                2048,
+                self.context_tokens + self.max_tokens,
+                (self.long_context + self.max_tokens) if self.long_prompts else 0,
+            )
 
 
 @dataclass
@@ -90,9 +95,14 @@ def gap_verdict(base: SpecRun, other: SpecRun, max_gap: float) -> dict:
     gap = other.acceptance_length - base.acceptance_length
     se = math.hypot(base.acceptance_se, other.acceptance_se)
     resolved = se <= max_gap / 2
-    return {"gap": round(gap, 4), "gap_se": round(se, 4), "resolved": resolved,
-            "decided": resolved or abs(gap) - 2 * se > max_gap,
-            "within": resolved and abs(gap) <= max_gap, "drafts": [base.drafts, other.drafts]}
+    return {
+        "gap": round(gap, 4),
+        "gap_se": round(se, 4),
+        "resolved": resolved,
+        "decided": resolved or abs(gap) - 2 * se > max_gap,
+        "within": resolved and abs(gap) <= max_gap,
+        "drafts": [base.drafts, other.drafts],
+    }
 
 
 @dataclass
@@ -106,54 +116,74 @@ class EvalReport:
     outputs_identical: float | None = None
     divergences: list = field(default_factory=list)  # per differing prompt: position and the target's margin there
     # (judged_divergences: the speculative repeat's, where there is one)
-    spec_repeat_identical: float | None = None       # prompts whose speculative repeat equalled the timed run
-    engine_start_s: float = 0.0            # target + draft, eager
-    baseline_start_s: float = 0.0          # target alone, eager, same options
+    spec_repeat_identical: float | None = None  # prompts whose speculative repeat equalled the timed run
+    engine_start_s: float = 0.0  # target + draft, eager
+    baseline_start_s: float = 0.0  # target alone, eager, same options
     drafter: dict = field(default_factory=dict)  # what vLLM loaded (eagle3_drafter_info)
     per_traffic: dict = field(default_factory=dict)  # traffic type (chat / thinking / tool) -> SpecRun of its prompts
-    notes: list = field(default_factory=list)        # what the evaluation could not measure, and why
-    long: SpecRun | None = None                      # the long_prompts, served after the others by the same engine
+    notes: list = field(default_factory=list)  # what the evaluation could not measure, and why
+    long: SpecRun | None = None  # the long_prompts, served after the others by the same engine
     long_per_traffic: dict = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         d = self.draft
-        out = [f"draft          acceptance length {d.acceptance_length:.3f} +- {d.acceptance_se:.3f} over "
-               f"{d.drafts} drafts (k={self.config['k']}), per position "
-               + ", ".join(f"{p:.3f}" for p in d.per_position) + f"; {d.tokens_per_s:,.0f} tok/s"]
+        out = [
+            f"draft          acceptance length {d.acceptance_length:.3f} +- {d.acceptance_se:.3f} over "
+            f"{d.drafts} drafts (k={self.config['k']}), per position "
+            + ", ".join(f"{p:.3f}" for p in d.per_position)
+            + f"; {d.tokens_per_s:,.0f} tok/s"
+        ]
         out += [f"note           {n}" for n in self.notes]
         for name, r in self.per_traffic.items():
-            out.append(f"  {name:<12} acceptance length {r.acceptance_length:.3f} +- {r.acceptance_se:.3f} over "
-                       f"{r.drafts} drafts")
+            out.append(
+                f"  {name:<12} acceptance length {r.acceptance_length:.3f} +- {r.acceptance_se:.3f} over "
+                f"{r.drafts} drafts"
+            )
         if self.long:
             r = self.long
-            out.append(f"long prompts   acceptance length {r.acceptance_length:.3f} +- {r.acceptance_se:.3f} over "
-                       f"{r.drafts} drafts ({self.config['long_prompts']} prompts of {self.config['long_context']} "
-                       "tokens: earlier conversations, then the prompt)")
-            out += [f"  {name:<12} acceptance length {x.acceptance_length:.3f} over {x.drafts} drafts"
-                    for name, x in self.long_per_traffic.items()]
+            out.append(
+                f"long prompts   acceptance length {r.acceptance_length:.3f} +- {r.acceptance_se:.3f} over "
+                f"{r.drafts} drafts ({self.config['long_prompts']} prompts of {self.config['long_context']} "
+                "tokens: earlier conversations, then the prompt)"
+            )
+            out += [
+                f"  {name:<12} acceptance length {x.acceptance_length:.3f} over {x.drafts} drafts"
+                for name, x in self.long_per_traffic.items()
+            ]
         if self.shifted:
             s = self.shifted
-            out.append(f"layers +1     acceptance length {s.acceptance_length:.3f} with ids {self.shifted_layer_ids} "
-                       f"instead of {self.layer_ids}")
+            out.append(
+                f"layers +1     acceptance length {s.acceptance_length:.3f} with ids {self.shifted_layer_ids} "
+                f"instead of {self.layer_ids}"
+            )
         if self.baseline_tokens_per_s:
-            out.append(f"no draft       {self.baseline_tokens_per_s:,.0f} tok/s; speedup "
-                       f"{d.tokens_per_s / self.baseline_tokens_per_s:.2f}x; greedy outputs identical "
-                       f"{self.outputs_identical:.0%}")
+            out.append(
+                f"no draft       {self.baseline_tokens_per_s:,.0f} tok/s; speedup "
+                f"{d.tokens_per_s / self.baseline_tokens_per_s:.2f}x; greedy outputs identical "
+                f"{self.outputs_identical:.0%}"
+            )
             if self.divergences:
                 m = sorted(x["margin"] for x in self.divergences)
-                out.append(f"divergences    {len(m)} prompts; the target's top-1 margin where they start: min "
-                           f"{m[0]:.4f}, median {m[len(m) // 2]:.4f}, max {m[-1]:.4f} nats")
+                out.append(
+                    f"divergences    {len(m)} prompts; the target's top-1 margin where they start: min "
+                    f"{m[0]:.4f}, median {m[len(m) // 2]:.4f}, max {m[-1]:.4f} nats"
+                )
             if self.spec_repeat_identical is not None:
-                out.append(f"repeat         the speculative run again (judged above): outputs identical to the timed "
-                           f"run {self.spec_repeat_identical:.0%}")
+                out.append(
+                    f"repeat         the speculative run again (judged above): outputs identical to the timed "
+                    f"run {self.spec_repeat_identical:.0%}"
+                )
         return out
 
 
 def spec_counters(llm) -> dict:
     """Sum vLLM's spec-decode counters over engines: drafts, draft tokens, accepted, accepted per position."""
     totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted",
+    }
     for m in llm.get_metrics():
         if m.name in names:
             totals[names[m.name]] += int(m.value)
@@ -163,8 +193,9 @@ def spec_counters(llm) -> dict:
     return totals
 
 
-def divergences(spec: list[list[int]], base: list[list[int]], base_top2: list[list[dict]],
-                spec_top2: list[list[dict]] | None = None) -> list[dict]:
+def divergences(
+    spec: list[list[int]], base: list[list[int]], base_top2: list[list[dict]], spec_top2: list[list[dict]] | None = None
+) -> list[dict]:
     """Where speculative and plain greedy outputs first differ, and the target's own margin there (log-prob of
     its top token minus the runner-up, from the plain run). A margin within bf16 noise means a near-tie that
     the two computation paths (k+1 tokens verified at once vs one token per step) may break differently.
@@ -191,8 +222,12 @@ def divergences(spec: list[list[int]], base: list[list[int]], base_top2: list[li
     return out
 
 
-def judged_divergences(spec: list[list[int]], base: list[list[int]], base_top2: Callable[[], list[list[dict]]],
-                       repeat: tuple[list[list[int]], list[list[dict]]] | None) -> tuple[list[dict], float | None]:
+def judged_divergences(
+    spec: list[list[int]],
+    base: list[list[int]],
+    base_top2: Callable[[], list[list[dict]]],
+    repeat: tuple[list[list[int]], list[list[dict]]] | None,
+) -> tuple[list[dict], float | None]:
     """The divergences to judge (unexplained) and the share of prompts whose speculative repeat equalled the timed
     run (None without a repeat). ``repeat``: the speculative run again, (tokens, its own top-2 at every token). Its
     divergences from the plain run are the ones judged: each has the verification forward's top-2 (spec_top1). The
@@ -223,15 +258,18 @@ def _run(llm, prompts, max_tokens: int, before: dict | None = None, top2: list |
     """Greedy generation; with ``top2`` (a list), each output's per-token top-2 logprobs are appended to it."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False,
-                            logprobs=2 if top2 is not None else None)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, detokenize=False, logprobs=2 if top2 is not None else None
+    )
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     if top2 is not None:
-        top2 += [[{int(t): float(getattr(v, "logprob", v)) for t, v in step.items()} for step in o.outputs[0].logprobs]
-                 for o in outs]
+        top2 += [
+            [{int(t): float(getattr(v, "logprob", v)) for t, v in step.items()} for step in o.outputs[0].logprobs]
+            for o in outs
+        ]
     if before is None:
         return tokens, seconds, None
     after = spec_counters(llm)
@@ -243,8 +281,15 @@ def spec_run(before: dict, after: dict, tokens: int, seconds: float) -> SpecRun:
     d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
     per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))]
     drafts = max(d["drafts"], 1)
-    return SpecRun(1 + d["accepted"] / drafts, [p / drafts for p in per_pos], d["drafts"], d["draft_tokens"],
-                   d["accepted"], tokens, seconds)
+    return SpecRun(
+        1 + d["accepted"] / drafts,
+        [p / drafts for p in per_pos],
+        d["drafts"],
+        d["draft_tokens"],
+        d["accepted"],
+        tokens,
+        seconds,
+    )
 
 
 def _run_by_traffic(llm, prompts, groups: dict, max_tokens: int, before: dict):
@@ -272,8 +317,10 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[list[list[int]], dict[str,
         arch = json.loads(made.read_text()).get("arch", "llama") if made.exists() else "llama"
         rows = learnable.eval_prompts(tokenizer, cfg.num_prompts, arch=arch, context_tokens=cfg.context_tokens)
     elif cfg.context_tokens:
-        raise ValueError("context_tokens makes long-context prompts from the learnable target's held-out "
-                         f"conversations; with prompts from {cfg.prompts}, put the context in the file")
+        raise ValueError(
+            "context_tokens makes long-context prompts from the learnable target's held-out "
+            f"conversations; with prompts from {cfg.prompts}, put the context in the file"
+        )
     else:
         with open(cfg.prompts) as f:
             rows = kimi_traffic.prompt_ids(tokenizer, [json.loads(line) for line, _ in zip(f, range(cfg.num_prompts))])
@@ -296,22 +343,36 @@ def run(cfg: EvalConfig) -> EvalReport:
         tokenizer = AutoTokenizer.from_pretrained(cfg.target)
         prompts, groups = load_prompts(cfg, tokenizer)
         if cfg.long_prompts:
-            long, long_groups = load_prompts(replace(cfg, num_prompts=cfg.long_prompts, context_tokens=cfg.long_context,
-                                                     long_prompts=0), tokenizer)
+            long, long_groups = load_prompts(
+                replace(cfg, num_prompts=cfg.long_prompts, context_tokens=cfg.long_context, long_prompts=0), tokenizer
+            )
     prepare_environment()  # the V1 runner (V2 has no drafter) and spawned workers, as the capture's engines
     draft_cfg = json.loads((Path(cfg.draft) / "config.json").read_text())
     ids = list(draft_cfg["eagle_aux_hidden_state_layer_ids"])
-    common = dict(model=cfg.target, dtype="bfloat16", enforce_eager=not cfg.cuda_graphs, max_model_len=cfg.max_model_len,
-                  tensor_parallel_size=cfg.tp, load_format=cfg.load_format,
-                  gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
-                  kernel_config={"enable_flashinfer_autotune": False})
+    common = dict(
+        model=cfg.target,
+        dtype="bfloat16",
+        enforce_eager=not cfg.cuda_graphs,
+        max_model_len=cfg.max_model_len,
+        tensor_parallel_size=cfg.tp,
+        load_format=cfg.load_format,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enable_prefix_caching=False,
+        kernel_config={"enable_flashinfer_autotune": False},
+    )
     t0 = time.perf_counter()
-    llm = vllm.LLM(**common, disable_log_stats=False, worker_extension_cls=WORKER_EXTENSION,
-                   skip_tokenizer_init=cfg.prompt_ids is not None,
-                   speculative_config={"method": "eagle3", "model": cfg.draft, "num_speculative_tokens": cfg.k})
+    llm = vllm.LLM(
+        **common,
+        disable_log_stats=False,
+        worker_extension_cls=WORKER_EXTENSION,
+        skip_tokenizer_init=cfg.prompt_ids is not None,
+        speculative_config={"method": "eagle3", "model": cfg.draft, "num_speculative_tokens": cfg.k},
+    )
     start = time.perf_counter() - t0
-    drafter = normalize_reply(llm.collective_rpc("eagle3_drafter_info", args=(list(ROPE_PROBE),)),
-                              Expect(cfg.tp, Record(DRAFTER_KEYS), reply_rank=0))
+    drafter = normalize_reply(
+        llm.collective_rpc("eagle3_drafter_info", args=(list(ROPE_PROBE),)),
+        Expect(cfg.tp, Record(DRAFTER_KEYS), reply_rank=0),
+    )
     _run(llm, prompts[:8], 16)  # warm-up: the first generate of an engine pays one-time costs
     spec_tokens, draft_run, counters, per = _run_by_traffic(llm, prompts, groups, cfg.max_tokens, spec_counters(llm))
     repeat, notes = None, []
@@ -321,12 +382,20 @@ def run(cfg: EvalConfig) -> EvalReport:
             again, _, (_, counters) = _run(llm, prompts, cfg.max_tokens, counters, top2=got)
             repeat = (again, got)
         except Exception as e:  # noqa: BLE001 - an engine that returns no logprobs with a draft: say so, go on
-            notes.append(f"the speculative run's top-2 log-probs are not available ({type(e).__name__}: {e}); "
-                         "divergences carry the plain run's margin only")
+            notes.append(
+                f"the speculative run's top-2 log-probs are not available ({type(e).__name__}: {e}); "
+                "divergences carry the plain run's margin only"
+            )
             counters = spec_counters(llm)
-    report = EvalReport({k: v for k, v in asdict(cfg).items() if k != "prompt_ids"}, ids, draft_run,
-                        engine_start_s=round(start, 1), drafter=drafter, per_traffic=per if len(per) > 1 else {},
-                        notes=notes)
+    report = EvalReport(
+        {k: v for k, v in asdict(cfg).items() if k != "prompt_ids"},
+        ids,
+        draft_run,
+        engine_start_s=round(start, 1),
+        drafter=drafter,
+        per_traffic=per if len(per) > 1 else {},
+        notes=notes,
+    )
     if long:  # the same engine: no second start for the long-context figure
         _, report.long, counters, per_long = _run_by_traffic(llm, long, long_groups, cfg.max_tokens, counters)
         report.long_per_traffic = per_long if len(per_long) > 1 else {}
@@ -352,8 +421,9 @@ def run(cfg: EvalConfig) -> EvalReport:
             _run(base, prompts, cfg.max_tokens, top2=top2)
             return top2
 
-        report.divergences, report.spec_repeat_identical = judged_divergences(spec_tokens, base_tokens, base_top2,
-                                                                              repeat)
+        report.divergences, report.spec_repeat_identical = judged_divergences(
+            spec_tokens, base_tokens, base_top2, repeat
+        )
         shutdown_engine(base, best_effort=False)
     out = Path(cfg.out)
     (out / "eval.json").write_text(json.dumps(asdict(report), indent=1))

@@ -23,16 +23,17 @@ PIECE = 64 << 20  # bytes a write() call: what the shard writer hands the file s
 @dataclass
 class DiskFigure:
     fsync: bool
-    round_bytes: int        # written (and removed) in each round
-    seconds: list[float]    # each timed round
+    round_bytes: int  # written (and removed) in each round
+    seconds: list[float]  # each timed round
 
     @property
     def bytes_per_s(self) -> float:
         return self.round_bytes / statistics.median(self.seconds)
 
 
-def write_round(folder: str | Path, fsync: bool, writers: int = 4, files: int = 4,
-                file_bytes: int = SHARD_BYTES) -> int:
+def write_round(
+    folder: str | Path, fsync: bool, writers: int = 4, files: int = 4, file_bytes: int = SHARD_BYTES
+) -> int:
     """``writers`` threads each write ``files`` files of ``file_bytes`` (a whole number of MiB) into folder, each
     fsynced or not, closed and removed. Returns the bytes written; a writer's error is raised, no file is left."""
     if file_bytes <= 0 or file_bytes % (1 << 20):
@@ -66,8 +67,15 @@ def write_round(folder: str | Path, fsync: bool, writers: int = 4, files: int = 
     return writers * files * pieces * len(piece)
 
 
-def measure(folder: str | Path, fsync: bool, writers: int = 4, files: int = 4, file_bytes: int = SHARD_BYTES,
-            rounds: int = 2, warmup: int = 1) -> DiskFigure:
+def measure(
+    folder: str | Path,
+    fsync: bool,
+    writers: int = 4,
+    files: int = 4,
+    file_bytes: int = SHARD_BYTES,
+    rounds: int = 2,
+    warmup: int = 1,
+) -> DiskFigure:
     """``warmup`` untimed rounds, then ``rounds`` timed ones; bytes_per_s uses their median."""
     for _ in range(warmup):
         write_round(folder, fsync, writers, files, file_bytes)

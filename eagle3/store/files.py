@@ -7,8 +7,9 @@ import errno
 import hashlib
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from eagle3.store.format import StoreError
 
@@ -40,8 +41,10 @@ def hasher(algo: str):
         try:
             import xxhash
         except ImportError:
-            raise StoreError("this store's shards are checksummed with xxh3_128 and the xxhash package is missing "
-                             "here: pip install xxhash") from None
+            raise StoreError(
+                "this store's shards are checksummed with xxh3_128 and the xxhash package is missing "
+                "here: pip install xxhash"
+            ) from None
         return xxhash.xxh3_128()
     if algo == "sha256":
         return hashlib.sha256()
@@ -49,7 +52,7 @@ def hasher(algo: str):
 
 
 def file_checksum(path: Path, algo: str = CHECKSUM) -> str:
-    """"ALGO:HEX" of a file, read in 16 MiB chunks (what the manifest records at commit)."""
+    """ "ALGO:HEX" of a file, read in 16 MiB chunks (what the manifest records at commit)."""
     h = hasher(algo)
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -67,8 +70,13 @@ def checksum_matches(path: Path, shard: dict) -> bool:
     return file_checksum(path, recorded.split(":", 1)[0]) == recorded
 
 
-def atomic_write(path: Path, chunks: Sequence[memoryview | bytes], fsync: bool = True,
-                 fault: Callable[[str], None] | None = None, sync_dir: bool = True) -> tuple[str, int]:
+def atomic_write(
+    path: Path,
+    chunks: Sequence[memoryview | bytes],
+    fsync: bool = True,
+    fault: Callable[[str], None] | None = None,
+    sync_dir: bool = True,
+) -> tuple[str, int]:
     """Write to .tmp-NAME, fsync, rename over NAME, fsync the folder (``sync_dir=False``: the caller does, once for
     many files, before anything names them). Returns ("ALGO:HEX" checksum, bytes).
 

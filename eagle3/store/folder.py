@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from eagle3 import ownership
 from eagle3.preflight import UsageError
@@ -45,8 +45,15 @@ class Store:
 
     # -- opening
     @classmethod
-    def open(cls, root: str | Path, spec: StoreSpec | None = None, create: bool = False,
-             fsync: bool = True, lock: bool = False, cache: bool = False) -> "Store":
+    def open(
+        cls,
+        root: str | Path,
+        spec: StoreSpec | None = None,
+        create: bool = False,
+        fsync: bool = True,
+        lock: bool = False,
+        cache: bool = False,
+    ) -> Store:
         """Open (or with ``create``, make) a store; remove uncommitted files; refuse a mismatched spec. With
         ``lock``, hold the store's write lock (StoreBusy when another process holds it) until ``release()`` or the
         process ends; a writer takes it before anything is cleaned or written. Without it, an open cleans only
@@ -64,8 +71,9 @@ class Store:
             _check_writable(root)
         held = store_lock.WriteLock(root) if lock else None
         try:
-            store = cls._open_locked(root, spec, fsync, writer=held is not None,
-                                     cache=cache and create and held is not None)
+            store = cls._open_locked(
+                root, spec, fsync, writer=held is not None, cache=cache and create and held is not None
+            )
         except BaseException:
             if held:
                 held.release()
@@ -74,8 +82,9 @@ class Store:
         return store
 
     @classmethod
-    def _open_locked(cls, root: Path, spec: StoreSpec | None, fsync: bool, writer: bool = False,
-                     cache: bool = False) -> "Store":
+    def _open_locked(
+        cls, root: Path, spec: StoreSpec | None, fsync: bool, writer: bool = False, cache: bool = False
+    ) -> Store:
         path = root / MANIFEST
         if path.exists() and cache and spec is not None:
             try:
@@ -90,7 +99,8 @@ class Store:
                 diffs = store.spec.mismatches(spec)
                 if diffs:
                     raise StoreMismatch(
-                        f"{path} was written for a different setup: " + "; ".join(diffs)
+                        f"{path} was written for a different setup: "
+                        + "; ".join(diffs)
                         + ". Use a new --out folder, or the same target, layer ids, dtype and hidden size."
                     )
             if writer:
@@ -101,8 +111,15 @@ class Store:
                         store._remove_uncommitted()
             return store
         refuse_unless_ours(root)  # again, now that the lock is held
-        store = cls(root, {"schema_version": SCHEMA_VERSION, "spec": spec.to_json(), "shards": [],
-                           "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        store = cls(
+            root,
+            {
+                "schema_version": SCHEMA_VERSION,
+                "spec": spec.to_json(),
+                "shards": [],
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            },
+        )
         store._remove_uncommitted()  # an earlier creation's leftovers (only the store's own names are here)
         (root / SHARDS).mkdir(parents=True, exist_ok=True)
         store._write_manifest(store.manifest, [], fsync)
@@ -181,8 +198,9 @@ class Store:
         lines = self._shard_json + added
         head = json.dumps({k: v for k, v in manifest.items() if k != "shards"}, indent=1)  # "{\n ...\n}"
         opening = head[:-2] + ',\n "shards": [\n  '
-        atomic_write(self.root / MANIFEST, [opening.encode(), b",\n  ".join(lines), b"\n ]\n}\n"], fsync=fsync,
-                     fault=fault)
+        atomic_write(
+            self.root / MANIFEST, [opening.encode(), b",\n  ".join(lines), b"\n ]\n}\n"], fsync=fsync, fault=fault
+        )
         self.manifest, self._shard_json = manifest, lines
 
     def write_plan(self, sample_ids: Sequence[str], fsync: bool = True, recipe: dict | None = None) -> None:
@@ -196,8 +214,10 @@ class Store:
         try:
             return json.loads(p.read_text())["sample_ids"]
         except (ValueError, KeyError, TypeError):
-            raise StoreError(f"{p} is not the plan this store wrote (unreadable, or no sample_ids); restore it, or "
-                             "extract into a new --out folder") from None
+            raise StoreError(
+                f"{p} is not the plan this store wrote (unreadable, or no sample_ids); restore it, or "
+                "extract into a new --out folder"
+            ) from None
 
     def drop_shards(self, files: set[str], fsync: bool = True) -> None:
         """Remove shards from the manifest (verify --fix); their samples become 'not done'."""
@@ -225,8 +245,12 @@ class Store:
                 for s, sid in enumerate(sample_ids):
                     a, b = offsets[s], offsets[s + 1]
                     rows = read_states(f, self.spec, a, b)  # [T, n_layers, H]; fp8: dequantized, float32
-                    yield {"sample_id": sid, "input_ids": input_ids[a:b], "loss_mask": loss_mask[a:b],
-                           "states": {i: rows[:, col[i]] for i in ids}}
+                    yield {
+                        "sample_id": sid,
+                        "input_ids": input_ids[a:b],
+                        "loss_mask": loss_mask[a:b],
+                        "states": {i: rows[:, col[i]] for i in ids},
+                    }
 
 
 def read_manifest(root: str | Path) -> dict:
@@ -234,8 +258,9 @@ def read_manifest(root: str | Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ManifestUnreadable(f"{path} is not valid JSON ({e.msg}, line {e.lineno}); restore it or re-extract") \
-            from None
+        raise ManifestUnreadable(
+            f"{path} is not valid JSON ({e.msg}, line {e.lineno}); restore it or re-extract"
+        ) from None
     except UnicodeDecodeError:
         raise ManifestUnreadable(f"{path} is not text; restore it or re-extract") from None
     version = manifest.get("schema_version")

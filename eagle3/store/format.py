@@ -4,9 +4,10 @@ spec every shard of a store shares, and how samples become one shard's tensors a
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -25,15 +26,21 @@ QUARANTINE = "quarantine"
 
 
 FP8 = "float8_e4m3fn"  # states as e4m3 with a float32 scale per (token, layer), as speculators' FP8 connector
-FP8_MAX = 448.0        # the largest finite e4m3fn value
+FP8_MAX = 448.0  # the largest finite e4m3fn value
 
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-           FP8: torch.float8_e4m3fn}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, FP8: torch.float8_e4m3fn}
 
 
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
-              torch.int64: "I64", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
+_ST_DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
 
 
 ST_STATE_DTYPES = {_ST_DTYPES[t]: name for name, t in _DTYPES.items()}  # safetensors dtype -> store dtype name
@@ -78,7 +85,7 @@ class StoreMismatch(StoreError):
 class StoreSpec:
     """What every shard of a store must agree on."""
 
-    target: dict[str, Any]          # name_or_path, config_hash, architecture, num_hidden_layers, vocab_size
+    target: dict[str, Any]  # name_or_path, config_hash, architecture, num_hidden_layers, vocab_size
     layer_ids: tuple[int, ...]
     hidden_size: int
     dtype: str = "bfloat16"
@@ -99,20 +106,25 @@ class StoreSpec:
         layers = len(self.layer_ids)
         return layers * self.hidden_size * self.torch_dtype.itemsize + (4 * layers if self.fp8 else 0)
 
-    def mismatches(self, other: "StoreSpec") -> list[str]:
+    def mismatches(self, other: StoreSpec) -> list[str]:
         out = []
         if self.target.get("config_hash") != other.target.get("config_hash"):
-            out.append(f"target model: store has {self.target.get('name_or_path')} (config "
-                       f"{self.target.get('config_hash')}), this run uses {other.target.get('name_or_path')} "
-                       f"(config {other.target.get('config_hash')})")
+            out.append(
+                f"target model: store has {self.target.get('name_or_path')} (config "
+                f"{self.target.get('config_hash')}), this run uses {other.target.get('name_or_path')} "
+                f"(config {other.target.get('config_hash')})"
+            )
+
         def norm(v):
             return tuple(v) if isinstance(v, (list, tuple)) else v
 
         for name in ("layer_ids", "hidden_size", "dtype", "convention"):
             a, b = getattr(self, name), getattr(other, name)
             if norm(a) != norm(b):
-                out.append(f"{name}: store has {list(a) if isinstance(a, tuple) else a}, this run uses "
-                           f"{list(b) if isinstance(b, tuple) else b}")
+                out.append(
+                    f"{name}: store has {list(a) if isinstance(a, tuple) else a}, this run uses "
+                    f"{list(b) if isinstance(b, tuple) else b}"
+                )
         return out
 
     def to_json(self) -> dict:
@@ -121,15 +133,20 @@ class StoreSpec:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "StoreSpec":
-        return cls(target=d["target"], layer_ids=tuple(d["layer_ids"]), hidden_size=int(d["hidden_size"]),
-                   dtype=d["dtype"], convention=d["convention"])
+    def from_json(cls, d: dict) -> StoreSpec:
+        return cls(
+            target=d["target"],
+            layer_ids=tuple(d["layer_ids"]),
+            hidden_size=int(d["hidden_size"]),
+            dtype=d["dtype"],
+            convention=d["convention"],
+        )
 
 
 @dataclass
 class ShardInfo:
-    file: str                 # relative to the store root
-    checksum: str             # "xxh3_128:HEX" (or "sha256:HEX"): files.CHECKSUM at write time
+    file: str  # relative to the store root
+    checksum: str  # "xxh3_128:HEX" (or "sha256:HEX"): files.CHECKSUM at write time
     bytes: int
     num_samples: int
     num_tokens: int
@@ -153,9 +170,13 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor], metadata: dict[str, str
 
 def shard_meta(spec: StoreSpec, sample_ids: Sequence[str], writer: str | None = None) -> dict[str, str]:
     meta = {
-        "schema": str(SCHEMA_VERSION), "sample_ids": json.dumps(list(sample_ids)),
-        "layer_ids": json.dumps(list(spec.layer_ids)), "convention": spec.convention, "dtype": spec.dtype,
-        "hidden_size": str(spec.hidden_size), "target_config_hash": str(spec.target.get("config_hash")),
+        "schema": str(SCHEMA_VERSION),
+        "sample_ids": json.dumps(list(sample_ids)),
+        "layer_ids": json.dumps(list(spec.layer_ids)),
+        "convention": spec.convention,
+        "dtype": spec.dtype,
+        "hidden_size": str(spec.hidden_size),
+        "target_config_hash": str(spec.target.get("config_hash")),
     }
     if writer:
         meta["writer"] = writer
@@ -169,8 +190,9 @@ def shard_offsets(lengths: Sequence[int]) -> torch.Tensor:
     return offsets
 
 
-def shard_tensors(samples: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
-                  spec: StoreSpec) -> dict[str, torch.Tensor]:
+def shard_tensors(
+    samples: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]], spec: StoreSpec
+) -> dict[str, torch.Tensor]:
     """samples of (sample_id, input_ids [T], loss_mask [T], states [n_layers, T, H]) -> shard tensors.
     An fp8 store gets hidden_states e4m3 [N, n_layers, H] and scales float32 [N, n_layers]."""
     out = {

@@ -17,15 +17,16 @@ import os
 import re
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 LOCK = "lock.json"  # JSON like every file of a store but its shards
 
 # Names a store writes at its top level (files or folders) and in shards/ (see eagle3/store/format.py, files.py)
-OWN_TOP = frozenset({"manifest.json", "plan.json", "rejects.jsonl", "shards", "quarantine", ".selfcheck", LOCK,
-                     "online.json"})  # online.json: an online spool's run stamp (eagle3/train/online.py)
+OWN_TOP = frozenset(
+    {"manifest.json", "plan.json", "rejects.jsonl", "shards", "quarantine", ".selfcheck", LOCK, "online.json"}
+)  # online.json: an online spool's run stamp (eagle3/train/online.py)
 OWN_SHARD = re.compile(r"(\.tmp-)?shard-\d{6,}\.safetensors")
 
 
@@ -90,8 +91,10 @@ def _command_line() -> str:
 
 
 def _busy(root: str | Path, who: str, what: str) -> StoreBusy:
-    return StoreBusy(f"{root} is being written by {who}; one process writes a store at a time. Wait for it to "
-                     f"finish (or stop it), then {what} again")
+    return StoreBusy(
+        f"{root} is being written by {who}; one process writes a store at a time. Wait for it to "
+        f"finish (or stop it), then {what} again"
+    )
 
 
 def refuse_if_busy(root: str | Path, what: str) -> None:
@@ -115,8 +118,12 @@ class WriteLock:
             os.close(fd)
             raise _busy(self.root, holder(self.root), what) from None
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "command": _command_line(),
-                                 "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {"pid": os.getpid(), "command": _command_line(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            ).encode(),
+        )
         self.fd = fd
 
     def release(self) -> None:

@@ -15,9 +15,33 @@ from eagle3.preflight import UsageError
 PLAN = "plan.json"  # sample ids + recipe; the store reads it as store.PLAN
 
 # the extract options a store records (argparse dest names), in the order a command line shows them
-KEYS = ("model", "data", "backend", "layer_ids", "batch_size", "max_len", "long_rule", "on_error", "max_samples",
-        "dedup", "shard_samples", "shard_tokens", "device", "tp", "capture", "gpu_mem", "no_fsync", "selfcheck_prompts",
-        "no_selfcheck", "state_dtype", "regenerate", "temperature", "top_p", "max_tokens", "seed")
+KEYS = (
+    "model",
+    "data",
+    "backend",
+    "layer_ids",
+    "batch_size",
+    "max_len",
+    "long_rule",
+    "on_error",
+    "max_samples",
+    "dedup",
+    "shard_samples",
+    "shard_tokens",
+    "device",
+    "tp",
+    "capture",
+    "gpu_mem",
+    "no_fsync",
+    "selfcheck_prompts",
+    "no_selfcheck",
+    "state_dtype",
+    "regenerate",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "seed",
+)
 # options that may differ on resume (where and how fast it runs, not what is stored)
 RUNTIME = frozenset({"batch_size", "device", "tp", "gpu_mem", "no_fsync"})
 
@@ -51,16 +75,19 @@ def load(store: str | Path) -> dict | None:
     before eagle3 recorded it). UsageError when STORE is not a store."""
     store = Path(store)
     if not (store / "manifest.json").exists():
-        raise UsageError(f"--resume {store}: not a store (no manifest.json); give the folder `eagle3 extract "
-                         "--out` wrote")
+        raise UsageError(
+            f"--resume {store}: not a store (no manifest.json); give the folder `eagle3 extract --out` wrote"
+        )
     path = store / PLAN
     if not path.exists():
         return None
     try:
         return json.loads(path.read_text()).get("recipe")
     except json.JSONDecodeError as e:
-        raise UsageError(f"{path} is not valid JSON ({e.msg}, line {e.lineno}); restore it, or rerun your original "
-                         f"extract command with --out {store}") from None
+        raise UsageError(
+            f"{path} is not valid JSON ({e.msg}, line {e.lineno}); restore it, or rerun your original "
+            f"extract command with --out {store}"
+        ) from None
 
 
 def resume(a, defaults: dict) -> None:
@@ -69,16 +96,20 @@ def resume(a, defaults: dict) -> None:
     store = Path(a.resume)
     rec = load(store)
     if rec is None:
-        raise UsageError(f"--resume {store}: this store did not record the command that made it (made through "
-                         "the Python API, or by an older eagle3); rerun that command with the same data and options "
-                         f"and --out {store}")
+        raise UsageError(
+            f"--resume {store}: this store did not record the command that made it (made through "
+            "the Python API, or by an older eagle3); rerun that command with the same data and options "
+            f"and --out {store}"
+        )
     if a.out is not None and Path(a.out).resolve() != store.resolve():
         raise UsageError(f"--resume {store} with --out {a.out}: give one of them")
     given = [k for k in KEYS if k not in RUNTIME and getattr(a, k) not in (None, defaults.get(k))]
     if given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
-        raise UsageError(f"--resume {store} continues with the data and options the store recorded; {flags} would "
-                         f"change what is stored. Use a new --out folder for another setup")
+        raise UsageError(
+            f"--resume {store} continues with the data and options the store recorded; {flags} would "
+            f"change what is stored. Use a new --out folder for another setup"
+        )
     for k in KEYS:
         if k in RUNTIME and getattr(a, k) not in (None, defaults.get(k)):
             continue

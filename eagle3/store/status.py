@@ -39,6 +39,8 @@ def incomplete_message(root: str | Path, counted: tuple[int, int | None] | None 
     done, planned = counted or counts(root)
     if planned is None or done >= planned:
         return None
-    return (f"{root} holds {done} of the {planned} samples its plan names ({planned - done} missing): its extraction "
-            f"stopped or is still running. Complete it with `eagle3 extract --resume {root}`, or train on what is "
-            "there with --allow-incomplete")
+    return (
+        f"{root} holds {done} of the {planned} samples its plan names ({planned - done} missing): its extraction "
+        f"stopped or is still running. Complete it with `eagle3 extract --resume {root}`, or train on what is "
+        "there with --allow-incomplete"
+    )

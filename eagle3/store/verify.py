@@ -53,18 +53,21 @@ class VerifyReport:
     samples: int = 0
     tokens: int = 0
     findings: list[Finding] = field(default_factory=list)
-    planned: int | None = None      # samples the plan names (None: no plan)
-    held: int = 0                   # of those, samples some shard holds
-    writer: str | None = None       # 'pid N (...)' of a process writing the store now
+    planned: int | None = None  # samples the plan names (None: no plan)
+    held: int = 0  # of those, samples some shard holds
+    writer: str | None = None  # 'pid N (...)' of a process writing the store now
 
     def status_lines(self) -> list[str]:
         """complete / incomplete against the plan, and the writer, if one is at work."""
         out = []
         if self.planned is not None:
             missing = self.planned - self.held
-            out.append(f"complete   {self.held} of {self.planned} planned samples" if not missing else
-                       f"incomplete {self.held} of {self.planned} planned samples ({missing} missing): "
-                       f"`eagle3 extract --resume {self.store}` completes it")
+            out.append(
+                f"complete   {self.held} of {self.planned} planned samples"
+                if not missing
+                else f"incomplete {self.held} of {self.planned} planned samples ({missing} missing): "
+                f"`eagle3 extract --resume {self.store}` completes it"
+            )
         if self.writer:
             out.append(f"writing    being written by {self.writer}: what is read now may change")
         return out
@@ -118,8 +121,12 @@ def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> No
         bad("ids_mismatch", f"header holds {len(sample_ids)} ids that differ from the manifest's")
     offsets = f.get_tensor("offsets").tolist()
     n_tok = f.get_slice("input_ids").get_shape()[0]
-    if (len(offsets) != len(sample_ids) + 1 or offsets[0] != 0 or offsets[-1] != n_tok
-            or any(b <= a for a, b in zip(offsets, offsets[1:]))):
+    if (
+        len(offsets) != len(sample_ids) + 1
+        or offsets[0] != 0
+        or offsets[-1] != n_tok
+        or any(b <= a for a, b in zip(offsets, offsets[1:]))
+    ):
         return bad("bad_offsets", f"offsets {offsets[:4]}... do not cut {n_tok} tokens into {len(sample_ids)} samples")
     if f.get_slice("loss_mask").get_shape() != [n_tok]:
         bad("bad_shape", f"loss_mask shape {f.get_slice('loss_mask').get_shape()}, expected [{n_tok}]")
@@ -152,8 +159,12 @@ def _check_shard(store: Store, shard: dict, rep: VerifyReport, deep: bool) -> No
         for x in range(len(rows)):
             for y in range(x + 1, len(rows)):
                 if torch.equal(rows[x], rows[y]):
-                    bad("duplicate_layers", f"layers {spec.layer_ids[x]} and {spec.layer_ids[y]} are identical "
-                        "(one layer stored twice: the reply[0] bug?)", sid)
+                    bad(
+                        "duplicate_layers",
+                        f"layers {spec.layer_ids[x]} and {spec.layer_ids[y]} are identical "
+                        "(one layer stored twice: the reply[0] bug?)",
+                        sid,
+                    )
         rep.samples += 1
 
 
@@ -222,17 +233,23 @@ def repair_lines(root: str | Path, rep: VerifyReport, fixed: bool) -> list[str]:
     if rep.ok:
         return []
     root = Path(root)
-    resume = (f"eagle3 extract --resume {root}" if recipe.load(root) is not None else
-              f"your original `eagle3 extract ... --out {root}` command (this store did not record it)")
+    resume = (
+        f"eagle3 extract --resume {root}"
+        if recipe.load(root) is not None
+        else f"your original `eagle3 extract ... --out {root}` command (this store did not record it)"
+    )
     store = Store(root, read_manifest(root))
     plan = store.plan() or []
     missing = sum(1 for sid in plan if sid not in store.done_ids)
     if fixed:
         return [f"now {missing} planned samples are missing; repair: {resume}"]
     bad = {f.shard for f in rep.findings if f.shard} | (
-        {"?"} if any(f.kind == "repeated_sample" for f in rep.findings) else set())
+        {"?"} if any(f.kind == "repeated_sample" for f in rep.findings) else set()
+    )
     if bad:
         held = sum(len(s["sample_ids"]) for s in store.shards if s["file"] in bad)
-        return [f"repair: eagle3 verify {root} --fix (quarantines {len(bad - {'?'})} shard(s) holding {held} samples), "
-                f"then {resume} (extracts them and the {missing} missing)"]
+        return [
+            f"repair: eagle3 verify {root} --fix (quarantines {len(bad - {'?'})} shard(s) holding {held} samples), "
+            f"then {resume} (extracts them and the {missing} missing)"
+        ]
     return [f"repair: {resume} (extracts the {missing} missing samples)"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -27,13 +27,26 @@ from eagle3.store.format import (
 log = logging.getLogger(__name__)
 
 
-def write_shard(root: Path, name: str, tensors: dict[str, torch.Tensor], spec: StoreSpec,
-                sample_ids: Sequence[str], fsync: bool = True, fault=None, writer: str | None = None) -> ShardInfo:
+def write_shard(
+    root: Path,
+    name: str,
+    tensors: dict[str, torch.Tensor],
+    spec: StoreSpec,
+    sample_ids: Sequence[str],
+    fsync: bool = True,
+    fault=None,
+    writer: str | None = None,
+) -> ShardInfo:
     """One shard file from ready tensors (zero-copy views), atomically; its rename reaches the disk with the commit
     that names it (Store.commit fsyncs the shards folder once: a folder fsync in each writer thread forced a journal
     commit that waited on the other writers' data)."""
-    sha, nbytes = atomic_write(Path(root) / name, safetensors_chunks(tensors, shard_meta(spec, sample_ids, writer)),
-                               fsync, fault, sync_dir=False)
+    sha, nbytes = atomic_write(
+        Path(root) / name,
+        safetensors_chunks(tensors, shard_meta(spec, sample_ids, writer)),
+        fsync,
+        fault,
+        sync_dir=False,
+    )
     return ShardInfo(name, sha, nbytes, len(sample_ids), int(tensors["input_ids"].shape[0]), list(sample_ids))
 
 
@@ -45,9 +58,19 @@ class ShardWriter:
     only blocks when ``max_pending`` shards are queued. ``flush`` writes the rest, waits, and returns them.
     """
 
-    def __init__(self, root: str | Path, spec: StoreSpec, start_index: int, shard_tokens: int = 1 << 18,
-                 shard_samples: int | None = None, fsync: bool = True, threads: int = 0, max_pending: int = 4,
-                 fault: Callable[[str], None] | None = None, writer_id: str | None = None):
+    def __init__(
+        self,
+        root: str | Path,
+        spec: StoreSpec,
+        start_index: int,
+        shard_tokens: int = 1 << 18,
+        shard_samples: int | None = None,
+        fsync: bool = True,
+        threads: int = 0,
+        max_pending: int = 4,
+        fault: Callable[[str], None] | None = None,
+        writer_id: str | None = None,
+    ):
         self.root, self.spec, self.next_index, self.writer_id = Path(root), spec, start_index, writer_id
         self.threads = threads  # shards written at once (0: inside add/submit)
         self.written: list[str] = []  # shard files this writer wrote, in completion order
@@ -70,8 +93,13 @@ class ShardWriter:
                 t.start()
                 self._threads.append(t)
 
-    def add(self, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-            states: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    def add(
+        self,
+        sample_id: str,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        states: torch.Tensor | Sequence[torch.Tensor],
+    ) -> None:
         """states: [n_layers, T, H] (or a list of n_layers [T, H]) for this sample."""
         n_layers = len(states)
         if n_layers != len(self.spec.layer_ids):
@@ -79,8 +107,10 @@ class ShardWriter:
         t = int(input_ids.shape[0])
         for k in range(n_layers):
             if tuple(states[k].shape) != (t, self.spec.hidden_size):
-                raise StoreError(f"sample {sample_id}: layer {self.spec.layer_ids[k]} has shape "
-                                 f"{tuple(states[k].shape)}, expected ({t}, {self.spec.hidden_size})")
+                raise StoreError(
+                    f"sample {sample_id}: layer {self.spec.layer_ids[k]} has shape "
+                    f"{tuple(states[k].shape)}, expected ({t}, {self.spec.hidden_size})"
+                )
         self._pending.append((sample_id, input_ids, loss_mask, states))
         self._pending_tokens += t
         if self._pending_tokens >= self.shard_tokens or (

@@ -16,8 +16,13 @@ from __future__ import annotations
 
 ROLE_TOKENS = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"]
 THINK = ["<think>", "</think>"]
-TOOL_TOKENS = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-               "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+TOOL_TOKENS = [
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+]
 SPECIAL_TOKENS = ["[BOS]", "[EOS]", "[PAD]"] + ROLE_TOKENS + THINK + TOOL_TOKENS
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 
@@ -53,5 +58,9 @@ CHAT_TEMPLATE = (
 
 def tokenizer_kwargs() -> dict:
     """PreTrainedTokenizerFast arguments for a tokenizer in this format."""
-    return dict(bos_token="[BOS]", eos_token="<|im_end|>", pad_token="[PAD]",
-                additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("[BOS]", "<|im_end|>", "[PAD]")])
+    return dict(
+        bos_token="[BOS]",
+        eos_token="<|im_end|>",
+        pad_token="[PAD]",
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("[BOS]", "<|im_end|>", "[PAD]")],
+    )

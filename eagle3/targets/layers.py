@@ -10,7 +10,7 @@ are strictly ascending; the last id is L (the training target comes from it).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 CONVENTION = "vllm-eagle3/v1: id k = input of decoder layer k; id L = last layer output before final norm"
 
@@ -30,9 +30,11 @@ def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
     ids = tuple(int(i) for i in ids)
     bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad:
-        raise LayerIdError(f"layer id{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} out of range: a target "
-                           f"with {num_layers} layers has ids 0..{num_layers} (id {num_layers} = its last layer's "
-                           f"output); the default is {list(default_layer_ids(num_layers)) if num_layers >= 7 else 'n/a'}")
+        raise LayerIdError(
+            f"layer id{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} out of range: a target "
+            f"with {num_layers} layers has ids 0..{num_layers} (id {num_layers} = its last layer's "
+            f"output); the default is {list(default_layer_ids(num_layers)) if num_layers >= 7 else 'n/a'}"
+        )
     if len(ids) < 2:
         raise LayerIdError(f"need at least one aux layer id plus the last ({num_layers}); got {list(ids)}")
     if len(set(ids)) != len(ids):
@@ -41,9 +43,7 @@ def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
             f"e.g. the default (2, L//2, L-3, L) needs L >= 7"
         )
     if list(ids) != sorted(ids):
-        raise LayerIdError(
-            f"layer ids {list(ids)} must ascend: vLLM feeds aux states to the drafter in layer order"
-        )
+        raise LayerIdError(f"layer ids {list(ids)} must ascend: vLLM feeds aux states to the drafter in layer order")
     if ids[-1] != num_layers:
         raise LayerIdError(
             f"the last layer id must be {num_layers} (the last layer's output, source of the training "

@@ -25,26 +25,73 @@ from eagle3.targets.presets import TargetProfile
 log = logging.getLogger(__name__)
 
 LEARNABLE = TargetProfile(
-    "learnable-llama", "LlamaForCausalLM", 256, 8, 1024, seq_len=256,
-    hf_config=dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=688,
-                   num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                   vocab_size=1024, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
-                   tie_word_embeddings=False, hidden_act="silu"),
+    "learnable-llama",
+    "LlamaForCausalLM",
+    256,
+    8,
+    1024,
+    seq_len=256,
+    hf_config=dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1024,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+    ),
 )
 # Kimi-K2.5's architecture at a size one GPU trains in minutes: MLA with Kimi's latent sizes (kv_lora_rank 512 and
 # qk_rope_head_dim 64, what vLLM's MLA backends are built for; nope 128, v 128), the first layer dense, then MoE with
 # 8 routed experts top-2 (sigmoid scores, noaux_tc) + 1 shared expert. About 28M parameters.
 LEARNABLE_DEEPSEEK = TargetProfile(
-    "learnable-deepseek", "DeepseekV3ForCausalLM", 256, 8, 1024,
+    "learnable-deepseek",
+    "DeepseekV3ForCausalLM",
+    256,
+    8,
+    1024,
     hf_config=dict(
-        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=256, num_hidden_layers=8,
-        vocab_size=1024, intermediate_size=688, moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=2,
-        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.0, scoring_func="sigmoid",
-        topk_method="noaux_tc", norm_topk_prob=True, n_group=1, topk_group=1, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu",
-        attention_bias=False, num_nextn_predict_layers=0, tie_word_embeddings=False),
-    chat_format="kimi", seq_len=4608,  # trained on windows of 4608 tokens (several conversations run together):
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        hidden_size=256,
+        num_hidden_layers=8,
+        vocab_size=1024,
+        intermediate_size=688,
+        moe_intermediate_size=256,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.0,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        norm_topk_prob=True,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=384,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        attention_bias=False,
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+    ),
+    chat_format="kimi",
+    seq_len=4608,  # trained on windows of 4608 tokens (several conversations run together):
     # the long-context prompts (LONG_CONTEXT, 4096 tokens) and their answers sit at positions it learned. A target
     # trained on shorter windows than its prompts never learns the positions they reach: on 256-token windows (the
     # 103a15f run) tool prompts of ~420-490 tokens accepted 1.60 against chat's 3.57; on 1024 (the 51f9ba4 run) 3.09
@@ -86,9 +133,17 @@ def windows(arch: str, seq_len: int | None = None, batch: int | None = None) -> 
     return seq_len, batch or max(1, 64 * 256 // seq_len)
 
 
-def make_target(out: str | Path, steps: int = 1500, batch: int | None = None, seq_len: int | None = None,
-                lr: float = 2e-3, device: str | None = None, seed: int = 0, n_conversations: int = 30000,
-                arch: str = "llama") -> dict:
+def make_target(
+    out: str | Path,
+    steps: int = 1500,
+    batch: int | None = None,
+    seq_len: int | None = None,
+    lr: float = 2e-3,
+    device: str | None = None,
+    seed: int = 0,
+    n_conversations: int = 30000,
+    arch: str = "llama",
+) -> dict:
     """Build, train and save the learnable target (``arch``: llama or deepseek) in ``out``; returns {final_loss,
     first_loss, steps, seconds, tokens, arch}. Windows of the profile's seq_len (llama 256, deepseek 4608), as many a
     step as fit in 16,384 tokens (deepseek: 3, 13,824 tokens), unless given."""
@@ -123,16 +178,24 @@ def make_target(out: str | Path, steps: int = 1500, batch: int | None = None, se
         if step % 200 == 0:
             log.info("target step %d loss %.3f", step, losses[-1])
     model.eval().to("cpu").save_pretrained(out)
-    info = {"final_loss": sum(losses[-20:]) / len(losses[-20:]), "first_loss": losses[0], "steps": steps,
-            "seconds": round(time.perf_counter() - t0, 1), "tokens": steps * batch * seq_len, "arch": arch,
-            "seq_len": seq_len, "batch": batch,
-            "profile": ARCHES[arch].name}
+    info = {
+        "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+        "first_loss": losses[0],
+        "steps": steps,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "tokens": steps * batch * seq_len,
+        "arch": arch,
+        "seq_len": seq_len,
+        "batch": batch,
+        "profile": ARCHES[arch].name,
+    }
     (out / "eagle3_target.json").write_text(__import__("json").dumps(info, indent=1))
     return info
 
 
-def eval_prompts(tokenizer, n: int, seed: int = HELD_OUT_SEED, arch: str = "llama",
-                 context_tokens: int = 0) -> list[tuple[str, list[int]]]:
+def eval_prompts(
+    tokenizer, n: int, seed: int = HELD_OUT_SEED, arch: str = "llama", context_tokens: int = 0
+) -> list[tuple[str, list[int]]]:
     """Held-out prompts, (traffic type, token ids): each conversation up to its last assistant turn (a tool
     conversation alternately up to its call), with the generation prompt. With ``context_tokens``: each prompt
     after other held-out conversations (seed + 1) as the training stream runs them together, ``context_tokens``
@@ -151,5 +214,5 @@ def eval_prompts(tokenizer, n: int, seed: int = HELD_OUT_SEED, arch: str = "llam
         while len(context) + len(ids) < context_tokens:
             context = pool[j % len(pool)] + context
             j += 1
-        out.append((traffic, context[len(context) + len(ids) - context_tokens:] + ids))
+        out.append((traffic, context[len(context) + len(ids) - context_tokens :] + ids))
     return out

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 # ChatML-style; BOS first. Assistant turns end with <|im_end|>, which the model learns to emit.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}<|im_end|>\n{% endfor %}"
+    "{{ bos_token }}{% for m in messages %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -29,11 +30,24 @@ def _texts(chat_format: str, seed: int) -> list[str]:
     """What the BPE is trained on: the dialogues' text, and for kimi the thinking, tool calls and replies too."""
     if chat_format == "chatml":
         return [m["content"] for c in corpus.generate(3000, seed=seed) for m in c["messages"]] + [
-            "user", "assistant", "system", "\n"]
+            "user",
+            "assistant",
+            "system",
+            "\n",
+        ]
     from eagle3.data import kimi_traffic
 
-    out = ["user", "assistant", "system", "tool", "tool_declare", "## Return of ", "\n", kimi_format.DEFAULT_SYSTEM,
-           json.dumps(kimi_traffic.TOOLS)]
+    out = [
+        "user",
+        "assistant",
+        "system",
+        "tool",
+        "tool_declare",
+        "## Return of ",
+        "\n",
+        kimi_format.DEFAULT_SYSTEM,
+        json.dumps(kimi_traffic.TOOLS),
+    ]
     for c in kimi_traffic.generate(3000, seed=seed):
         for m in c["messages"]:
             out += [m.get("content") or "", m.get("reasoning_content") or ""]
@@ -54,13 +68,18 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 1, 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_texts(chat_format, seed), trainer=trainer)
     if chat_format == "chatml":
         fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>", pad_token="<|pad|>",
+            tokenizer_object=tok,
+            bos_token="<|bos|>",
+            eos_token="<|im_end|>",
+            pad_token="<|pad|>",
             additional_special_tokens=["<|im_start|>", "<|eos|>"],
         )
         fast.chat_template = CHAT_TEMPLATE
@@ -103,9 +122,16 @@ def randomize_final_norm(model, seed: int) -> None:
         norm.copy_((0.5 + torch.rand(norm.shape, generator=g)).to(norm.dtype))
 
 
-def build_model(profile: TargetProfile, out_dir: str | Path, seed: int = 0, dtype: str = "float32",
-                with_tokenizer: bool = True, overrides: dict | None = None, device: str = "cpu",
-                fixed_routing: bool = False) -> Path:
+def build_model(
+    profile: TargetProfile,
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: str = "float32",
+    with_tokenizer: bool = True,
+    overrides: dict | None = None,
+    device: str = "cpu",
+    fixed_routing: bool = False,
+) -> Path:
     """Write config.json + model.safetensors (+ tokenizer) for a buildable profile; returns out_dir.
 
     Idempotent: a folder that already holds this exact build (same profile, seed, dtype) is reused.
@@ -122,8 +148,14 @@ def build_model(profile: TargetProfile, out_dir: str | Path, seed: int = 0, dtyp
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(dict(cfg, torch_dtype=dtype), indent=1))
         return out_dir
-    stamp = {"cfg": cfg, "seed": seed, "dtype": dtype, "tok": with_tokenizer, "routing": fixed_routing,
-             "norm": "random"}
+    stamp = {
+        "cfg": cfg,
+        "seed": seed,
+        "dtype": dtype,
+        "tok": with_tokenizer,
+        "routing": fixed_routing,
+        "norm": "random",
+    }
     if profile.chat_format != "chatml":
         stamp["chat_format"] = profile.chat_format
     stamp = json.dumps(stamp, sort_keys=True)
@@ -147,8 +179,14 @@ def build_model(profile: TargetProfile, out_dir: str | Path, seed: int = 0, dtyp
     model.save_pretrained(out_dir)
     del model
     (out_dir / ".eagle3-build").write_text(stamp)
-    log.info("built %s (%s, %d layers, hidden %d) in %s", profile.name, profile.architecture,
-             profile.num_hidden_layers, profile.hidden_size, out_dir)
+    log.info(
+        "built %s (%s, %d layers, hidden %d) in %s",
+        profile.name,
+        profile.architecture,
+        profile.num_hidden_layers,
+        profile.hidden_size,
+        out_dir,
+    )
     return out_dir
 
 

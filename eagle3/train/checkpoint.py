@@ -23,9 +23,10 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -63,8 +64,9 @@ def draft_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch.Te
 def nonfinite_parameters(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
     from eagle3.store.finite import all_finite
 
-    return {k: int((~torch.isfinite(t)).sum()) for k, t in tensors.items()
-            if t.is_floating_point() and not all_finite(t)}
+    return {
+        k: int((~torch.isfinite(t)).sum()) for k, t in tensors.items() if t.is_floating_point() and not all_finite(t)
+    }
 
 
 def _fsync_tree(path: Path) -> None:
@@ -98,17 +100,23 @@ def optimizer_from_files(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
 class Snapshot:
     """A checkpoint's contents on the host, taken between optimizer steps: what the training thread does of a save
     (the copies from the device); write() does the rest, in another thread where training goes on meanwhile."""
-    config: Any                        # the draft's config (its save_pretrained writes config.json)
-    weights: dict[str, torch.Tensor]   # draft_tensors
+
+    config: Any  # the draft's config (its save_pretrained writes config.json)
+    weights: dict[str, torch.Tensor]  # draft_tensors
     optimizer: dict[str, torch.Tensor]  # optimizer_to_files
     optimizer_meta: dict
-    state: dict                        # the trainer's state, as JSON has it
+    state: dict  # the trainer's state, as JSON has it
 
 
 def snapshot(model, optimizer, trainer_state: dict) -> Snapshot:
     tensors, meta = optimizer_to_files(optimizer)
-    return Snapshot(copy.deepcopy(model.config), draft_tensors(model), tensors, copy.deepcopy(meta),
-                    json.loads(json.dumps(dict(trainer_state, rng=rng_state()))))
+    return Snapshot(
+        copy.deepcopy(model.config),
+        draft_tensors(model),
+        tensors,
+        copy.deepcopy(meta),
+        json.loads(json.dumps(dict(trainer_state, rng=rng_state()))),
+    )
 
 
 def rng_state() -> dict[str, list[str]]:
@@ -136,8 +144,9 @@ def set_rng_state(saved: dict | None) -> None:
         torch.cuda.set_rng_state_all([tensor(t) for t in saved["cuda"]])
 
 
-def save(out: Path, step: int, model, optimizer, trainer_state: dict,
-         fault: Callable[[str], None] | None = None) -> Path:
+def save(
+    out: Path, step: int, model, optimizer, trainer_state: dict, fault: Callable[[str], None] | None = None
+) -> Path:
     return write(out, step, snapshot(model, optimizer, trainer_state), fault)
 
 
@@ -182,7 +191,8 @@ def complete(path: Path) -> bool:
             recorded = json.loads((path / FILES).read_text())
             return set(recorded) == set(CKPT_FILES) and all(
                 (path / f).stat().st_size == recorded[f]["bytes"] and _fingerprint(path / f) == recorded[f]
-                for f in CKPT_FILES)
+                for f in CKPT_FILES
+            )
         except (ValueError, KeyError, TypeError, OSError):
             return False
     try:
@@ -218,8 +228,9 @@ def sizes_match(path: Path) -> bool:
         return complete(path)
     try:
         recorded = json.loads((path / FILES).read_text())
-        return set(recorded) == set(CKPT_FILES) and all((path / f).stat().st_size == recorded[f]["bytes"]
-                                                        for f in CKPT_FILES)
+        return set(recorded) == set(CKPT_FILES) and all(
+            (path / f).stat().st_size == recorded[f]["bytes"] for f in CKPT_FILES
+        )
     except (ValueError, KeyError, TypeError, OSError):
         return False
 
@@ -264,7 +275,7 @@ class Background:
             e, self.error = self.error, None
             raise e
 
-    def __enter__(self) -> "Background":
+    def __enter__(self) -> Background:
         return self
 
     def __exit__(self, kind, exc, tb) -> None:
@@ -301,8 +312,10 @@ def refuse_foreign_draft_files(out: Path) -> None:
     if draft.exists() and not draft.is_dir():
         foreign = [draft.name]
     if foreign:
-        raise UsageError(f"{draft} holds {', '.join(foreign[:5])}, which eagle3 did not write there; the draft folder "
-                         "is replaced whole when training ends: move them out, or give another --out")
+        raise UsageError(
+            f"{draft} holds {', '.join(foreign[:5])}, which eagle3 did not write there; the draft folder "
+            "is replaced whole when training ends: move them out, or give another --out"
+        )
 
 
 def publish(ckpt: Path, out: Path, dtype: str = "bfloat16", serve_tps=()) -> Path:
@@ -320,14 +333,20 @@ def publish(ckpt: Path, out: Path, dtype: str = "bfloat16", serve_tps=()) -> Pat
         shape.check_servable(mla_draft.serve_tps(shape, serve_tps))
         config = mla_draft.hf_config(shape, config, dtype)
     else:
-        check_servable(DraftShape.from_layer_config(config["transformer_layer_config"]),
-                       SERVE_TPS if serve_tps is None else serve_tps)
-    tensors = {k: (t.to(getattr(torch, dtype)) if t.is_floating_point() else t)
-               for k, t in load_file(str(ckpt / "model.safetensors")).items()}
+        check_servable(
+            DraftShape.from_layer_config(config["transformer_layer_config"]),
+            SERVE_TPS if serve_tps is None else serve_tps,
+        )
+    tensors = {
+        k: (t.to(getattr(torch, dtype)) if t.is_floating_point() else t)
+        for k, t in load_file(str(ckpt / "model.safetensors")).items()
+    }
     bad = nonfinite_parameters(tensors)
     if bad:
-        raise NonFiniteWeights(f"{ckpt}: the draft has non-finite weights ({sum(bad.values())} values in "
-                               f"{sorted(bad)[:4]}); not publishing it")
+        raise NonFiniteWeights(
+            f"{ckpt}: the draft has non-finite weights ({sum(bad.values())} values in "
+            f"{sorted(bad)[:4]}); not publishing it"
+        )
     config["torch_dtype"] = dtype
     if "transformer_layer_config" in config:
         config["transformer_layer_config"]["torch_dtype"] = dtype

@@ -31,9 +31,11 @@ class CompileGate:
 
         lock = getattr(convert_frame, "compile_lock", None)
         if lock is None:
-            raise RuntimeError(f"torch {torch.__version__}: dynamo has no compile lock to keep the engine's batches "
-                               "and the trainer's compiles apart; train without --compile beside the engine, or with "
-                               "the engine in its own process (no --engine-in-process)")
+            raise RuntimeError(
+                f"torch {torch.__version__}: dynamo has no compile lock to keep the engine's batches "
+                "and the trainer's compiles apart; train without --compile beside the engine, or with "
+                "the engine in its own process (no --engine-in-process)"
+            )
         self._lock = lock
         self.waits: list[tuple[float, float]] = []  # the producer's, behind a compile: (perf_counter from, to)
         # compiles dynamo started while the gate was installed (frames: backward graphs compile with their forward),
@@ -64,7 +66,7 @@ class CompileGate:
     def waited_s(self) -> float:
         return sum(b - a for a, b in self.waits)
 
-    def install(self) -> "CompileGate":
+    def install(self) -> CompileGate:
         import torch._functorch.config as functorch_config
         from torch._dynamo.callback import callback_handler
 

@@ -36,6 +36,10 @@ class RecompileLimitHits(logging.Handler):
         if not self.messages:
             return []
         where = "; ".join(dict.fromkeys(self.messages))
-        return [(f"--compile: torch.compile reached its recompile limit ({where}); from then on that code ran "
-                 "eagerly, slower (flex attention unfused: its scores whole in memory). Train with fewer distinct "
-                 "sequence lengths (packs of --pack-tokens), or without --compile")]
+        return [
+            (
+                f"--compile: torch.compile reached its recompile limit ({where}); from then on that code ran "
+                "eagerly, slower (flex attention unfused: its scores whole in memory). Train with fewer distinct "
+                "sequence lengths (packs of --pack-tokens), or without --compile"
+            )
+        ]

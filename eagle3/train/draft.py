@@ -9,8 +9,8 @@ from the target's hidden size and vocabulary, built here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -48,7 +48,7 @@ class DraftShape:
     num_layers: int = 1
 
     @classmethod
-    def for_target(cls, target_config: dict) -> "DraftShape":
+    def for_target(cls, target_config: dict) -> DraftShape:
         """head_dim 128/64/32 by hidden size; heads = hidden / head_dim rounded up to a multiple of 16 and 8 KV
         heads, so every TP in SERVE_TPS divides them; intermediate rounded up to a multiple of 16.
         Kimi-K2.5 (hidden 7168): 64 heads x 128 (attention width 8192), 8 KV heads, intermediate 18432.
@@ -63,31 +63,53 @@ class DraftShape:
         heads = _round_up(-(-hidden // head_dim), max(SERVE_TPS))
         inter = _round_up(int(text.get("intermediate_size") or 4 * hidden), max(SERVE_TPS))
         rope = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta") or 10000.0
-        return cls(hidden, int(text["vocab_size"]), heads, KV_HEADS, head_dim, inter,
-                   float(text.get("rms_norm_eps", 1e-6)), int(text.get("max_position_embeddings", 4096)),
-                   float(rope))
+        return cls(
+            hidden,
+            int(text["vocab_size"]),
+            heads,
+            KV_HEADS,
+            head_dim,
+            inter,
+            float(text.get("rms_norm_eps", 1e-6)),
+            int(text.get("max_position_embeddings", 4096)),
+            float(rope),
+        )
 
     @classmethod
-    def from_layer_config(cls, layer: dict) -> "DraftShape":
+    def from_layer_config(cls, layer: dict) -> DraftShape:
         """The shape a draft's exported transformer_layer_config describes."""
         rope = (layer.get("rope_parameters") or {}).get("rope_theta") or layer.get("rope_theta") or 10000.0
-        return cls(int(layer["hidden_size"]), int(layer["vocab_size"]), int(layer["num_attention_heads"]),
-                   int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
-                   int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
-                   int(layer["intermediate_size"]), float(layer.get("rms_norm_eps", 1e-6)),
-                   int(layer.get("max_position_embeddings", 4096)), float(rope),
-                   int(layer.get("num_hidden_layers", 1)))
+        return cls(
+            int(layer["hidden_size"]),
+            int(layer["vocab_size"]),
+            int(layer["num_attention_heads"]),
+            int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
+            int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
+            int(layer["intermediate_size"]),
+            float(layer.get("rms_norm_eps", 1e-6)),
+            int(layer.get("max_position_embeddings", 4096)),
+            float(rope),
+            int(layer.get("num_hidden_layers", 1)),
+        )
 
     def llama_config(self, attn_implementation: str = "sdpa"):
         from transformers import LlamaConfig
 
         cfg = LlamaConfig(
-            hidden_size=self.hidden_size, vocab_size=self.vocab_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings,
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-            hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+            tie_word_embeddings=False,
         )
         cfg._attn_implementation = attn_implementation
         return cfg
@@ -103,14 +125,18 @@ def tp_problems(shape: DraftShape, tp: int) -> list[str]:
     if heads % tp:
         out.append(f"{heads} attention heads at TP {tp}: vLLM needs heads % tp == 0")
     if kv >= tp and kv % tp:
-        out.append(f"{kv} KV heads at TP {tp}: vLLM needs kv_heads % tp == 0 when tp <= kv_heads "
-                   f"(else tp % kv_heads == 0)")
+        out.append(
+            f"{kv} KV heads at TP {tp}: vLLM needs kv_heads % tp == 0 when tp <= kv_heads (else tp % kv_heads == 0)"
+        )
     elif kv < tp and tp % kv:
-        out.append(f"{kv} KV heads at TP {tp}: vLLM needs tp % kv_heads == 0 when tp > kv_heads "
-                   f"(else kv_heads % tp == 0)")
+        out.append(
+            f"{kv} KV heads at TP {tp}: vLLM needs tp % kv_heads == 0 when tp > kv_heads (else kv_heads % tp == 0)"
+        )
     if shape.intermediate_size % tp:
-        out.append(f"intermediate size {shape.intermediate_size} at TP {tp}: vLLM splits the MLP evenly "
-                   "(intermediate_size % tp == 0)")
+        out.append(
+            f"intermediate size {shape.intermediate_size} at TP {tp}: vLLM splits the MLP evenly "
+            "(intermediate_size % tp == 0)"
+        )
     return out
 
 
@@ -120,7 +146,8 @@ def check_servable(shape: DraftShape, tps) -> None:
     if problems:
         raise DraftShapeError(
             "vLLM runs the EAGLE-3 draft at the target's tensor-parallel size and would refuse this draft: "
-            + "; ".join(problems) + ". Leave the draft shape to eagle3 (8 KV heads, heads a multiple of 16) or "
+            + "; ".join(problems)
+            + ". Leave the draft shape to eagle3 (8 KV heads, heads a multiple of 16) or "
             "choose --draft-heads/--draft-kv-heads that fit, or a --serve-tp the draft need not run at."
         )
 
@@ -129,8 +156,15 @@ def export_bytes(shape: DraftShape, n_aux: int, draft_vocab_size: int, dtype_byt
     """Bytes of the exported model.safetensors tensors: fc, one Llama layer (its q/k/v take the 2H concat of
     embedding and fc output), final norm, lm_head [draft_vocab, H], d2t int64, t2d bool. No embedding."""
     h, q, kv = shape.hidden_size, shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
-    params = (n_aux * h * h + 2 * h * (q + 2 * kv) + q * h + 3 * h * shape.intermediate_size
-              + 3 * h + h + draft_vocab_size * h)
+    params = (
+        n_aux * h * h
+        + 2 * h * (q + 2 * kv)
+        + q * h
+        + 3 * h * shape.intermediate_size
+        + 3 * h
+        + h
+        + draft_vocab_size * h
+    )
     mapping = 8 * draft_vocab_size + shape.vocab_size if draft_vocab_size < shape.vocab_size else 0
     return dtype_bytes * params + mapping
 
@@ -153,10 +187,18 @@ def draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     return t2d, d2t
 
 
-def speculators_config(shape: DraftShape, aux_layer_ids: Sequence[int], draft_vocab_size: int,
-                       speculative_tokens: int, verifier_path: str, verifier_architectures: list[str],
-                       norm_before_residual: bool = False, attn_implementation: str = "sdpa",
-                       fc_norm: bool = False, norm_output: bool = False):
+def speculators_config(
+    shape: DraftShape,
+    aux_layer_ids: Sequence[int],
+    draft_vocab_size: int,
+    speculative_tokens: int,
+    verifier_path: str,
+    verifier_architectures: list[str],
+    norm_before_residual: bool = False,
+    attn_implementation: str = "sdpa",
+    fc_norm: bool = False,
+    norm_output: bool = False,
+):
     """EAGLE-3.1's toggles (against attention drift on long contexts), read by vLLM 0.26 (llama_eagle3.py):
     ``fc_norm`` an RMSNorm on each aux state before the fusion layer fc; ``norm_output`` the post-norm state (not
     the pre-norm residual sum) fed to the next draft step."""

@@ -24,8 +24,12 @@ H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA H200 SXM, dense bf16 tensor-core peak, 
 def _train_parts(h: int, n_aux: int, draft_vocab: int, ttt_steps: int, layer_params: int) -> dict[str, int]:
     """By part, for a layer whose matmuls hold ``layer_params`` weights (2 FLOPs each a token)."""
     head = 2 * h * draft_vocab
-    return {"fc": 2 * (2 * n_aux * h * h), "layer": 3 * ttt_steps * 2 * layer_params, "lm_head": 2 * ttt_steps * head,
-            "targets": head}
+    return {
+        "fc": 2 * (2 * n_aux * h * h),
+        "layer": 3 * ttt_steps * 2 * layer_params,
+        "lm_head": 2 * ttt_steps * head,
+        "targets": head,
+    }
 
 
 def _attention(per_key: int, ttt_steps: int, seq_len: int, dense: bool) -> float:
@@ -37,8 +41,12 @@ def _attention(per_key: int, ttt_steps: int, seq_len: int, dense: bool) -> float
 
 def linear_flops(shape: DraftShape, n_aux: int, draft_vocab: int, ttt_steps: int) -> dict[str, int]:
     """Matmul FLOPs per token of one training step (forward + backward), by part."""
-    h, a, kv, i = shape.hidden_size, shape.num_attention_heads * shape.head_dim, \
-        shape.num_key_value_heads * shape.head_dim, shape.intermediate_size
+    h, a, kv, i = (
+        shape.hidden_size,
+        shape.num_attention_heads * shape.head_dim,
+        shape.num_key_value_heads * shape.head_dim,
+        shape.intermediate_size,
+    )
     return _train_parts(h, n_aux, draft_vocab, ttt_steps, 2 * h * a + 2 * (2 * h * kv) + a * h + 3 * h * i)
 
 

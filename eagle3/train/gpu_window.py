@@ -52,12 +52,20 @@ def streams_busy(trace: dict, top: int = 3) -> dict:
     own = {stream: union_s(ivs) for stream, ivs in by_stream.items()}
     streams = {}
     for stream in sorted(own, key=lambda k: -own[k]):
-        streams[stream] = {"kernels": len(by_stream[stream]), "busy_s": round(own[stream], 6),
-                           "share": round(own[stream] / span, 3) if span else 0,
-                           "top": [n[:80] for n, _ in sorted(names[stream].items(), key=lambda kv: -kv[1])[:top]]}
+        streams[stream] = {
+            "kernels": len(by_stream[stream]),
+            "busy_s": round(own[stream], 6),
+            "share": round(own[stream] / span, 3) if span else 0,
+            "top": [n[:80] for n, _ in sorted(names[stream].items(), key=lambda kv: -kv[1])[:top]],
+        }
     overlap = sum(s["busy_s"] for s in streams.values()) - busy
-    return {"span_s": round(span, 6), "busy_s": round(busy, 6), "idle_share": round(1 - busy / span, 3) if span else 0,
-            "overlap_s": round(max(overlap, 0.0), 6), "streams": streams}
+    return {
+        "span_s": round(span, 6),
+        "busy_s": round(busy, 6),
+        "idle_share": round(1 - busy / span, 3) if span else 0,
+        "overlap_s": round(max(overlap, 0.0), 6),
+        "streams": streams,
+    }
 
 
 class Window:
@@ -72,7 +80,7 @@ class Window:
         self.summary: dict | None = None
         self.error: str | None = None
 
-    def start(self) -> "Window":
+    def start(self) -> Window:
         self._thread.start()
         return self
 
@@ -100,7 +108,7 @@ class Window:
         self._thread.join()
         return self.summary
 
-    def __enter__(self) -> "Window":
+    def __enter__(self) -> Window:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -45,7 +45,7 @@ class MLAShape:
     target_heads: int = 0  # the target's attention heads (0: not recorded); the draft must have as many
 
     @classmethod
-    def for_target(cls, target_config: dict) -> "MLAShape":
+    def for_target(cls, target_config: dict) -> MLAShape:
         """The target's own MLA sizes (Kimi-K2.5: 64 heads, q_lora 1536, kv_lora 512, nope 128, rope 64, v 128), its
         dense MLP width and RoPE. The heads are the target's, not more: vLLM 0.26 builds every MLA layer's attention
         metadata from the target's head count (MLACommonMetadataBuilder: model_config.get_num_attention_heads), and
@@ -54,31 +54,44 @@ class MLAShape:
         t = target_config.get("text_config") or target_config
         missing = [k for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim") if k not in t]
         if missing:
-            raise DraftShapeError(f"--draft-arch mla needs an MLA target (DeepseekV2/V3, Kimi); its config has no "
-                                  f"{', '.join(missing)}")
-        return cls(int(t["hidden_size"]), int(t["num_attention_heads"]),
-                   t.get("q_lora_rank"), int(t["kv_lora_rank"]), int(t["qk_nope_head_dim"]),
-                   int(t["qk_rope_head_dim"]), int(t["v_head_dim"]), int(t.get("intermediate_size") or 4 * t["hidden_size"]),
-                   float(t.get("rms_norm_eps", 1e-6)), float(t.get("rope_theta") or 10000.0),
-                   dict(t["rope_scaling"]) if t.get("rope_scaling") else None,
-                   int(t.get("max_position_embeddings", 4096)), int(t["num_attention_heads"]))
+            raise DraftShapeError(
+                f"--draft-arch mla needs an MLA target (DeepseekV2/V3, Kimi); its config has no {', '.join(missing)}"
+            )
+        return cls(
+            int(t["hidden_size"]),
+            int(t["num_attention_heads"]),
+            t.get("q_lora_rank"),
+            int(t["kv_lora_rank"]),
+            int(t["qk_nope_head_dim"]),
+            int(t["qk_rope_head_dim"]),
+            int(t["v_head_dim"]),
+            int(t.get("intermediate_size") or 4 * t["hidden_size"]),
+            float(t.get("rms_norm_eps", 1e-6)),
+            float(t.get("rope_theta") or 10000.0),
+            dict(t["rope_scaling"]) if t.get("rope_scaling") else None,
+            int(t.get("max_position_embeddings", 4096)),
+            int(t["num_attention_heads"]),
+        )
 
     def check_servable(self, serve_tps=SERVE_TPS) -> None:
         bad = [tp for tp in serve_tps if self.num_attention_heads % tp]
         if bad:
             either = " either (vLLM serves neither there)" if self.num_attention_heads == self.target_heads else ""
             whose = "the target's own " if either else ""
-            raise DraftShapeError(f"MLA draft: {whose}{self.num_attention_heads} heads do not split over TP {bad}"
-                                  f"{either}; vLLM's DeepseekV2MLAAttention asserts num_heads % tp == 0: pass "
-                                  "--serve-tp with TPs that divide them")
+            raise DraftShapeError(
+                f"MLA draft: {whose}{self.num_attention_heads} heads do not split over TP {bad}"
+                f"{either}; vLLM's DeepseekV2MLAAttention asserts num_heads % tp == 0: pass "
+                "--serve-tp with TPs that divide them"
+            )
 
     def layer_matmul_params(self) -> int:
         """Weights of the layer's matmuls: q_a + q_b (or q), kv_a_proj_with_mqa, kv_b, o, and the MLP's three."""
         h, nh = self.hidden_size, self.num_attention_heads
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         q = self.q_lora_rank * (2 * h + nh * qk) if self.q_lora_rank else 2 * h * nh * qk
-        kv = 2 * h * (self.kv_lora_rank + self.qk_rope_head_dim) + \
-            self.kv_lora_rank * nh * (self.qk_nope_head_dim + self.v_head_dim)
+        kv = 2 * h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * nh * (
+            self.qk_nope_head_dim + self.v_head_dim
+        )
         return q + kv + nh * self.v_head_dim * h + 3 * h * self.intermediate_size
 
     def params(self, n_aux: int, draft_vocab: int, target_hidden: int | None = None) -> int:
@@ -113,11 +126,16 @@ def rope_tables(shape: MLAShape) -> tuple[torch.Tensor, float, float]:
         return d * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), d - 1)
-    ramp = ((torch.arange(d // 2, dtype=torch.float) - low) / ((high + 0.001 if low == high else high) - low)).clamp(0, 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float) - low) / ((high + 0.001 if low == high else high) - low)).clamp(
+        0, 1
+    )
     keep = (1 - ramp) * rs.get("extrapolation_factor", 1)
     inv = (1.0 / (factor * pos)) * (1 - keep) + (1.0 / pos) * keep
-    mult = yarn_mscale(factor, rs.get("mscale", 1)) / yarn_mscale(factor, rs.get("mscale_all_dim", 0)) * \
-        rs.get("attn_factor", 1)
+    mult = (
+        yarn_mscale(factor, rs.get("mscale", 1))
+        / yarn_mscale(factor, rs.get("mscale_all_dim", 0))
+        * rs.get("attn_factor", 1)
+    )
     m_all = yarn_mscale(factor, rs.get("mscale_all_dim", 0))
     return inv, mult, scale * m_all * m_all
 
@@ -156,10 +174,10 @@ class MLAAttention(nn.Module):
         s, (b, t, _) = self.shape, x.shape
         nh, nope, rope = s.num_attention_heads, s.qk_nope_head_dim, s.qk_rope_head_dim
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if s.q_lora_rank else self.q_proj(x)
-        q = q.view(b, t, nh, nope + rope).transpose(1, 2)                       # [B, nh, T, nope + rope]
+        q = q.view(b, t, nh, nope + rope).transpose(1, 2)  # [B, nh, T, nope + rope]
         c, k_pe = self.kv_a_proj_with_mqa(x).split([s.kv_lora_rank, rope], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(b, t, nh, nope + s.v_head_dim).transpose(1, 2)
-        k_nope, v = kv.split([nope, s.v_head_dim], dim=-1)                     # [B, nh, T, nope], [B, nh, T, v]
+        k_nope, v = kv.split([nope, s.v_head_dim], dim=-1)  # [B, nh, T, nope], [B, nh, T, v]
         q_pe = rope_gptj(q[..., nope:], position_ids, self.inv_freq, self.rope_mult)
         k_pe = rope_gptj(k_pe.view(b, 1, t, rope), position_ids, self.inv_freq, self.rope_mult)
         q = torch.cat([q[..., :nope], q_pe], dim=-1)
@@ -216,23 +234,37 @@ def hf_config(shape: MLAShape, spec_config: dict, dtype: str) -> dict:
     ids = list(spec_config["eagle_aux_hidden_state_layer_ids"])
     # model_type deepseek_v2: vLLM 0.26 turns every draft of model_type deepseek_v3 into DeepSeekMTPModel
     # (config/speculative.py hf_config_override; "Eagle3DeepSeekMTPModel ... not supported", seen on the H200)
-    out = {"architectures": ["Eagle3DeepseekV3ForCausalLM"], "model_type": "deepseek_v2",
-           "hidden_size": shape.hidden_size, "num_hidden_layers": 1,
-           "num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_attention_heads,
-           "q_lora_rank": shape.q_lora_rank, "kv_lora_rank": shape.kv_lora_rank,
-           "qk_nope_head_dim": shape.qk_nope_head_dim, "qk_rope_head_dim": shape.qk_rope_head_dim,
-           "v_head_dim": shape.v_head_dim, "intermediate_size": shape.intermediate_size, "hidden_act": "silu",
-           "rms_norm_eps": shape.rms_norm_eps, "rope_theta": shape.rope_theta,
-           "max_position_embeddings": shape.max_position_embeddings, "vocab_size": int(layer["vocab_size"]),
-           "draft_vocab_size": int(spec_config["draft_vocab_size"]),
-           "target_hidden_size": int(spec_config.get("target_hidden_size") or shape.hidden_size),
-           "num_aux_hidden_states": len(ids), "eagle_aux_hidden_state_layer_ids": ids,
-           "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
-           "norm_before_residual": bool(spec_config.get("norm_before_residual", False)),
-           "fc_norm": bool(spec_config.get("fc_norm", False)), "norm_output": bool(spec_config.get("norm_output", False)),
-           "tie_word_embeddings": False, "torch_dtype": dtype,
-           "num_speculative_tokens": spec_config["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
-           "eagle3_mla": asdict(shape)}
+    out = {
+        "architectures": ["Eagle3DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_attention_heads,
+        "q_lora_rank": shape.q_lora_rank,
+        "kv_lora_rank": shape.kv_lora_rank,
+        "qk_nope_head_dim": shape.qk_nope_head_dim,
+        "qk_rope_head_dim": shape.qk_rope_head_dim,
+        "v_head_dim": shape.v_head_dim,
+        "intermediate_size": shape.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": shape.rms_norm_eps,
+        "rope_theta": shape.rope_theta,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "vocab_size": int(layer["vocab_size"]),
+        "draft_vocab_size": int(spec_config["draft_vocab_size"]),
+        "target_hidden_size": int(spec_config.get("target_hidden_size") or shape.hidden_size),
+        "num_aux_hidden_states": len(ids),
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
+        "norm_before_residual": bool(spec_config.get("norm_before_residual", False)),
+        "fc_norm": bool(spec_config.get("fc_norm", False)),
+        "norm_output": bool(spec_config.get("norm_output", False)),
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "num_speculative_tokens": spec_config["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+        "eagle3_mla": asdict(shape),
+    }
     out["rope_scaling"] = served_rope_scaling(shape)
     return out
 
@@ -245,6 +277,14 @@ def served_rope_scaling(shape: MLAShape) -> dict:
     H200); with no rope_theta in it, get_rope would take base 10000."""
     if shape.rope_scaling:
         return dict(shape.rope_scaling, rope_theta=shape.rope_theta)
-    return {"type": "yarn", "rope_type": "yarn", "factor": 1.0,
-            "original_max_position_embeddings": shape.max_position_embeddings, "beta_fast": 32, "beta_slow": 1,
-            "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": shape.rope_theta}
+    return {
+        "type": "yarn",
+        "rope_type": "yarn",
+        "factor": 1.0,
+        "original_max_position_embeddings": shape.max_position_embeddings,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "rope_theta": shape.rope_theta,
+    }

@@ -34,9 +34,9 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -106,7 +106,7 @@ class Spool:
         self.capacity = capacity
         self.cond = threading.Condition()
         self.entries: dict[int, tuple[str, int, int, str]] = {}  # position -> (file, row a, row b, spool id)
-        self.unread: dict[str, set[int]] = {}                     # file -> positions not read yet
+        self.unread: dict[str, set[int]] = {}  # file -> positions not read yet
         self.committed = self.reserved = self.peak = self.peak_files = 0
         self.shards = 0  # shards committed in this run
         self.failed: BaseException | None = None
@@ -130,8 +130,12 @@ class Spool:
         for shard in self.store.shards:
             p = self.store.root / shard["file"]
             if not p.is_file() or p.stat().st_size != shard["bytes"] or not checksum_matches(p, shard):
-                log.warning("spool %s: %s is not as committed (a power loss took writes never flushed); its samples "
-                            "are extracted again", self.store.root, shard["file"])
+                log.warning(
+                    "spool %s: %s is not as committed (a power loss took writes never flushed); its samples "
+                    "are extracted again",
+                    self.store.root,
+                    shard["file"],
+                )
                 bad.add(shard["file"])
         return bad
 
@@ -207,8 +211,10 @@ class Spool:
             self.shards += len(infos)
             self.reserved = max(0, self.reserved - released)
             if self.committed + self.reserved > self.capacity:
-                raise StoreError(f"spool {self.store.root}: {self.committed + self.reserved} bytes committed and "
-                                 f"reserved, over its capacity {self.capacity} (a shard larger than estimated)")
+                raise StoreError(
+                    f"spool {self.store.root}: {self.committed + self.reserved} bytes committed and "
+                    f"reserved, over its capacity {self.capacity} (a shard larger than estimated)"
+                )
             self._measure()
             self.cond.notify_all()
 
@@ -228,8 +234,10 @@ class Spool:
         with self.cond:
             while pos not in self.entries:
                 if self.failed is not None:
-                    raise StoreError(f"the extraction feeding spool {self.store.root} failed: "
-                                     f"{type(self.failed).__name__}: {self.failed}") from self.failed
+                    raise StoreError(
+                        f"the extraction feeding spool {self.store.root} failed: "
+                        f"{type(self.failed).__name__}: {self.failed}"
+                    ) from self.failed
                 if self.done:
                     raise StoreError(f"spool {self.store.root}: the extraction finished without position {pos}")
                 if self.producer_waiting and self._no_room(self.waiting_for):
@@ -241,7 +249,8 @@ class Spool:
                         f"committed + {self.reserved:,} reserved + {self.waiting_for:,} asked > {self.capacity:,} "
                         f"bytes) and the trainer waits for position {pos}, which no committed shard holds: a bug, "
                         f"not a setting "
-                        f"(positions held: {min(self.entries, default=None)}..{max(self.entries, default=None)})")
+                        f"(positions held: {min(self.entries, default=None)}..{max(self.entries, default=None)})"
+                    )
                 self.cond.wait(0.5)
         self.consumer_wait_s += time.perf_counter() - t0
         return self.entries[pos]
@@ -294,7 +303,7 @@ class Spool:
 class SpoolSamples(StoreSamples):
     """train()'s sample source for online training: position p is read from the spool when it arrives."""
 
-    def __init__(self, spool: Spool, data: Sequence[Sample], plan: list[int], producer: "Producer", seed: int):
+    def __init__(self, spool: Spool, data: Sequence[Sample], plan: list[int], producer: Producer, seed: int):
         super().__init__(spool.store, seed, index_shards=False)
         self.spool, self.data, self.plan, self.producer = spool, list(data), plan, producer
         self.index = {}  # position -> (file, a, b, spool id), filled as shards arrive
@@ -342,9 +351,11 @@ class SpoolSamples(StoreSamples):
         """Both sides, live: the extraction's tok/s, the spool's fill, and who waited for whom."""
         p, sp = self.producer, self.spool
         elapsed = time.perf_counter() - p.t0 if p.t0 else 0.0
-        return {"extract": f"{p.tokens / elapsed:,.0f} tok/s" if elapsed else "-",
-                "spool": f"{(sp.committed + sp.reserved) / 2**20:,.0f}/{sp.capacity / 2**20:,.0f} MiB",
-                "waits": f"extract {sp.producer_wait_s:.0f}s train {sp.consumer_wait_s:.0f}s"}
+        return {
+            "extract": f"{p.tokens / elapsed:,.0f} tok/s" if elapsed else "-",
+            "spool": f"{(sp.committed + sp.reserved) / 2**20:,.0f}/{sp.capacity / 2**20:,.0f} MiB",
+            "waits": f"extract {sp.producer_wait_s:.0f}s train {sp.consumer_wait_s:.0f}s",
+        }
 
 
 ENGINE_STREAM_PRIORITY = -1  # CUDA's: negative is higher than the default 0
@@ -365,8 +376,14 @@ class Producer:
     """The extraction side: a thread that extracts plan[p] for p = start... into the spool, batch by batch."""
 
     def __init__(self, spool: Spool, data: Sequence[Sample], plan: list[int], backend, extract_cfg, batch: int):
-        self.spool, self.data, self.plan, self.backend, self.cfg, self.batch = (spool, data, plan, backend,
-                                                                                 extract_cfg, batch)
+        self.spool, self.data, self.plan, self.backend, self.cfg, self.batch = (
+            spool,
+            data,
+            plan,
+            backend,
+            extract_cfg,
+            batch,
+        )
         self.stream = engine_stream(backend)
         # an engine in this process: its batches and the trainer's compiles kept apart (train/compile_gate.py)
         self.gate = CompileGate() if self.stream is not None else None
@@ -400,8 +417,14 @@ class Producer:
                 torch.cuda.set_stream(self.stream)  # this thread's own (vLLM's stream bookkeeping follows it)
             # each batch sealed into shards of its own, whose write (and fsync) the next batch's prefill overlaps:
             # a submit reports the shards written by then (tests/unit/test_vllm_backend.py, still_written)
-            session = open_session(self.backend, self.spool.store, self.cfg, self.cfg.fault or faults.from_env(),
-                                   seal_each_batch=True, wait_for_shards=False)
+            session = open_session(
+                self.backend,
+                self.spool.store,
+                self.cfg,
+                self.cfg.fault or faults.from_env(),
+                seal_each_batch=True,
+                wait_for_shards=False,
+            )
             pending: list[int] = []  # estimates of submitted samples, in order
             for a in range(first, len(self.plan), self.batch):
                 batch = [self._sample(p) for p in range(a, min(a + self.batch, len(self.plan)))]
@@ -457,13 +480,13 @@ class OnlineResult:
     train: TrainResult
     spool: str
     capacity: int
-    peak_bytes: int          # committed + reserved, from the spool's accounting
-    peak_files_bytes: int    # the shards folder, measured on the file system
+    peak_bytes: int  # committed + reserved, from the spool's accounting
+    peak_files_bytes: int  # the shards folder, measured on the file system
     extracted_tokens: int
-    shards: int              # shards committed to the spool in this run (one per extraction batch)
+    shards: int  # shards committed to the spool in this run (one per extraction batch)
     extract_seconds: float
-    producer_wait_s: float   # the extraction waited for room in the spool (training limits)
-    trainer_wait_s: float    # training waited for states (extraction limits)
+    producer_wait_s: float  # the extraction waited for room in the spool (training limits)
+    trainer_wait_s: float  # training waited for states (extraction limits)
     selfcheck: str = ""
     commits: list[tuple[float, int]] = field(default_factory=list)  # the extraction's: (perf_counter, tokens) a batch
     producer_waits: list[tuple[float, float]] = field(default_factory=list)  # its waits for room: (from, to)
@@ -510,44 +533,76 @@ class OnlineResult:
     def lines(self) -> list[str]:
         ex = self.extracted_tokens / self.extract_seconds if self.extract_seconds else 0.0
         limit = "training" if self.producer_wait_s > self.trainer_wait_s else "extraction"
-        return self.train.lines() + ([f"check      {self.selfcheck}"] if self.selfcheck else []) + [
-            f"online     extracted {self.extracted_tokens:,} tokens this run at {ex:,.0f} tok/s into {self.shards:,} "
-            f"shards; spool {self.spool} "
-            f"peak {self.peak_bytes / 2**20:,.1f} MiB (files {self.peak_files_bytes / 2**20:,.1f} MiB) of "
-            f"{self.capacity / 2**20:,.1f} MiB; sustained {self.sustained_tokens_per_s():,.0f} tok/s once training "
-            f"began (committed over the trainer's later half: {self.committed_tokens_per_s():,.0f} tok/s)",
-            f"limits     {limit}: extraction waited {self.producer_wait_s:.1f} s for room, training waited "
-            f"{self.trainer_wait_s:.1f} s for states",
-        ] + ([f"compile    the engine in this process waited {self.compile_wait_s:.1f} s "
-              f"behind {self.compiles} compiles of the trainer"] if self.compiles else []) + (
-            ["engine     " + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in self.engine_phases.items())
-             + " (the producer's calls: prefills, sealing each batch, settling before a wait for room)"]
-            if self.engine_phases else [])
+        return (
+            self.train.lines()
+            + ([f"check      {self.selfcheck}"] if self.selfcheck else [])
+            + [
+                f"online     extracted {self.extracted_tokens:,} tokens this run at {ex:,.0f} tok/s "
+                f"into {self.shards:,} "
+                f"shards; spool {self.spool} "
+                f"peak {self.peak_bytes / 2**20:,.1f} MiB (files {self.peak_files_bytes / 2**20:,.1f} MiB) of "
+                f"{self.capacity / 2**20:,.1f} MiB; sustained {self.sustained_tokens_per_s():,.0f} tok/s once training "
+                f"began (committed over the trainer's later half: {self.committed_tokens_per_s():,.0f} tok/s)",
+                f"limits     {limit}: extraction waited {self.producer_wait_s:.1f} s for room, training waited "
+                f"{self.trainer_wait_s:.1f} s for states",
+            ]
+            + (
+                [
+                    f"compile    the engine in this process waited {self.compile_wait_s:.1f} s "
+                    f"behind {self.compiles} compiles of the trainer"
+                ]
+                if self.compiles
+                else []
+            )
+            + (
+                [
+                    "engine     "
+                    + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in self.engine_phases.items())
+                    + " (the producer's calls: prefills, sealing each batch, settling before a wait for room)"
+                ]
+                if self.engine_phases
+                else []
+            )
+        )
 
 
-def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int, backend=None,
-        extract_batch: int = 16, progress: bool = True) -> OnlineResult:
+def run(
+    cfg: TrainConfig,
+    extract_cfg,
+    samples: Sequence[Sample],
+    capacity: int,
+    backend=None,
+    extract_batch: int = 16,
+    progress: bool = True,
+) -> OnlineResult:
     """Train cfg (cfg.store is the spool folder) on ``samples`` extracted by extract_cfg's backend as training
     goes, through a spool of ``capacity`` bytes. ``backend`` may be passed in to reuse an engine."""
     from eagle3.extract.extract import make_backend, require_final_state, store_spec
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("train --online runs as one process for now (one engine, one trainer); under torchrun "
-                         "each rank would extract everything. Run it without torchrun, or extract then train with DDP")
+        raise ValueError(
+            "train --online runs as one process for now (one engine, one trainer); under torchrun "
+            "each rank would extract everything. Run it without torchrun, or extract then train with DDP"
+        )
     if len(samples) < cfg.batch_samples:
-        raise UsageError(f"--data holds {len(samples)} samples, fewer than one batch (--batch {cfg.batch_samples}); "
-                         f"give --batch {len(samples)} or fewer, or more data")
+        raise UsageError(
+            f"--data holds {len(samples)} samples, fewer than one batch (--batch {cfg.batch_samples}); "
+            f"give --batch {len(samples)} or fewer, or more data"
+        )
     spec = store_spec(extract_cfg.model, extract_cfg.layer_ids, extract_cfg.dtype)
     longest = max(len(s) for s in samples)
     need = 2 * (extract_batch * sample_bytes(longest, spec) + SHARD_MARGIN)
     if capacity < need:
-        raise ValueError(f"a spool of {capacity:,} bytes (--spool-mb) cannot hold two extraction batches of {extract_batch} samples "
-                         f"of up to {longest} tokens ({need:,} bytes); give at least that, or a smaller --extract-batch")
+        raise ValueError(
+            f"a spool of {capacity:,} bytes (--spool-mb) cannot hold two extraction batches of {extract_batch} samples "
+            f"of up to {longest} tokens ({need:,} bytes); give at least that, or a smaller --extract-batch"
+        )
     # one shard per extraction batch, sealed before the next batch is submitted (and written while it runs, on the
     # vLLM path): no shard is left open between batches, so the trainer never waits on one that needs the next
     # batch's room to finish
-    extract_cfg = dataclasses.replace(extract_cfg, out=str(cfg.store), shard_samples=extract_batch, writer_threads=0,
-                                      fsync=False)  # the spool's shards, as the spool: never fsynced (Spool)
+    extract_cfg = dataclasses.replace(
+        extract_cfg, out=str(cfg.store), shard_samples=extract_batch, writer_threads=0, fsync=False
+    )  # the spool's shards, as the spool: never fsynced (Spool)
     ownership.claim(cfg.out, "train")  # before the spool (OUT/spool by default) is made in it
     claim(cfg.store)  # the spool: a store's folder, before its run stamp is written in it
     fresh = _check_same_run(Path(cfg.store), samples, cfg)
@@ -576,11 +631,24 @@ def run(cfg: TrainConfig, extract_cfg, samples: Sequence[Sample], capacity: int,
             backend.close()
     if spool.failed is not None:
         raise spool.failed
-    out = OnlineResult(result, str(spool.store.root), capacity, spool.peak, spool.peak_files, producer.tokens,
-                       spool.shards, producer.seconds, spool.producer_wait_s, spool.consumer_wait_s, check,
-                       producer.commits, spool.producer_waits,
-                       producer.gate.waits if producer.gate else [], producer.gate.compiles if producer.gate else 0,
-                       producer.engine_phases)
+    out = OnlineResult(
+        result,
+        str(spool.store.root),
+        capacity,
+        spool.peak,
+        spool.peak_files,
+        producer.tokens,
+        spool.shards,
+        producer.seconds,
+        spool.producer_wait_s,
+        spool.consumer_wait_s,
+        check,
+        producer.commits,
+        spool.producer_waits,
+        producer.gate.waits if producer.gate else [],
+        producer.gate.compiles if producer.gate else 0,
+        producer.engine_phases,
+    )
     if result.samples_seen >= len(plan):
         shutil.rmtree(spool.store.root / SHARDS, ignore_errors=True)  # everything was learned from
     return out
@@ -590,20 +658,28 @@ def _check_same_run(spool: Path, samples: Sequence[Sample], cfg: TrainConfig) ->
     """A spool continues only the run that made it: same samples, batch, epochs and seed. True where its stamp is
     unreadable (never fsynced, as the spool: a power loss's), which no run can be told from: the spool starts
     empty."""
-    stamp = {"samples": [s.sample_id for s in samples], "batch": cfg.batch_samples, "epochs": cfg.epochs,
-             "seed": cfg.seed, "max_steps": cfg.max_steps}
+    stamp = {
+        "samples": [s.sample_id for s in samples],
+        "batch": cfg.batch_samples,
+        "epochs": cfg.epochs,
+        "seed": cfg.seed,
+        "max_steps": cfg.max_steps,
+    }
     path = spool / "online.json"
     if path.exists():
         try:
             was = json.loads(path.read_text())
         except ValueError:  # not JSON, or not text
-            log.warning("spool %s: its run stamp %s is unreadable (a power loss's): the spool starts empty", spool,
-                        path.name)
+            log.warning(
+                "spool %s: its run stamp %s is unreadable (a power loss's): the spool starts empty", spool, path.name
+            )
             path.write_text(json.dumps(stamp))
             return True
         if was != stamp:
-            raise StoreError(f"spool {spool} belongs to another online run (other samples, batch, epochs or seed); "
-                             "use a new --out, or the same data and options")
+            raise StoreError(
+                f"spool {spool} belongs to another online run (other samples, batch, epochs or seed); "
+                "use a new --out, or the same data and options"
+            )
         return False
     spool.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stamp))

@@ -9,7 +9,8 @@ may be waiting on an online spool that never fills)."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class ReadAhead:

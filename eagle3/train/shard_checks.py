@@ -10,7 +10,7 @@ mismatch is raised where the reader needs that shard, as before: nothing changes
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 NAME = "eagle3-shard-checks"
 
@@ -56,6 +56,7 @@ class ShardChecks:
     def ahead(self, files: Iterable[str]) -> None:
         """Check ``files`` (the first read of each, in order; repeats skipped) in one background thread. A daemon:
         a run that stops leaves it hashing at most one more file (close stops it between files)."""
+
         def run() -> None:
             for file in files:
                 if self.stopped.is_set():

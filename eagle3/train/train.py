@@ -28,16 +28,16 @@ import math
 import os
 import signal
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
 from eagle3 import faults, interrupt, ownership, preflight
 from eagle3.store.files import checksum_matches
-from eagle3.store.folder import Store
 from eagle3.store.finite import all_finite, nonfinite_layers
+from eagle3.store.folder import Store
 from eagle3.store.format import FP8, StoreError, StoreMismatch, read_states
 from eagle3.targets.layers import aux_ids
 from eagle3.targets.presets import config_hash, read_model_config
@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 class TrainConfig:
     store: str
     out: str
-    target: str | None = None            # verifier folder; default: the store's target
-    draft_vocab_size: int = 32000        # clamped to the target vocabulary
+    target: str | None = None  # verifier folder; default: the store's target
+    draft_vocab_size: int = 32000  # clamped to the target vocabulary
     ttt_steps: int = 3
     ttt_step_loss_decay: float = 1.0
     lr: float = 1e-3
@@ -62,38 +62,38 @@ class TrainConfig:
     warmup_steps: int = 0
     epochs: int = 1
     max_steps: int | None = None
-    batch_samples: int = 8               # global batch (samples per optimizer step)
-    pack_tokens: int = 0                 # >0: pack a rank's samples into sequences of up to this many
-                                         # tokens (one forward each; loss is then a token mean per pack)
+    batch_samples: int = 8  # global batch (samples per optimizer step)
+    pack_tokens: int = 0  # >0: pack a rank's samples into sequences of up to this many
+    # tokens (one forward each; loss is then a token mean per pack)
     max_grad_norm: float = 1.0
     seed: int = 0
-    checkpoint_every: int = 0            # steps; 0 = by time only
-    checkpoint_minutes: float = 10.0     # minutes of work between checkpoints; 0 = by steps only
-    keep_checkpoints: int = 3            # newest complete checkpoints kept (0 = all)
+    checkpoint_every: int = 0  # steps; 0 = by time only
+    checkpoint_minutes: float = 10.0  # minutes of work between checkpoints; 0 = by steps only
+    keep_checkpoints: int = 3  # newest complete checkpoints kept (0 = all)
     checkpoint_background: bool | None = None  # write checkpoints in a thread while training goes on (the final one
     # not: it is published); None: on CUDA (checkpoint.Background)
-    on_bad_sample: str = "stop"          # stop | skip (skipped samples are counted and reported)
+    on_bad_sample: str = "stop"  # stop | skip (skipped samples are counted and reported)
     serve_tps: tuple[int, ...] | None = None  # TP sizes the exported draft must load at in vLLM (None: SERVE_TPS;
     # for an MLA draft those of them its target's heads split over)
-    export_dtype: str = "bfloat16"       # dtype of the published draft
+    export_dtype: str = "bfloat16"  # dtype of the published draft
     device: str = "cpu"
-    dtype: str = "float32"               # training dtype of the draft and its inputs
-    precision: str = "auto"              # auto: bf16-mixed on CUDA (fp32 weights and optimizer, bf16 matmuls under
-                                         # autocast) when dtype is float32, fp32 on the CPU; or fp32 | bf16-mixed
+    dtype: str = "float32"  # training dtype of the draft and its inputs
+    precision: str = "auto"  # auto: bf16-mixed on CUDA (fp32 weights and optimizer, bf16 matmuls under
+    # autocast) when dtype is float32, fp32 on the CPU; or fp32 | bf16-mixed
     loss: str = "kl_div"
-    loss_impl: str = "auto"              # chunked (train/chunked_loss.py) | eager | fused (Triton, GPU);
+    loss_impl: str = "auto"  # chunked (train/chunked_loss.py) | eager | fused (Triton, GPU);
     # auto: chunked on CUDA (no float32 [T, V] kept per TTT step), eager on CPU
-    attn_impl: str = "sdpa"              # sdpa (speculators' dense mask) | varlen (train/ttt_attention.py: no
-                                         # mask) | simple_flex_attention
+    attn_impl: str = "sdpa"  # sdpa (speculators' dense mask) | varlen (train/ttt_attention.py: no
+    # mask) | simple_flex_attention
     compile: bool = False
     resume: bool = True
     speculative_tokens: int | None = None  # written to the config; default ttt_steps
     shape: dict = field(default_factory=dict)  # DraftShape overrides
-    draft_arch: str = "llama"            # llama (speculators' layer) | mla (DeepSeek MLA: Eagle3DeepseekV3ForCausalLM)
-    fc_norm: bool = False                # EAGLE-3.1: an RMSNorm on each aux state before fc
-    norm_output: bool = False            # EAGLE-3.1: the post-norm state feeds the next draft step
-    allow_incomplete: bool = False       # train on a store that holds fewer samples than its plan names
-    read_ahead: bool = True              # read step s + 1's samples while step s trains (train/read_ahead.py)
+    draft_arch: str = "llama"  # llama (speculators' layer) | mla (DeepSeek MLA: Eagle3DeepseekV3ForCausalLM)
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm on each aux state before fc
+    norm_output: bool = False  # EAGLE-3.1: the post-norm state feeds the next draft step
+    allow_incomplete: bool = False  # train on a store that holds fewer samples than its plan names
+    read_ahead: bool = True  # read step s + 1's samples while step s trains (train/read_ahead.py)
     restart_hint: str = "--no-resume starts over"  # what the resume warning tells the user (demo: its own way)
 
 
@@ -122,10 +122,10 @@ class TrainResult:
     losses: list[float]
     accept: dict[str, float]
     resumed_from: int = 0
-    skipped: dict[str, str] = field(default_factory=dict)   # sample id -> why (on_bad_sample="skip")
+    skipped: dict[str, str] = field(default_factory=dict)  # sample id -> why (on_bad_sample="skip")
     tokens_this_run: int = 0
-    notes: list[str] = field(default_factory=list)            # what the run decided that the user should know
-    phases: dict[str, float] = field(default_factory=dict)    # seconds: setup (before the first step; not in
+    notes: list[str] = field(default_factory=list)  # what the run decided that the user should know
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: setup (before the first step; not in
     # ``seconds``), reading (the steps waited for their samples), steps, checkpoints (saved and published)
     timeline: list[tuple[float, int]] = field(default_factory=list)  # per step of this run: (seconds from the first
     # step's start to this step's end, before any checkpoint; tokens the step trained, every rank's)
@@ -157,28 +157,42 @@ class TrainResult:
     def lines(self) -> list[str]:
         a, b = (self.losses[0], self.losses[-1]) if self.losses else (float("nan"),) * 2
         acc = ", ".join(f"{k} {v:.3f}" for k, v in self.accept.items())
-        run = (f"already trained: nothing to do (checkpoint at step {self.resumed_from})"
-               if self.resumed_from == self.steps else
-               f"{self.tokens_this_run} tokens in {self.seconds:.1f} s = {self.tokens_per_s:,.0f} tok/s"
-               + (f" (resumed from step {self.resumed_from})" if self.resumed_from else ""))
-        lines = [f"draft      {self.draft}",
-                 f"steps      {self.steps} ({self.samples_seen} samples, {self.tokens_seen} tokens); this run: {run}",
-                 f"loss       {a:.4f} -> {b:.4f}",
-                 f"accuracy   {acc}"]
+        run = (
+            f"already trained: nothing to do (checkpoint at step {self.resumed_from})"
+            if self.resumed_from == self.steps
+            else f"{self.tokens_this_run} tokens in {self.seconds:.1f} s = {self.tokens_per_s:,.0f} tok/s"
+            + (f" (resumed from step {self.resumed_from})" if self.resumed_from else "")
+        )
+        lines = [
+            f"draft      {self.draft}",
+            f"steps      {self.steps} ({self.samples_seen} samples, {self.tokens_seen} tokens); this run: {run}",
+            f"loss       {a:.4f} -> {b:.4f}",
+            f"accuracy   {acc}",
+        ]
         if self.phases:
-            lines.append("time       " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
-                         + " (reading: what the steps waited for their samples)"
-                         + (f"; sustained {self.sustained_tokens_per_s():,.0f} tok/s (the later half of the steps)"
-                            if len(self.timeline) > 1 else ""))
+            lines.append(
+                "time       "
+                + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
+                + " (reading: what the steps waited for their samples)"
+                + (
+                    f"; sustained {self.sustained_tokens_per_s():,.0f} tok/s (the later half of the steps)"
+                    if len(self.timeline) > 1
+                    else ""
+                )
+            )
         lines += [f"note       {n}" for n in self.notes]
         if self.skipped:
-            lines.append(f"skipped    {len(self.skipped)} bad samples, e.g. "
-                         + "; ".join(f"{k}: {v}" for k, v in list(self.skipped.items())[:3]))
+            lines.append(
+                f"skipped    {len(self.skipped)} bad samples, e.g. "
+                + "; ".join(f"{k}: {v}" for k, v in list(self.skipped.items())[:3])
+            )
         return lines
 
 
-FIX = ("run `eagle3 verify --fix {store}` (it quarantines bad shards), then rerun the same `eagle3 extract` "
-       "command to redo them; or train with --on-bad-sample skip to leave them out")
+FIX = (
+    "run `eagle3 verify --fix {store}` (it quarantines bad shards), then rerun the same `eagle3 extract` "
+    "command to redo them; or train with --on-bad-sample skip to leave them out"
+)
 
 
 class StoreSamples:
@@ -218,6 +232,7 @@ class StoreSamples:
     def check_ahead(self, order: Iterable[int]) -> None:
         """Check the checksums of the shards of samples ``order`` (the order they will be read) in a background
         thread, each shard where its first sample comes; get() waits for a shard's check begun there."""
+
         def first_reads() -> Iterator[str]:
             seen: set[str] = set()
             for i in order:
@@ -248,8 +263,9 @@ class StoreSamples:
 
     def _bad(self, file: str, sid: str | None, what: str) -> BadData:
         where = f"store {self.store.root}, shard {file}" + (f", sample {sid}" if sid else "")
-        return BadData(f"{where}: {what}. Training stopped before learning from it: "
-                       + FIX.format(store=self.store.root))
+        return BadData(
+            f"{where}: {what}. Training stopped before learning from it: " + FIX.format(store=self.store.root)
+        )
 
     def verify_shard(self, file: str) -> None:
         if not self.checks.matches(file):
@@ -273,9 +289,14 @@ class StoreSamples:
         self.verify_shard(file)
         with safe_open(str(self.store.root / file), framework="pt") as f:
             hs = read_states(f, self.store.spec, a, b)  # [T, n_layers, H]; aux layers first, the last id last
-            x = {"sample_id": sid, "shard": file, "input_ids": f.get_slice("input_ids")[a:b].long(),
-                 "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
-                 "aux": hs[:, :-1].reshape(hs.shape[0], -1), "last": hs[:, -1]}
+            x = {
+                "sample_id": sid,
+                "shard": file,
+                "input_ids": f.get_slice("input_ids")[a:b].long(),
+                "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
+                "aux": hs[:, :-1].reshape(hs.shape[0], -1),
+                "last": hs[:, -1],
+            }
         if not all_finite(hs):
             layers, n = nonfinite_layers(hs)
             raise self._bad(file, sid, f"{n} NaN/Inf values in the states of layer ids {[self.ids[k] for k in layers]}")
@@ -324,9 +345,14 @@ def pack_inputs(xs: list[dict], guard: int = 0, pin: bool = False, multiple: int
     def empty(like: torch.Tensor) -> torch.Tensor:  # [1, n, *like's row shape], like's dtype (the store's)
         return host_empty((1, n, *like.shape[1:]), like.dtype, pin)
 
-    out = {"input_ids": empty(first["input_ids"]), "hidden_states": empty(first["aux"]),
-           "verifier_last_hidden_states": empty(first["last"]), "loss_mask": empty(first["loss_mask"]),
-           "position_ids": host_empty((1, n), torch.long, pin), "document_ids": host_empty((1, n), torch.long, pin)}
+    out = {
+        "input_ids": empty(first["input_ids"]),
+        "hidden_states": empty(first["aux"]),
+        "verifier_last_hidden_states": empty(first["last"]),
+        "loss_mask": empty(first["loss_mask"]),
+        "position_ids": host_empty((1, n), torch.long, pin),
+        "document_ids": host_empty((1, n), torch.long, pin),
+    }
     at = 0
     for d, x in enumerate(xs):
         t = x["input_ids"].shape[0] - 1
@@ -361,8 +387,9 @@ def to_device(inputs: dict, device: str, dtype: torch.dtype) -> dict:
     return out
 
 
-def reads_from(samples: "StoreSamples", step: int, steps_per_epoch: int, batch_samples: int, rank: int, world: int,
-               epochs: int = 2) -> Iterator[int]:
+def reads_from(
+    samples: StoreSamples, step: int, steps_per_epoch: int, batch_samples: int, rank: int, world: int, epochs: int = 2
+) -> Iterator[int]:
     """The sample indices this rank reads from step ``step`` on, in order, to the end of ``epochs`` epochs
     (StoreSamples.batch, each epoch's permutation drawn once)."""
     first, k0 = divmod(step, steps_per_epoch)
@@ -372,8 +399,9 @@ def reads_from(samples: "StoreSamples", step: int, steps_per_epoch: int, batch_s
             yield from order[k * batch_samples : (k + 1) * batch_samples][rank::world]
 
 
-def micro_batches(samples: "StoreSamples", indices: list[int], pack_tokens: int,
-                  skipped: dict[str, str] | None = None) -> list[list[dict]]:
+def micro_batches(
+    samples: StoreSamples, indices: list[int], pack_tokens: int, skipped: dict[str, str] | None = None
+) -> list[list[dict]]:
     """One sample per forward, or packs of up to pack_tokens tokens. With ``skipped`` (on_bad_sample="skip"),
     bad samples are left out and recorded there instead of stopping the run."""
     xs = []
@@ -402,13 +430,22 @@ def pack_groups(lengths: list[int], pack_tokens: int) -> list[list[int]]:
     return packs + ([cur] if cur else [])
 
 
-def read_packs(samples: "StoreSamples", indices: list[int], pack_tokens: int, guard: int, pin: bool,
-               skipped: dict[str, str] | None = None, multiple: int = 1) -> list[tuple[list[str], dict]]:
+def read_packs(
+    samples: StoreSamples,
+    indices: list[int],
+    pack_tokens: int,
+    guard: int,
+    pin: bool,
+    skipped: dict[str, str] | None = None,
+    multiple: int = 1,
+) -> list[tuple[list[str], dict]]:
     """The samples ``indices`` as a training step takes them (the reader thread's work, train/read_ahead.py): read
     and checked, packed (padded to a multiple of ``multiple`` rows), pinned where ``pin``. (sample ids, host
     inputs) a pack."""
-    return [([x["sample_id"] for x in p], pack_inputs(p, guard, pin, multiple))
-            for p in micro_batches(samples, indices, pack_tokens, skipped)]
+    return [
+        ([x["sample_id"] for x in p], pack_inputs(p, guard, pin, multiple))
+        for p in micro_batches(samples, indices, pack_tokens, skipped)
+    ]
 
 
 def _dist():
@@ -464,8 +501,14 @@ def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples, shape: Dr
         ttt_attention.register()
     attn = ttt_attention.NAME if varlen else cfg.attn_impl
     config = speculators_config(
-        shape, aux_ids(store.spec.layer_ids), n_draft, cfg.speculative_tokens or cfg.ttt_steps, target,
-        list(tcfg.get("architectures") or []), attn_implementation=attn, fc_norm=cfg.fc_norm,
+        shape,
+        aux_ids(store.spec.layer_ids),
+        n_draft,
+        cfg.speculative_tokens or cfg.ttt_steps,
+        target,
+        list(tcfg.get("architectures") or []),
+        attn_implementation=attn,
+        fc_norm=cfg.fc_norm,
         norm_output=cfg.norm_output,
     )
     torch.manual_seed(cfg.seed)
@@ -528,10 +571,12 @@ def optimizer_kwargs(device_type: str, impl: str = "auto") -> dict:
     return {impl: True}
 
 
-def make_optimizer(params, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0, device_type: str = "cpu",
-                   impl: str = "auto") -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
-                             **optimizer_kwargs(device_type, impl))
+def make_optimizer(
+    params, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0, device_type: str = "cpu", impl: str = "auto"
+) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        params, lr=lr, betas=betas, weight_decay=weight_decay, **optimizer_kwargs(device_type, impl)
+    )
 
 
 def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
@@ -546,8 +591,10 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
         raise ValueError(f"on_bad_sample must be stop or skip, got {cfg.on_bad_sample!r}")
     preflight.train_attention(cfg.attn_impl, cfg.compile, cfg.device)
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise StoreError(f"--device {cfg.device}: torch {torch.__version__} sees no CUDA device here; "
-                         "train with --device cpu or on a GPU host")
+        raise StoreError(
+            f"--device {cfg.device}: torch {torch.__version__} sees no CUDA device here; "
+            "train with --device cpu or on a GPU host"
+        )
     ownership.check(cfg.out, "train")  # a new, empty or train folder (claimed before its first write, below)
     checkpoint.refuse_foreign_draft_files(Path(cfg.out))
     fault = faults.from_env()
@@ -573,8 +620,10 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     steps_per_epoch = len(samples) // cfg.batch_samples
     total = min(cfg.max_steps or 10**12, steps_per_epoch * cfg.epochs)
     if cfg.max_steps and cfg.max_steps > total:
-        notes.append(f"--steps {cfg.max_steps}: stopping at {total} steps: --epochs {cfg.epochs} over {len(samples)} "
-                     f"samples in batches of {cfg.batch_samples} is {total} steps (raise --epochs for more)")
+        notes.append(
+            f"--steps {cfg.max_steps}: stopping at {total} steps: --epochs {cfg.epochs} over {len(samples)} "
+            f"samples in batches of {cfg.batch_samples} is {total} steps (raise --epochs for more)"
+        )
     for n in notes:
         if rank == 0:
             log.warning("%s", n)
@@ -595,12 +644,14 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()]
-                                      if cfg.device.startswith("cuda") else None)
+        ddp = DistributedDataParallel(
+            model, device_ids=[torch.cuda.current_device()] if cfg.device.startswith("cuda") else None
+        )
     model.train()
     amp = mixed_precision(cfg)
-    autocast = functools.partial(torch.autocast, device_type=cfg.device.split(":")[0], dtype=torch.bfloat16,
-                                 enabled=amp)
+    autocast = functools.partial(
+        torch.autocast, device_type=cfg.device.split(":")[0], dtype=torch.bfloat16, enabled=amp
+    )
     skipped = state["skipped"] if cfg.on_bad_sample == "skip" else None
     guard = max(0, cfg.ttt_steps - 1)
     accept_sums: dict[str, float] = {}
@@ -623,9 +674,14 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, desc="train", unit="step")
     watch = compile_watch.RecompileLimitHits()  # dynamo giving up on a function of a compiled run: said in the notes
     background = checkpoint.Background() if checkpoint_background(cfg) else None
-    with bar, watch, contextlib.closing(samples.checks), background or contextlib.nullcontext(), \
-            torch.compiler.set_stance("default" if cfg.compile else "force_eager"), \
-            interrupt.Deferred() as stop:
+    with (
+        bar,
+        watch,
+        contextlib.closing(samples.checks),
+        background or contextlib.nullcontext(),
+        torch.compiler.set_stance("default" if cfg.compile else "force_eager"),
+        interrupt.Deferred() as stop,
+    ):
         while state["step"] < total:
             step = state["step"]
             began = time.perf_counter()
@@ -651,31 +707,42 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
                 weight = len(pack_ids)  # a pack's loss is a mean over its samples' tokens; weigh it by samples
                 with ctx:
                     with autocast():
-                        _, loss, metrics = ddp(**inputs, ttt_steps=cfg.ttt_steps,
-                                               ttt_step_loss_decay=cfg.ttt_step_loss_decay, loss_config=loss_config)
+                        _, loss, metrics = ddp(
+                            **inputs,
+                            ttt_steps=cfg.ttt_steps,
+                            ttt_step_loss_decay=cfg.ttt_step_loss_decay,
+                            loss_config=loss_config,
+                        )
                     (loss * weight * world / cfg.batch_samples).backward()
                 losses.append(loss.detach())
                 sums[1] += sample_rows(host)  # the samples' rows, not flex's padding
-                accepts += [(name, torch.as_tensor(v, device=loss.device).detach()) for name, v in metrics.items()
-                            if name.startswith("full_acc_")]
+                accepts += [
+                    (name, torch.as_tensor(v, device=loss.device).detach())
+                    for name, v in metrics.items()
+                    if name.startswith("full_acc_")
+                ]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             # the step's one read of the device: its packs' losses, the gradient norm, the acceptance counts
             # (float64: the float32 losses exactly, as float() read them, and counts past 2**24)
-            read = torch.stack([t.double().reshape(()) for t in losses + [grad_norm] + [v for _, v in accepts]]).tolist()
+            read = torch.stack(
+                [t.double().reshape(()) for t in losses + [grad_norm] + [v for _, v in accepts]]
+            ).tolist()
             for (pack_ids, _), value in zip(packs, read):
                 if not math.isfinite(value):  # the gradients of that loss are not finite either: no step taken
                     raise TrainingDiverged(
                         f"step {step + 1}: the loss is {value} on samples "
                         f"{pack_ids}; stopped before the optimizer step, nothing written. "
-                        "Lower --lr, or check those samples with `eagle3 verify`.")
+                        "Lower --lr, or check those samples with `eagle3 verify`."
+                    )
                 sums[0] += value * len(pack_ids)  # weighed by samples, as the backward's loss was (weight)
-            for (name, _), value in zip(accepts, read[len(packs) + 1:]):
+            for (name, _), value in zip(accepts, read[len(packs) + 1 :]):
                 accept_sums[name] = accept_sums.get(name, 0.0) + value
             grad_norm = read[len(packs)]
             if not math.isfinite(grad_norm):
                 raise TrainingDiverged(
                     f"step {step + 1}: the gradient norm is {grad_norm} (samples {ids}); stopped before the "
-                    "optimizer step, nothing written. Lower --lr, or check those samples with `eagle3 verify`.")
+                    "optimizer step, nothing written. Lower --lr, or check those samples with `eagle3 verify`."
+                )
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr * lr_at(step)
             optimizer.step()
@@ -695,9 +762,11 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
             last = state["step"] == total
             if last:
                 state["accept"] = _acceptance(accept_sums)
-            due = (cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0) or (
-                cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes) or (
-                samples.wants_checkpoint())
+            due = (
+                (cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0)
+                or (cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes)
+                or (samples.wants_checkpoint())
+            )
             saving = time.perf_counter()
             timeline.append((saving - t0, int(sums[1])))
             path = None
@@ -724,10 +793,23 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
         notes.append(n)
         if rank == 0:
             log.warning("%s", n)
-    return TrainResult(str(out), str(out / "draft"), state["step"], state["samples_seen"], state["tokens_seen"],
-                       time.perf_counter() - t0, state["losses"], state.get("accept", {}), resumed_from,
-                       dict(state["skipped"]), tokens_this_run, notes, {k: round(v, 3) for k, v in phases.items()},
-                       timeline, t0)
+    return TrainResult(
+        str(out),
+        str(out / "draft"),
+        state["step"],
+        state["samples_seen"],
+        state["tokens_seen"],
+        time.perf_counter() - t0,
+        state["losses"],
+        state.get("accept", {}),
+        resumed_from,
+        dict(state["skipped"]),
+        tokens_this_run,
+        notes,
+        {k: round(v, 3) for k, v in phases.items()},
+        timeline,
+        t0,
+    )
 
 
 def fit_batch(cfg: TrainConfig, n: int, world: int, notes: list[str]) -> TrainConfig:
@@ -737,10 +819,13 @@ def fit_batch(cfg: TrainConfig, n: int, world: int, notes: list[str]) -> TrainCo
         return cfg
     batch = n - n % world
     if batch == 0:
-        raise StoreMismatch(f"store {cfg.store} holds {n} samples, fewer than the {world} training processes; extract "
-                            "more samples, or train with fewer processes")
-    notes.append(f"--batch {cfg.batch_samples}: the store holds {n} samples, so each step trains on {batch} "
-                 f"(as --batch {batch})")
+        raise StoreMismatch(
+            f"store {cfg.store} holds {n} samples, fewer than the {world} training processes; extract "
+            "more samples, or train with fewer processes"
+        )
+    notes.append(
+        f"--batch {cfg.batch_samples}: the store holds {n} samples, so each step trains on {batch} (as --batch {batch})"
+    )
     return replace(cfg, batch_samples=batch)
 
 

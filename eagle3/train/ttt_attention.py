@@ -25,7 +25,7 @@ import torch
 
 NAME = "eagle3_varlen"  # the attention function's name in transformers' registry (the config's attn_implementation)
 KWARG = "eagle3_cu_seqlens"  # the forward keyword the packed samples' boundaries travel by: int32 [n_samples + 1]
-LONGEST = "eagle3_longest"   # and the longest sample's length (an int: no device sync to read it)
+LONGEST = "eagle3_longest"  # and the longest sample's length (an int: no device sync to read it)
 
 
 def register() -> None:
@@ -55,8 +55,10 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
     """transformers' attention-function contract: returns (output [1, T, H, D], None)."""
     cu = kwargs.get(KWARG)
     if cu is None:
-        raise ValueError(f"attention {NAME!r} needs the packed samples' boundaries: pass {KWARG}=cu_seqlens to the "
-                         "draft's forward (ttt_attention.forward_kwargs(document_ids))")
+        raise ValueError(
+            f"attention {NAME!r} needs the packed samples' boundaries: pass {KWARG}=cu_seqlens to the "
+            "draft's forward (ttt_attention.forward_kwargs(document_ids))"
+        )
     if dropout:
         raise ValueError(f"attention {NAME!r} has no dropout")
     if query.shape[0] != 1:
@@ -80,7 +82,7 @@ class TTTAttention(torch.autograd.Function):
         if pad < 0:
             raise ValueError(f"values of {v.shape[-1]} wider than keys of {q.shape[-1]}")
         o_a, lse_a, aux = _causal_forward(q, k[:, :, :t], _pad(v[:, :, :t], pad), cu, scale, longest)
-        o_a = o_a[..., :v.shape[-1]]  # [1, H, T, Dv]; lse_a [1, H, T] float32
+        o_a = o_a[..., : v.shape[-1]]  # [1, H, T, Dv]; lse_a [1, H, T] float32
         o, lse = _merge(q, k, v, t, o_a, lse_a, scale)
         ctx.save_for_backward(q, k, v, cu, o, lse, *aux)
         ctx.scale = scale
@@ -92,15 +94,16 @@ class TTTAttention(torch.autograd.Function):
         scale, t = ctx.scale, q.shape[2]
         d_o = d_o.contiguous()
         pad = q.shape[-1] - v.shape[-1]
-        dq, dk0, dv0 = _causal_backward(_pad(d_o, pad), q, k[:, :, :t], _pad(v[:, :, :t], pad), _pad(o, pad), lse, cu,
-                                        scale, aux)
-        dq, dk0, dv0 = dq.float(), dk0.float(), dv0[..., :v.shape[-1]].float()
+        dq, dk0, dv0 = _causal_backward(
+            _pad(d_o, pad), q, k[:, :, :t], _pad(v[:, :, :t], pad), _pad(o, pad), lse, cu, scale, aux
+        )
+        dq, dk0, dv0 = dq.float(), dk0.float(), dv0[..., : v.shape[-1]].float()
         dks, dvs = [dk0], [dv0]
         g = q.shape[1] // k.shape[1]
         dof, qf = d_o.float(), q.float()
         big_d = (dof * o.float()).sum(-1)  # [1, H, T]: rowsum(dO * o), the softmax's backward term
         for j in range(1, k.shape[2] // t):
-            kj, vj = _heads(k[:, :, j * t:(j + 1) * t], g).float(), _heads(v[:, :, j * t:(j + 1) * t], g).float()
+            kj, vj = _heads(k[:, :, j * t : (j + 1) * t], g).float(), _heads(v[:, :, j * t : (j + 1) * t], g).float()
             p = torch.exp((qf * kj).sum(-1) * scale - lse)  # [1, H, T]: the merged softmax's weight of key j
             d_s = p * ((dof * vj).sum(-1) - big_d)
             dq = dq + d_s[..., None] * kj * scale
@@ -132,8 +135,8 @@ def _merge(q, k, v, t: int, o_a, lse_a, scale: float):
     qf = q.float()
     scores, values = [lse_a], [None]
     for j in range(1, k.shape[2] // t):
-        scores.append((qf * _heads(k[:, :, j * t:(j + 1) * t], g).float()).sum(-1) * scale)
-        values.append(_heads(v[:, :, j * t:(j + 1) * t], g))
+        scores.append((qf * _heads(k[:, :, j * t : (j + 1) * t], g).float()).sum(-1) * scale)
+        values.append(_heads(v[:, :, j * t : (j + 1) * t], g))
     lse = torch.logsumexp(torch.stack(scores), 0)
     o = torch.exp(lse_a - lse)[..., None] * o_a.float()
     for s_j, v_j in zip(scores[1:], values[1:]):
@@ -150,8 +153,13 @@ def _causal_forward(q, k, v, cu, scale, longest=None):
     outs, lses = [], []
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[:, :, a:b].contiguous(), _heads(k[:, :, a:b], g).contiguous(), _heads(v[:, :, a:b], g).contiguous(),
-            0.0, True, scale=scale)
+            q[:, :, a:b].contiguous(),
+            _heads(k[:, :, a:b], g).contiguous(),
+            _heads(v[:, :, a:b], g).contiguous(),
+            0.0,
+            True,
+            scale=scale,
+        )
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, 2), torch.cat(lses, 2).float(), ()
@@ -165,9 +173,16 @@ def _causal_backward(d_o, q, k, v, o, lse, cu, scale, aux):
     dqs, dks, dvs = [], [], []
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            d_o[:, :, a:b].contiguous(), q[:, :, a:b].contiguous(), _heads(k[:, :, a:b], g).contiguous(),
-            _heads(v[:, :, a:b], g).contiguous(), o[:, :, a:b].contiguous(), lse[:, :, a:b].contiguous(),
-            0.0, True, scale=scale)
+            d_o[:, :, a:b].contiguous(),
+            q[:, :, a:b].contiguous(),
+            _heads(k[:, :, a:b], g).contiguous(),
+            _heads(v[:, :, a:b], g).contiguous(),
+            o[:, :, a:b].contiguous(),
+            lse[:, :, a:b].contiguous(),
+            0.0,
+            True,
+            scale=scale,
+        )
         dqs.append(dq)
         dks.append(_group_sum(dk, g))
         dvs.append(_group_sum(dv, g))
@@ -181,16 +196,21 @@ def _thd(x: torch.Tensor) -> torch.Tensor:
 
 def _flash_forward(q, k, v, cu, scale, longest=None):
     if q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"attention {NAME!r} on CUDA runs flash attention, which takes bf16 or fp16, not {q.dtype}: "
-                         "train with --precision bf16-mixed (the CUDA default), or --attn sdpa")
+        raise ValueError(
+            f"attention {NAME!r} on CUDA runs flash attention, which takes bf16 or fp16, not {q.dtype}: "
+            "train with --precision bf16-mixed (the CUDA default), or --attn sdpa"
+        )
     cu = cu.to(device=q.device, dtype=torch.int32)
     longest = longest or int((cu[1:] - cu[:-1]).max())
     out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-        _thd(q), _thd(k), _thd(v), cu, cu, longest, longest, 0.0, True, False, scale=scale)
+        _thd(q), _thd(k), _thd(v), cu, cu, longest, longest, 0.0, True, False, scale=scale
+    )
     h, t = q.shape[1], q.shape[2]
     if tuple(lse.shape) != (h, t):
-        raise RuntimeError(f"flash attention's log-sum-exp came back {tuple(lse.shape)}, not (heads, tokens) = "
-                           f"{(h, t)}: this torch's varlen layout differs; train with --attn sdpa")
+        raise RuntimeError(
+            f"flash attention's log-sum-exp came back {tuple(lse.shape)}, not (heads, tokens) = "
+            f"{(h, t)}: this torch's varlen layout differs; train with --attn sdpa"
+        )
     return out.transpose(0, 1)[None], lse[None].float(), (rng, unused, cu, torch.tensor(longest))
 
 
@@ -198,6 +218,20 @@ def _flash_backward(d_o, q, k, v, o, lse, cu, scale, aux):
     rng, unused, cu, longest = aux
     longest = int(longest)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        _thd(d_o), _thd(q), _thd(k), _thd(v), _thd(o), lse[0].contiguous(), cu, cu, longest, longest, 0.0, True,
-        rng, unused, scale=scale)
+        _thd(d_o),
+        _thd(q),
+        _thd(k),
+        _thd(v),
+        _thd(o),
+        lse[0].contiguous(),
+        cu,
+        cu,
+        longest,
+        longest,
+        0.0,
+        True,
+        rng,
+        unused,
+        scale=scale,
+    )
     return dq.transpose(0, 1)[None], dk.transpose(0, 1)[None], dv.transpose(0, 1)[None]

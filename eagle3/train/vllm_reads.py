@@ -41,7 +41,8 @@ def reads(folder: str | Path) -> dict:
     return {
         "method": cfg.get("speculators_model_type"),
         "architecture": {"llama": "Eagle3LlamaForCausalLM", "qwen3": "Eagle3Qwen3ForCausalLM"}.get(
-            layer.get("model_type", "llama")),
+            layer.get("model_type", "llama")
+        ),
         "num_speculative_tokens": methods[0].get("speculative_tokens"),
         "verifier": (spec.get("verifier") or {}).get("name_or_path"),
         "aux_layer_ids": cfg.get("eagle_aux_hidden_state_layer_ids"),
@@ -60,8 +61,9 @@ def reads(folder: str | Path) -> dict:
         "head_dim": int(layer.get("head_dim") or hidden // heads),
         "intermediate_size": int(layer["intermediate_size"]),
         "num_hidden_layers": int(layer.get("num_hidden_layers", 1)),
-        "rope_theta": float((layer.get("rope_parameters") or {}).get("rope_theta") or layer.get("rope_theta")
-                            or 10000.0),
+        "rope_theta": float(
+            (layer.get("rope_parameters") or {}).get("rope_theta") or layer.get("rope_theta") or 10000.0
+        ),
         "dtype": layer.get("torch_dtype") or layer.get("dtype") or cfg.get("torch_dtype"),
     }
 
@@ -84,37 +86,50 @@ def mla_problems(folder: str | Path) -> list[str]:
     c, t = json.loads((Path(folder) / "config.json").read_text()), tensor_shapes(folder)
     h, nh, qk = c["hidden_size"], c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     p = "layers.0.self_attn."
-    want = {"fc.weight": (h, c["target_hidden_size"] * c["num_aux_hidden_states"]),
-            "lm_head.weight": (c["draft_vocab_size"], h),
-            p + "kv_a_proj_with_mqa.weight": (c["kv_lora_rank"] + c["qk_rope_head_dim"], 2 * h),
-            p + "kv_b_proj.weight": (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
-            p + "o_proj.weight": (h, nh * c["v_head_dim"]),
-            "layers.0.mlp.down_proj.weight": (h, c["intermediate_size"])}
+    want = {
+        "fc.weight": (h, c["target_hidden_size"] * c["num_aux_hidden_states"]),
+        "lm_head.weight": (c["draft_vocab_size"], h),
+        p + "kv_a_proj_with_mqa.weight": (c["kv_lora_rank"] + c["qk_rope_head_dim"], 2 * h),
+        p + "kv_b_proj.weight": (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
+        p + "o_proj.weight": (h, nh * c["v_head_dim"]),
+        "layers.0.mlp.down_proj.weight": (h, c["intermediate_size"]),
+    }
     if c.get("q_lora_rank"):
-        want.update({p + "q_a_proj.weight": (c["q_lora_rank"], 2 * h), p + "q_b_proj.weight": (nh * qk, c["q_lora_rank"])})
+        want.update(
+            {p + "q_a_proj.weight": (c["q_lora_rank"], 2 * h), p + "q_b_proj.weight": (nh * qk, c["q_lora_rank"])}
+        )
     else:
         want[p + "q_proj.weight"] = (nh * qk, 2 * h)
     if c.get("fc_norm"):
         want.update({f"fc_norm.{i}.weight": (c["target_hidden_size"],) for i in range(c["num_aux_hidden_states"])})
     if c["draft_vocab_size"] < c["vocab_size"]:
         want["d2t"] = (c["draft_vocab_size"],)
-    out = [f"{k}: the file has {t[k][0] if k in t else 'no such tensor'}, vLLM builds {v}"
-           for k, v in want.items() if t.get(k, (None,))[0] != v]
+    out = [
+        f"{k}: the file has {t[k][0] if k in t else 'no such tensor'}, vLLM builds {v}"
+        for k, v in want.items()
+        if t.get(k, (None,))[0] != v
+    ]
     if c.get("architectures") != ["Eagle3DeepseekV3ForCausalLM"]:
         out.append(f"architectures {c.get('architectures')}: vLLM builds the MLA draft as Eagle3DeepseekV3ForCausalLM")
     if len(c.get("eagle_aux_hidden_state_layer_ids") or []) != c["num_aux_hidden_states"]:
         out.append("eagle_aux_hidden_state_layer_ids and num_aux_hidden_states disagree")
     if c.get("model_type") in ("deepseek_v3", "deepseek_v32"):  # config/speculative.py hf_config_override
-        out.append(f"model_type {c['model_type']}: vLLM 0.26 takes the draft for a DeepSeek MTP model; write deepseek_v2")
+        out.append(
+            f"model_type {c['model_type']}: vLLM 0.26 takes the draft for a DeepSeek MTP model; write deepseek_v2"
+        )
     target_heads = (c.get("eagle3_mla") or {}).get("target_heads")
     if target_heads and nh != target_heads:  # MLACommonMetadataBuilder: the target's heads for every MLA layer
-        out.append(f"num_attention_heads {nh}, the target's {target_heads}: vLLM 0.26 builds the MLA attention "
-                   "metadata from the target's heads (FA3 MLA fails at the first decode: 'scheduler_metadata must "
-                   "have shape')")
+        out.append(
+            f"num_attention_heads {nh}, the target's {target_heads}: vLLM 0.26 builds the MLA attention "
+            "metadata from the target's heads (FA3 MLA fails at the first decode: 'scheduler_metadata must "
+            "have shape')"
+        )
     rs = c.get("rope_scaling") or {}
     if "factor" not in rs or "rope_theta" not in rs:  # deepseek_eagle3.py builds deepseek_yarn from rope_scaling
-        out.append("rope_scaling without factor or rope_theta: vLLM 0.26 builds the MLA draft's RoPE as deepseek_yarn "
-                   "from it (KeyError 'factor'; base 10000 without rope_theta)")
+        out.append(
+            "rope_scaling without factor or rope_theta: vLLM 0.26 builds the MLA draft's RoPE as deepseek_yarn "
+            "from it (KeyError 'factor'; base 10000 without rope_theta)"
+        )
     return out
 
 
@@ -124,24 +139,31 @@ def problems(folder: str | Path) -> list[str]:
         return mla_problems(folder)
     r, t = reads(folder), tensor_shapes(folder)
     q_out = r["num_attention_heads"] * r["head_dim"]
-    want = {"fc.weight": (r["hidden_size"], r["fc_input_size"]),
-            "lm_head.weight": (r["draft_vocab_size"], r["hidden_size"]),
-            "layers.0.self_attn.q_proj.weight": (q_out, 2 * r["hidden_size"]),  # the layer takes [embeds, hidden]
-            "layers.0.self_attn.k_proj.weight": (r["num_key_value_heads"] * r["head_dim"], 2 * r["hidden_size"]),
-            "layers.0.mlp.down_proj.weight": (r["hidden_size"], r["intermediate_size"])}
+    want = {
+        "fc.weight": (r["hidden_size"], r["fc_input_size"]),
+        "lm_head.weight": (r["draft_vocab_size"], r["hidden_size"]),
+        "layers.0.self_attn.q_proj.weight": (q_out, 2 * r["hidden_size"]),  # the layer takes [embeds, hidden]
+        "layers.0.self_attn.k_proj.weight": (r["num_key_value_heads"] * r["head_dim"], 2 * r["hidden_size"]),
+        "layers.0.mlp.down_proj.weight": (r["hidden_size"], r["intermediate_size"]),
+    }
     if r["draft_vocab_size"] < r["vocab_size"]:
         want["d2t"] = (r["draft_vocab_size"],)
     if r["fc_norm"]:  # llama_eagle3.py: one RMSNorm per aux state before fc (EAGLE-3.1)
         want.update({f"fc_norm.{i}.weight": (r["target_hidden_size"],) for i in range(r["num_aux_hidden_states"])})
     if r["norm_before_fc"]:
         want["input_norm.weight"] = (r["fc_input_size"],)
-    out = [f"{k}: the file has {t[k][0] if k in t else 'no such tensor'}, vLLM builds {v}"
-           for k, v in want.items() if t.get(k, (None,))[0] != v]
+    out = [
+        f"{k}: the file has {t[k][0] if k in t else 'no such tensor'}, vLLM builds {v}"
+        for k, v in want.items()
+        if t.get(k, (None,))[0] != v
+    ]
     if not r["fc_norm"] and any(k.startswith("fc_norm.") for k in t):
         out.append("the file has fc_norm weights but config.json says fc_norm false: vLLM would skip them")
     if r["aux_layer_ids"] is None:
         out.append("eagle_aux_hidden_state_layer_ids missing: vLLM would tap its default layers")
     elif len(r["aux_layer_ids"]) != r["num_aux_hidden_states"]:
-        out.append(f"{len(r['aux_layer_ids'])} aux layer ids but vLLM sizes fc for {r['num_aux_hidden_states']} "
-                   "(transformer_layer_config.num_aux_hidden_states)")
+        out.append(
+            f"{len(r['aux_layer_ids'])} aux layer ids but vLLM sizes fc for {r['num_aux_hidden_states']} "
+            "(transformer_layer_config.num_aux_hidden_states)"
+        )
     return out

@@ -84,8 +84,9 @@ def target(request, tmp_path_factory, report) -> TargetUnderTest:
         folder = tiny.build_model(profile, tmp_path_factory.mktemp(profile.name), dtype="bfloat16")
         return TargetUnderTest(folder, profile, tp, local=False, load_format="dummy")
     t0 = time.perf_counter()
-    folder = tiny.build_model(profile, tmp_path_factory.mktemp(profile.name), seed=0, dtype="bfloat16",
-                              device="cuda", fixed_routing=True)
+    folder = tiny.build_model(
+        profile, tmp_path_factory.mktemp(profile.name), seed=0, dtype="bfloat16", device="cuda", fixed_routing=True
+    )
     report("target_build_s", round(time.perf_counter() - t0, 1))
     return TargetUnderTest(folder, profile, tp, local=True)
 
@@ -104,10 +105,17 @@ class Engines:
             if not self.target.local:  # a real target fills the GPUs: one engine at a time
                 self.close()
             self.cache[strategy] = VLLMBackend(
-                str(self.target.path), self.spec, tp=self.target.tp, capture=strategy,
-                gpu_memory_utilization=0.2 if self.target.local else 0.85, max_model_len=MAX_MODEL_LEN,
-                max_num_batched_tokens=MAX_BATCHED_TOKENS, log_level="INFO", load_format=self.target.load_format,
-                extra_engine_args={"jit_monitor_verbose": True})  # every compile after warm-up logged, not the first
+                str(self.target.path),
+                self.spec,
+                tp=self.target.tp,
+                capture=strategy,
+                gpu_memory_utilization=0.2 if self.target.local else 0.85,
+                max_model_len=MAX_MODEL_LEN,
+                max_num_batched_tokens=MAX_BATCHED_TOKENS,
+                log_level="INFO",
+                load_format=self.target.load_format,
+                extra_engine_args={"jit_monitor_verbose": True},
+            )  # every compile after warm-up logged, not the first
             self.report(f"engine_start_s[{strategy}]", round(self.cache[strategy].start_seconds, 1))
         return self.cache[strategy]
 
@@ -131,13 +139,20 @@ def hf_reference(target):
         pytest.skip(f"{target.profile.name} does not fit the hf reference on one device")
     from eagle3.extract.hf_backend import HFBackend
 
-    return HFBackend(target.path, target.profile.layer_ids, device="cuda", compute_dtype="float32",
-                     out_dtype="float32", batch_size=1)
+    return HFBackend(
+        target.path, target.profile.layer_ids, device="cuda", compute_dtype="float32", out_dtype="float32", batch_size=1
+    )
 
 
 def extract_with(backend, target: TargetUnderTest, samples, out: Path, batch_size: int = 8, **kw) -> dict:
     """Run the production extraction path into a store; return {sample_id: sample} read back."""
-    cfg = extract.ExtractConfig(model=str(target.path), out=str(out), backend="vllm", batch_size=batch_size,
-                                shard_samples=kw.pop("shard_samples", 8), **kw)
+    cfg = extract.ExtractConfig(
+        model=str(target.path),
+        out=str(out),
+        backend="vllm",
+        batch_size=batch_size,
+        shard_samples=kw.pop("shard_samples", 8),
+        **kw,
+    )
     extract.run(cfg, samples=samples, backend=backend, progress=False)
     return {s["sample_id"]: s for s in Store.open(out).iter_samples()}

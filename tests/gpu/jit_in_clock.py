@@ -20,8 +20,10 @@ import sys
 # (EngineCore pid=3977) WARNING 12-04 03:33:06 [jit_monitor.py:135] Triton kernel JIT compilation during inference:
 # fused_moe_kernel. This causes a latency spike; ...
 # verbose: "... inference: fused_moe_kernel (constexprs={BLOCK_SIZE_M=128, ...}; signature={...}; ...). This ..."
-JIT = re.compile(r"(\d\d:\d\d:\d\d) \[jit_monitor\.py:\d+\] .*JIT compilation during inference: ([\w.]+)"
-                 r"(?: \(constexprs=(\{.*?\});)?")
+JIT = re.compile(
+    r"(\d\d:\d\d:\d\d) \[jit_monitor\.py:\d+\] .*JIT compilation during inference: ([\w.]+)"
+    r"(?: \(constexprs=(\{.*?\});)?"
+)
 # an engine's start (the LLM's own log line, not pytest's capture of it): INFO 12-04 04:30:47 [api_utils.py:273]
 # non-default args: {..., 'jit_monitor_verbose': True, ...}
 ENGINE = re.compile(r"\d\d:\d\d:\d\d \[api_utils\.py:\d+\] non-default args: (.*)")
@@ -70,8 +72,10 @@ def main(argv: list[str]) -> int:
         print(f"{key}: {'JIT INSIDE ITS CLOCK: ' + said if hits else 'no JIT inside its clock'}")
     quiet, engines = quiet_engines(text)
     if quiet:
-        print(f"CAUTION: vLLM logged only each engine's first compile (jit_monitor_verbose off in {quiet} of "
-              f"{engines} engines): a later one inside a clock would not show")
+        print(
+            f"CAUTION: vLLM logged only each engine's first compile (jit_monitor_verbose off in {quiet} of "
+            f"{engines} engines): a later one inside a clock would not show"
+        )
     print(f"{len(jits)} JIT warning(s) in {log}; {len(found)} figure(s) with a clock in {report}")
     return 1 if any(found.values()) else 0
 

@@ -16,7 +16,6 @@ import json
 import sys
 from pathlib import Path
 
-
 # Functions that may reach the recompile limit and run eagerly after it at a small cost: speculators' accuracies
 # (metrics.py; the 6c7a0aa run on an H200 reached it there, the run's rate 0.95x the fixed-length 8k row)
 EAGER_OK = ("'compute_metrics'",)

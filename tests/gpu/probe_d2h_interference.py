@@ -41,14 +41,27 @@ def uva_view(host: torch.Tensor) -> torch.Tensor:
 
     class Interface:
         def __init__(self):
-            self.__cuda_array_interface__ = {"shape": (host.nbytes // 4,), "typestr": "<i4",
-                                             "data": (host.data_ptr(), False), "version": 3}
+            self.__cuda_array_interface__ = {
+                "shape": (host.nbytes // 4,),
+                "typestr": "<i4",
+                "data": (host.data_ptr(), False),
+                "version": 3,
+            }
 
     return torch.as_tensor(Interface(), device="cuda")
 
 
-def run(steps: int, mats: int, copy_bytes: int, chunk: int | None, host: torch.Tensor, priority: int = 0,
-        consumer: bool = False, launches: int = 0, uva: torch.Tensor | None = None) -> dict:
+def run(
+    steps: int,
+    mats: int,
+    copy_bytes: int,
+    chunk: int | None,
+    host: torch.Tensor,
+    priority: int = 0,
+    consumer: bool = False,
+    launches: int = 0,
+    uva: torch.Tensor | None = None,
+) -> dict:
     """``consumer``: a thread waits for each copy (event.synchronize), as the capture's consumer does;
     ``launches``: tiny kernels per step, so the step needs the GIL (a thread holding it would show);
     ``uva``: copy with an elementwise kernel into uva_view(host) instead of the copy engine."""
@@ -103,9 +116,17 @@ def run(steps: int, mats: int, copy_bytes: int, chunk: int | None, host: torch.T
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     copy_s = sum(b.elapsed_time(e) for b, e in copy_ms) / 1e3
-    return {"chunk_MB": chunk and chunk >> 20, "copy_MB_per_step": copy_bytes >> 20, "steps": steps,
-            "ms_per_step": round(seconds / steps * 1e3, 2), "copy_ms_per_step": round(copy_s / steps * 1e3, 2),
-            "priority": priority, "consumer": consumer, "launches": launches, "uva_kernel": uva is not None}
+    return {
+        "chunk_MB": chunk and chunk >> 20,
+        "copy_MB_per_step": copy_bytes >> 20,
+        "steps": steps,
+        "ms_per_step": round(seconds / steps * 1e3, 2),
+        "copy_ms_per_step": round(copy_s / steps * 1e3, 2),
+        "priority": priority,
+        "consumer": consumer,
+        "launches": launches,
+        "uva_kernel": uva is not None,
+    }
 
 
 def run_capture(steps: int, mats: int, chunk_bytes: int | None, tokens: int = 16384, batch: int = 3) -> dict:
@@ -146,8 +167,12 @@ def run_capture(steps: int, mats: int, chunk_bytes: int | None, tokens: int = 16
     copy_ms = cap.stats.copy_s / steps * 1e3 if cap is not None else 0.0
     if cap is not None:
         cap.close()
-    return {"capture_chunk_MB": None if chunk_bytes is None else chunk_bytes / (1 << 20), "steps": steps,
-            "ms_per_step": round(seconds / steps * 1e3, 2), "copy_ms_per_step": round(copy_ms, 2)}
+    return {
+        "capture_chunk_MB": None if chunk_bytes is None else chunk_bytes / (1 << 20),
+        "steps": steps,
+        "ms_per_step": round(seconds / steps * 1e3, 2),
+        "copy_ms_per_step": round(copy_ms, 2),
+    }
 
 
 def main() -> None:
@@ -155,9 +180,16 @@ def main() -> None:
     copy_bytes = 16384 * 4 * 7168 * 2  # one 16,384-token step of mini-Kimi's four layers, bf16 (0.94 GB)
     host = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, pin_memory=True)
     run(5, mats, copy_bytes, None, host)  # warm-up
-    for copy, chunk, prio in [(0, None, 0), (copy_bytes, None, 0), (copy_bytes, 256 << 20, 0),
-                              (copy_bytes, 64 << 20, 0), (copy_bytes, 16 << 20, 0), (copy_bytes, 4 << 20, 0),
-                              (copy_bytes, None, -1), (0, None, 0)]:
+    for copy, chunk, prio in [
+        (0, None, 0),
+        (copy_bytes, None, 0),
+        (copy_bytes, 256 << 20, 0),
+        (copy_bytes, 64 << 20, 0),
+        (copy_bytes, 16 << 20, 0),
+        (copy_bytes, 4 << 20, 0),
+        (copy_bytes, None, -1),
+        (0, None, 0),
+    ]:
         print(json.dumps(run(steps, mats, copy, chunk, host, prio)), flush=True)
     try:  # the copy as a kernel writing mapped host memory: does it leave the engine's small copy alone?
         alias = uva_view(host)
@@ -167,8 +199,10 @@ def main() -> None:
         probe = torch.arange(1024, device="cuda", dtype=torch.int32)
         torch.mul(probe, 1, out=alias[:1024])
         torch.cuda.synchronize()
-        print(json.dumps({"uva_kernel_wrote_host": bool(torch.equal(host.view(torch.int32)[:1024].cpu(),
-                                                                       probe.cpu()))}), flush=True)
+        print(
+            json.dumps({"uva_kernel_wrote_host": bool(torch.equal(host.view(torch.int32)[:1024].cpu(), probe.cpu()))}),
+            flush=True,
+        )
     except Exception as e:  # noqa: BLE001 - a probe: say why the variant could not run
         print(json.dumps({"uva_kernel": f"{type(e).__name__}: {e}"}), flush=True)
     for copy, consumer in [(0, False), (copy_bytes, False), (copy_bytes, True), (0, False)]:  # the GIL question

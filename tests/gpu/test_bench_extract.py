@@ -41,14 +41,17 @@ Each store figure reports the main loop's time per phase (loop_timing: submit sp
 commit, finish; the committer's manifest writes and the window's unlinks) and every figure the page cache's peak
 dirty and writeback sizes (dirty_max_GB, writeback_max_GB) and its rate in each quarter of the batches with their
 spread (bench_summary's spread_within_run: read ratios closer than that as equal).
-The 118974b run on the H200 (mini-Kimi 64x512; results/2026-12-03-118974b-h200-vllm0.26.0/): d2h 55 GB/s, so the "13 GB/s
-limit" read of the 3cf512b and e41ccad runs was wrong. In one run: plain 326,360; host 269,139 (0.82x) with the copies issued by
+The 118974b run on the H200 (mini-Kimi 64x512; results/2026-12-03-118974b-h200-vllm0.26.0/): d2h 55 GB/s, so the "13
+GB/s
+limit" read of the 3cf512b and e41ccad runs was wrong. In one run: plain 326,360; host 269,139 (0.82x) with the
+copies issued by
 the capture's consumer vs 230,510 (0.71x) issued by the forward (tests/gpu/probe_d2h_interference.py: a big
 device-to-host copy delays the engine's small one behind it by ~the copy's time; chunks and stream priority do
 not help); the fsynced store 31,186 tok/s committed in the loop (25.5 of 33.6 s in commit: 0.85x of the fsync
 limit) vs 35,948 (0.98x) committed by a thread, now extract.run's BackgroundCommitter. Another run, same host:
 store_nofsync 178,414 vs vllm_ehs 180,664 (0.99x; its commits were still in the loop, 1.6 s). The 90b2d70 run
-(results/2026-12-03-90b2d70-h200-vllm0.26.0/): kimi-depth for the first time, fsynced store 7,392 vs plain 8,153 (0.907x,
+(results/2026-12-03-90b2d70-h200-vllm0.26.0/): kimi-depth for the first time, fsynced store 7,392 vs plain 8,153
+(0.907x,
 8 batches); mini-Kimi count 0.845x and host 0.825x plain.
 """
 
@@ -88,8 +91,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.benchmark]
 
 ALL_SHAPES = [(16, 512), (64, 512), (8, 4096)]
 PLAIN_MODES = ["plain", "plain_sync", "plain_auxout"]
-EAGLE3_MODES = ["count", "host", "count_direct", "count_gil_direct", "host_direct", "host_whole_direct", "host_slots8",
-                "store", "store_nofsync", "store_fp8", "store_direct", "store_nofsync_direct"]
+EAGLE3_MODES = [
+    "count",
+    "host",
+    "count_direct",
+    "count_gil_direct",
+    "host_direct",
+    "host_whole_direct",
+    "host_slots8",
+    "store",
+    "store_nofsync",
+    "store_fp8",
+    "store_direct",
+    "store_nofsync_direct",
+]
 KNOWN_MODES = {"disk", "d2h", "vllm_ehs", "hooks_host", "hf", *PLAIN_MODES, *EAGLE3_MODES}
 
 
@@ -172,8 +187,11 @@ def warm_batches(target, t: int) -> list[list]:
     if t not in _WARM:
         sizes = bench.warm_steps(bench.loop_step_tokens(t, MAX_BATCHED_TOKENS), moe_config_of(target))
         lengths = bench.warm_prompts(sizes, MAX_MODEL_LEN - 1)
-        flat = iter(random_samples(sum(map(len, lengths)), [n for each in lengths for n in each],
-                                   target.profile.vocab_size, seed=2000 + t))
+        flat = iter(
+            random_samples(
+                sum(map(len, lengths)), [n for each in lengths for n in each], target.profile.vocab_size, seed=2000 + t
+            )
+        )
         _WARM[t] = [list(itertools.islice(flat, len(each))) for each in lengths]
     return _WARM[t]
 
@@ -195,8 +213,9 @@ def _wall() -> str:
     return time.strftime("%H:%M:%S", time.localtime(time.time()))
 
 
-def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start=lambda: None, lookahead=False,
-              **extra) -> int:
+def sustained(
+    benchmark, target, key: str, run_batch, finish=lambda: None, start=lambda: None, lookahead=False, **extra
+) -> int:
     """Warm up (a step per MoE kernel config the loop can meet, warm_batches, then WARMUP batches); write the page
     cache's dirty data to the disk (an earlier figure's files: the kernel would write them back during this one);
     then time the loop over BATCHES batches, or more up to MAX_BATCHES until MIN_SECONDS have passed, up to
@@ -237,28 +256,50 @@ def sustained(benchmark, target, key: str, run_batch, finish=lambda: None, start
         out["clock"].append(_wall())
         out["batches"] = len(ends)
         after = _disk_bytes_written(tempfile.gettempdir())
-        out["disk"] = {} if None in (written, after) else {
-            "disk_written_GB": round((after - written) / 1e9, 2),
-            "disk_write_GB_per_s": round((after - written) / 1e9 / out["seconds"], 2)}
+        out["disk"] = (
+            {}
+            if None in (written, after)
+            else {
+                "disk_written_GB": round((after - written) / 1e9, 2),
+                "disk_write_GB_per_s": round((after - written) / 1e9 / out["seconds"], 2),
+            }
+        )
         out["quarters"] = _quarters(t0, ends, b * t)
 
     with _PageCache() as cache:
         benchmark.pedantic(loop, rounds=1, iterations=1)
     _next_wall_second()  # what runs next (another figure's warm-up) is logged in a later second than the clock ends
     n = out["batches"]
-    extra = dict(extra, **cache.peaks, **out["quarters"], **out["disk"], sync_before_s=out["sync_s"],
-                 warm_step_tokens=[sum(len(s) for s in batch) for batch in warm], timed_clock=out["clock"])
+    extra = dict(
+        extra,
+        **cache.peaks,
+        **out["quarters"],
+        **out["disk"],
+        sync_before_s=out["sync_s"],
+        warm_step_tokens=[sum(len(s) for s in batch) for batch in warm],
+        timed_clock=out["clock"],
+    )
     tps = n * b * t / out["seconds"]
     RESULTS[key] = tps
     SPREADS[key] = out["quarters"]["spread"]
     PEAKS[key] = dict(cache.peaks)
     CLOCKS[key] = out["clock"]
-    _REPORT["put"](f"sustained[{key}]", {"tokens_per_s": round(tps), "seconds": round(out["seconds"], 2),
-                                          "batches": n, **extra})
+    _REPORT["put"](
+        f"sustained[{key}]", {"tokens_per_s": round(tps), "seconds": round(out["seconds"], 2), "batches": n, **extra}
+    )
     free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (0, 0)
-    benchmark.extra_info.update(key=key, tokens_per_s=round(tps), profile=_profile(target), mode=key.split("/")[0],
-                                batches=n, seconds=round(out["seconds"], 2), gpus=target.tp,
-                                gpu_mem_used_gib=round((total - free) / 2**30, 1), vllm=_vllm_version(), **extra)
+    benchmark.extra_info.update(
+        key=key,
+        tokens_per_s=round(tps),
+        profile=_profile(target),
+        mode=key.split("/")[0],
+        batches=n,
+        seconds=round(out["seconds"], 2),
+        gpus=target.tp,
+        gpu_mem_used_gib=round((total - free) / 2**30, 1),
+        vllm=_vllm_version(),
+        **extra,
+    )
     return n
 
 
@@ -423,10 +464,19 @@ def _common_engine_args(target) -> dict:
     workers, the V1 runner, vLLM's sampler: vllm_compat.prepare_environment), else a forked worker of an engine
     started after the driver touched CUDA dies (the 0ccc20f run, kimi-depth's plain)."""
     vllm_compat.prepare_environment()
-    return dict(model=str(target.path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN,
-                max_num_batched_tokens=MAX_BATCHED_TOKENS, skip_tokenizer_init=True, load_format=target.load_format,
-                gpu_memory_utilization=0.14 if target.local else 0.85, jit_monitor_verbose=True,
-                kernel_config={"enable_flashinfer_autotune": False}, tensor_parallel_size=target.tp)
+    return dict(
+        model=str(target.path),
+        dtype="bfloat16",
+        enable_prefix_caching=False,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        skip_tokenizer_init=True,
+        load_format=target.load_format,
+        gpu_memory_utilization=0.14 if target.local else 0.85,
+        jit_monitor_verbose=True,
+        kernel_config={"enable_flashinfer_autotune": False},
+        tensor_parallel_size=target.tp,
+    )
 
 
 class _Live:
@@ -479,19 +529,30 @@ def _plain_llm(target, async_scheduling: bool = True):
 def _ehs_llm(target, out):
     import vllm
 
-    llm = vllm.LLM(**_common_engine_args(target), speculative_config={
-        "method": "extract_hidden_states", "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(target.profile.layer_ids)}}},
-        kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                            "kv_connector_extra_config": {"shared_storage_path": str(out)}})
+    llm = vllm.LLM(
+        **_common_engine_args(target),
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(target.profile.layer_ids)}},
+        },
+        kv_transfer_config={
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(out)},
+        },
+    )
     return llm, out
 
 
 def _generate(llm, samples):
     from vllm import SamplingParams
 
-    return llm.generate([{"prompt_token_ids": list(s.input_ids)} for s in samples],
-                        SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+    return llm.generate(
+        [{"prompt_token_ids": list(s.input_ids)} for s in samples],
+        SamplingParams(max_tokens=1, temperature=0.0, detokenize=False),
+        use_tqdm=False,
+    )
 
 
 # The limits first: seconds each, and what the figures below are read against.
@@ -502,14 +563,18 @@ def test_disk_write_bandwidth(benchmark, target, tmp_path, fsync):
     chunking, fsynced or into the page cache; 4 files per thread (`eagle3 bench disk`)."""
     wanted("disk")
     written, writers = [], writer_threads(fsync)
-    benchmark.pedantic(lambda: written.append(bandwidth.write_round(tmp_path, fsync, writers, 4, SHARD_BYTES)),
-                       rounds=2, warmup_rounds=1)
+    benchmark.pedantic(
+        lambda: written.append(bandwidth.write_round(tmp_path, fsync, writers, 4, SHARD_BYTES)),
+        rounds=2,
+        warmup_rounds=1,
+    )
     bps = written[-1] / benchmark.stats.stats.median
     name = "fsync" if fsync else "page_cache"
     RESULTS[f"disk_bytes_per_s[{name}]"] = bps
     _REPORT["put"](f"disk_GB_per_s[{name}]", round(bps / 1e9, 2))
-    benchmark.extra_info.update(key=f"disk_{name}/{writers}x4x{SHARD_BYTES >> 20}MiB", bytes_per_s=round(bps),
-                                profile=_profile(target))
+    benchmark.extra_info.update(
+        key=f"disk_{name}/{writers}x4x{SHARD_BYTES >> 20}MiB", bytes_per_s=round(bps), profile=_profile(target)
+    )
 
 
 def test_device_to_host_bandwidth(benchmark, target):
@@ -579,14 +644,20 @@ def test_vllm_extract_hidden_states(benchmark, target, shape, live, tmp_path_fac
         for p in paths:
             _wait_written(p)
 
-    sustained(benchmark, target, f"vllm_ehs/{b}x{t}", run_batch, finish, start,
-              bytes_per_token=target.profile.bytes_per_token)
+    sustained(
+        benchmark, target, f"vllm_ehs/{b}x{t}", run_batch, finish, start, bytes_per_token=target.profile.bytes_per_token
+    )
     window.drain()
     kept = [p for p, _ in window.files]
     assert kept and all(os.path.exists(p) for p in kept)
-    _REPORT["put"](f"loop_timing[vllm_ehs/{b}x{t}]", {"unlink_s": round(window.unlink_s, 3),
-                                                     "window_max_GB": round(window.max_kept / 1e9, 3),
-                                                     "window_GB": round(window.limit / 1e9, 3)})
+    _REPORT["put"](
+        f"loop_timing[vllm_ehs/{b}x{t}]",
+        {
+            "unlink_s": round(window.unlink_s, 3),
+            "window_max_GB": round(window.max_kept / 1e9, 3),
+            "window_GB": round(window.limit / 1e9, 3),
+        },
+    )
     shutil.rmtree(out, ignore_errors=True)  # its last DISK_WINDOW bytes, dirty: not written back during the next figure
 
 
@@ -618,12 +689,20 @@ class _Loop:
         if o.sink == "store":
             shutil.rmtree(self.root, ignore_errors=True)
             spec = self.backend.spec
-            spec = StoreSpec(spec.target, spec.layer_ids, spec.hidden_size, FP8 if o.fp8 else "bfloat16",
-                             spec.convention)
+            spec = StoreSpec(
+                spec.target, spec.layer_ids, spec.hidden_size, FP8 if o.fp8 else "bfloat16", spec.convention
+            )
             self.store = Store.open(self.root, spec, create=True, fsync=o.fsync)
             self.committer = BackgroundCommitter(self, fsync=o.fsync)
-        self.session = VLLMSession(self.backend, self.store, cfg, mode=o.sink, slots=o.slots,
-                                   copy_chunk_bytes=0 if o.whole_copies else COPY_CHUNK_BYTES, gil_sampler=o.gil)
+        self.session = VLLMSession(
+            self.backend,
+            self.store,
+            cfg,
+            mode=o.sink,
+            slots=o.slots,
+            copy_chunk_bytes=0 if o.whole_copies else COPY_CHUNK_BYTES,
+            gil_sampler=o.gil,
+        )
         self.timing = dict.fromkeys(self.timing, 0.0)
 
     def drain(self):  # after the clock: the window's unlinks (as a consumer would make them) are done
@@ -670,8 +749,16 @@ def test_eagle3_aux_capture(benchmark, target, live, tmp_path, shape, mode):
     sink, strategy = bench.split_mode(mode)
     loop = _Loop(live.backend(strategy), target, sink, tmp_path / "store")
     bpt = target.profile.bytes_per_token // (2 if mode == "store_fp8" else 1)
-    n = sustained(benchmark, target, f"{mode}/{b}x{t}", loop.run_batch, loop.finish, loop.start, lookahead=True,
-                  bytes_per_token=bpt)
+    n = sustained(
+        benchmark,
+        target,
+        f"{mode}/{b}x{t}",
+        loop.run_batch,
+        loop.finish,
+        loop.start,
+        lookahead=True,
+        bytes_per_token=bpt,
+    )
     loop.drain()
     _report_capture_timing(benchmark, f"{mode}/{b}x{t}", loop.session.capture_timing)
     _REPORT["put"](f"loop_timing[{mode}/{b}x{t}]", {k: round(v, 3) for k, v in loop.timing.items()})
@@ -714,9 +801,16 @@ def test_ratios_acceptance_and_baseline(target, gpu_out, report):
     or on every shape (kimi-depth: store with fsync >= 0.95 x plain), on the modes of the capture strategy that
     extraction uses by default (--capture auto)."""
     jit, blind = jit_in_clocks(os.environ.get("EAGLE3_ENGINE_LOG"), CLOCKS)
-    summary, failures = acceptance(RESULTS, target.profile.name, target.profile.bytes_per_token, _profile(target),
-                                   bench.load_baselines(), capture=vllm_compat.pick_strategy("auto"), peaks=PEAKS,
-                                   jit=jit)
+    summary, failures = acceptance(
+        RESULTS,
+        target.profile.name,
+        target.profile.bytes_per_token,
+        _profile(target),
+        bench.load_baselines(),
+        capture=vllm_compat.pick_strategy("auto"),
+        peaks=PEAKS,
+        jit=jit,
+    )
     failures += blind
     summary["spread_within_run"] = dict(SPREADS)  # (max - min) / median of each figure's quarter rates
     summary["page_cache_peaks"] = dict(PEAKS)  # figure -> dirty_max_GB, writeback_max_GB while it ran
@@ -741,23 +835,46 @@ def jit_in_clocks(log: str | None, clocks: dict[str, list[str]]) -> tuple[dict |
         return None, [f"EAGLE3_ENGINE_LOG={log}: no such file"]
     quiet, engines = jit_in_clock.quiet_engines(text)
     if not engines:
-        return None, [(f"EAGLE3_ENGINE_LOG={log} holds no engine's start: run pytest with -s, so the engines' "
-                       "output reaches it")]
-    blind = [(f"EAGLE3_ENGINE_LOG={log}: {quiet} of {engines} engines ran without jit_monitor_verbose; vLLM logged "
-              "only each one's first compile, so a later one inside a clock would not show")] if quiet else []
+        return None, [
+            (f"EAGLE3_ENGINE_LOG={log} holds no engine's start: run pytest with -s, so the engines' output reaches it")
+        ]
+    blind = (
+        [
+            (
+                f"EAGLE3_ENGINE_LOG={log}: {quiet} of {engines} engines ran without jit_monitor_verbose; vLLM logged "
+                "only each one's first compile, so a later one inside a clock would not show"
+            )
+        ]
+        if quiet
+        else []
+    )
     return jit_in_clock.hits(clocks, jit_in_clock.compiles(text)), blind
 
 
-def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselines: dict,
-               capture: str = "aux", peaks: dict | None = None, jit: dict | None = None) -> tuple[dict, list[str]]:
+def acceptance(
+    results: dict,
+    profile_name: str,
+    bpt: int,
+    profile: str,
+    baselines: dict,
+    capture: str = "aux",
+    peaks: dict | None = None,
+    jit: dict | None = None,
+) -> tuple[dict, list[str]]:
     """(summary with ratios and regressions, failed targets) from the measured figures (RESULTS' keys); a shape
     left out (EAGLE3_BENCH_SHAPES) has no ratios, and a target on it fails as not measured. The targets hold
     ``capture``'s modes (the strategy extraction uses by default); the summary's ``acceptance`` gives every
     strategy's failures, the others' as information. ``peaks`` (PEAKS) lets a page-cache figure's failure say
     whether the kernel wrote back while it ran. ``jit`` (jit_in_clocks): figure -> kernels compiled inside its
     clock; a target resting on such a figure fails (the 8ff3dae run's kimi-depth passed on a plain figure that did)."""
-    summary = {"profile": profile, "vllm": _vllm_version(), "bytes_per_token": bpt, "batches": BATCHES,
-               "modes": sorted(MODES) if MODES else "all", "tokens_per_s": dict(results)}
+    summary = {
+        "profile": profile,
+        "vllm": _vllm_version(),
+        "bytes_per_token": bpt,
+        "batches": BATCHES,
+        "modes": sorted(MODES) if MODES else "all",
+        "tokens_per_s": dict(results),
+    }
     disk = {k: results.get(f"disk_bytes_per_s[{k}]") for k in ("fsync", "page_cache")}
     summary["disk_GB_per_s"] = {k: v and round(v / 1e9, 2) for k, v in disk.items()}
     summary["d2h_GB_per_s"] = round(results.get("d2h_bytes_per_s", 0) / 1e9, 2)
@@ -775,7 +892,8 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
         limit = {k: bench.disk_limit(plain, v, bpt) for k, v in disk.items()}
         d2h = results.get("d2h_bytes_per_s")
         ratios[s] = {
-            "count/plain": over(got.get("count"), plain), "host/plain": over(got.get("host"), plain),
+            "count/plain": over(got.get("count"), plain),
+            "host/plain": over(got.get("host"), plain),
             "store/plain": over(got.get("store"), plain),
             "store/limit_fsync": over(got.get("store"), limit["fsync"]),
             "store_fp8/plain": over(got.get("store_fp8"), plain),
@@ -802,12 +920,18 @@ def acceptance(results: dict, profile_name: str, bpt: int, profile: str, baselin
     if "hf/16x512" in results and "16x512" in ratios:
         ratios["16x512"]["store/hf"] = over(results.get("store/16x512"), results["hf/16x512"])  # information only
     summary["ratios"] = ratios
-    summary["regressions"] = [m for k, v in results.items() if "/" in k
-                              for m in [bench.regression(bench.Record("now", profile, k, v, {}), baselines, disk)] if m]
+    summary["regressions"] = [
+        m
+        for k, v in results.items()
+        if "/" in k
+        for m in [bench.regression(bench.Record("now", profile, k, v, {}), baselines, disk)]
+        if m
+    ]
 
     summary["jit_in_clock"] = "not checked" if jit is None else jit
-    by_capture = {c: _targets(ratios, results, profile_name, bpt, sfx, peaks or {}, jit or {})
-                  for c, sfx in CAPTURES.items()}
+    by_capture = {
+        c: _targets(ratios, results, profile_name, bpt, sfx, peaks or {}, jit or {}) for c, sfx in CAPTURES.items()
+    }
     summary["acceptance"] = {"capture": capture, **by_capture}
     return summary, by_capture[capture]
 
@@ -818,13 +942,14 @@ def _writeback(store: dict | None, ehs: dict | None) -> str:
     if not store or not store["writeback_max_GB"]:
         return ""
     other = f"; vllm_ehs {ehs['writeback_max_GB']:.2f} and {ehs['dirty_max_GB']:.2f} GB" if ehs else ""
-    return (f": the kernel wrote back up to {store['writeback_max_GB']:.2f} GB while it ran (dirty up to "
-            f"{store['dirty_max_GB']:.2f} GB{other}): past the background writeback threshold the figure measures "
-            "the disk and the unlinks that wait on it, not the sink")
+    return (
+        f": the kernel wrote back up to {store['writeback_max_GB']:.2f} GB while it ran (dirty up to "
+        f"{store['dirty_max_GB']:.2f} GB{other}): past the background writeback threshold the figure measures "
+        "the disk and the unlinks that wait on it, not the sink"
+    )
 
 
-def _targets(ratios: dict, results: dict, profile_name: str, bpt: int, sfx: str, peaks: dict,
-             jit: dict) -> list[str]:
+def _targets(ratios: dict, results: dict, profile_name: str, bpt: int, sfx: str, peaks: dict, jit: dict) -> list[str]:
     """Issue 14's targets on the modes of one capture strategy (``sfx``: "" aux, "_direct"): what they miss."""
     failures: list[str] = []
     label = " (--capture direct)" if sfx else ""
@@ -839,8 +964,10 @@ def _targets(ratios: dict, results: dict, profile_name: str, bpt: int, sfx: str,
         for mode in name.replace("limit_fsync", "plain").split("/"):  # the figures the ratio reads
             for t, kernel, constexprs in jit.get(f"{mode}/{shape}", []):
                 config = f" {constexprs}" if constexprs else ""
-                failures.append(f"{what}: {mode}/{shape} compiled {kernel} at {t}{config} inside its clock: not a "
-                                "sustained figure (the warm-up missed its config)")
+                failures.append(
+                    f"{what}: {mode}/{shape} compiled {kernel} at {t}{config} inside its clock: not a "
+                    "sustained figure (the warm-up missed its config)"
+                )
 
     if profile_name == "kimi-depth":
         for s in ratios:
@@ -852,26 +979,41 @@ def _targets(ratios: dict, results: dict, profile_name: str, bpt: int, sfx: str,
     d2h, plain = results.get("d2h_bytes_per_s"), results.get("plain/64x512")
     why = ""
     if r["host/limit_d2h"] is not None and d2h / bpt < 0.90 * plain:  # host, plain and d2h all measured
-        why = (f": unreachable on this host, whose device-to-host copies ({d2h / 1e9:.1f} GB/s) carry "
-               f"{d2h / bpt:,.0f} tok/s = {d2h / bpt / plain:.2f}x plain; "
-               f"host/limit_d2h {r['host/limit_d2h']:.2f}x")
+        why = (
+            f": unreachable on this host, whose device-to-host copies ({d2h / 1e9:.1f} GB/s) carry "
+            f"{d2h / bpt:,.0f} tok/s = {d2h / bpt / plain:.2f}x plain; "
+            f"host/limit_d2h {r['host/limit_d2h']:.2f}x"
+        )
     elif not sfx and r["count/plain"] is not None and r["count/plain"] < 0.90:  # the engine, before any copy
         why = f": the capture's engine with nothing copied (count) reaches {r['count/plain']:.2f}x plain"
         if r["plain_sync/plain"] is not None:
-            why += (f"; plain without async scheduling (which vLLM 0.26 refuses extract_hidden_states engines) "
-                    f"{r['plain_sync/plain']:.2f}x; host/plain_sync {r['host/plain_sync']:.2f}x")
+            why += (
+                f"; plain without async scheduling (which vLLM 0.26 refuses extract_hidden_states engines) "
+                f"{r['plain_sync/plain']:.2f}x; host/plain_sync {r['host/plain_sync']:.2f}x"
+            )
         if r["host_direct/plain"] is not None:
             why += f"; with --capture direct (a plain engine) host reaches {r['host_direct/plain']:.2f}x"
     elif sfx and r["count_direct/plain"] is not None and r["host_direct/plain"] is not None:
         why = f": count{label} reaches {r['count_direct/plain']:.2f}x plain"
         if r["plain_auxout/plain"] is not None:
-            why += (f"; the engine alone, its model returning the aux states (plain_auxout), "
-                    f"{r['plain_auxout/plain']:.2f}x; count_direct/plain_auxout {r['count_direct/plain_auxout']:.2f}x")
+            why += (
+                f"; the engine alone, its model returning the aux states (plain_auxout), "
+                f"{r['plain_auxout/plain']:.2f}x; count_direct/plain_auxout {r['count_direct/plain_auxout']:.2f}x"
+            )
         if r["host_whole_direct/plain"] is not None:
             why += f"; with a step's copies issued at once host reaches {r['host_whole_direct/plain']:.2f}x"
     need("64x512", f"host{sfx}/plain", 0.90, f"null sink{label} / plain prefill", why)
-    need("64x512", f"store{sfx}/limit_fsync", 0.90,
-         f"fsynced store{label} / min(prefill, parallel fsync bandwidth / bytes per token)")
-    need("64x512", f"store_nofsync{sfx}/vllm_ehs", 1.0, f"page-cache store{label} / vLLM's extract_hidden_states",
-         _writeback(peaks.get(f"store_nofsync{sfx}/64x512"), peaks.get("vllm_ehs/64x512")))
+    need(
+        "64x512",
+        f"store{sfx}/limit_fsync",
+        0.90,
+        f"fsynced store{label} / min(prefill, parallel fsync bandwidth / bytes per token)",
+    )
+    need(
+        "64x512",
+        f"store_nofsync{sfx}/vllm_ehs",
+        1.0,
+        f"page-cache store{label} / vLLM's extract_hidden_states",
+        _writeback(peaks.get(f"store_nofsync{sfx}/64x512"), peaks.get("vllm_ehs/64x512")),
+    )
     return failures

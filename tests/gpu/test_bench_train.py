@@ -56,18 +56,19 @@ N_AUX, DRAFT_VOCAB, TTT = 3, 32000, 3
 class Bench:
     """What the benchmark measures on: the Kimi-K2.5 draft on CUDA here; a small draft on CPU in
     tests/unit/test_bench_train_rehearsal.py, which runs this file's code before a lease does."""
-    shape: object            # a DraftShape: the llama draft
-    mla: object              # an MLAShape: the MLA draft (the same hidden size and vocabulary)
+
+    shape: object  # a DraftShape: the llama draft
+    mla: object  # an MLAShape: the MLA draft (the same hidden size and vocabulary)
     device: str = "cuda"
     draft_vocab: int = DRAFT_VOCAB
     seqs: tuple = (2048, 8192, 32768)  # short, the goal's (8k), long (32k): tokens a packed sequence
-    longest_cap: int = 131072          # the longest-sequence search stops here (a probe at 128k: ~3 steps of ~10 s)
-    longest_step: int = 4096           # and resolves to a multiple of this
+    longest_cap: int = 131072  # the longest-sequence search stops here (a probe at 128k: ~3 steps of ~10 s)
+    longest_step: int = 4096  # and resolves to a multiple of this
     compiled: tuple = (("flex", "run"), ("varlen", 1), ("flex", 1), ("flex", 2), ("sdpa", 1))  # the compiled rows:
     # attention, index into seqs or "run" (a training run's packs, _compiled_run_row); the least known first (the run
     # row never ran; varlen compiled at 0ba8398 on an H100: 46.3 % MFU at 8k; sdpa at c5ebd37: 35.1 %)
-    run_steps: int = 10                # the compiled run row's steps (its packs)
-    parts: tuple = ()                  # run_bench's parts to measure (PARTS); () all of them
+    run_steps: int = 10  # the compiled run row's steps (its packs)
+    parts: tuple = ()  # run_bench's parts to measure (PARTS); () all of them
 
 
 PARTS = ("table", "mla", "varlen", "compiled", "longest")  # run_bench's parts, in its order
@@ -83,8 +84,10 @@ def parts_from_env() -> tuple:
     if unknown:
         raise ValueError(f"EAGLE3_BENCH_TRAIN_PARTS names {', '.join(unknown)}: the parts are {', '.join(PARTS)}")
     if "longest" in names and not {"table", "varlen"} <= set(names):
-        raise ValueError("EAGLE3_BENCH_TRAIN_PARTS: longest searches from the table's and the varlen rows; name "
-                         "table and varlen with it")
+        raise ValueError(
+            "EAGLE3_BENCH_TRAIN_PARTS: longest searches from the table's and the varlen rows; name "
+            "table and varlen with it"
+        )
     return names
 
 
@@ -107,8 +110,15 @@ def _model(b: Bench, mla=None, attn: str = "sdpa"):
     from eagle3.train.draft import speculators_config
 
     ttt_attention.register()
-    cfg = speculators_config(b.shape, [2, 30, 58], b.draft_vocab, TTT, "/nonexistent", ["DeepseekV3ForCausalLM"],
-                             attn_implementation=ATTN[attn])
+    cfg = speculators_config(
+        b.shape,
+        [2, 30, 58],
+        b.draft_vocab,
+        TTT,
+        "/nonexistent",
+        ["DeepseekV3ForCausalLM"],
+        attn_implementation=ATTN[attn],
+    )
     torch.manual_seed(0)
     with torch.device(b.device):
         m = Eagle3DraftModel(cfg)
@@ -122,7 +132,7 @@ def _model(b: Bench, mla=None, attn: str = "sdpa"):
         if p.isnan().any():  # the verifier's weights, unloaded: any values do for a speed test
             p.data.normal_(0, 0.02)
     t2d = torch.zeros(b.shape.vocab_size, dtype=torch.bool)
-    t2d[:b.draft_vocab] = True
+    t2d[: b.draft_vocab] = True
     m.load_vocab_mappings(t2d.to(b.device), torch.zeros(b.draft_vocab, dtype=torch.long, device=b.device))
     return m.float().train()
 
@@ -131,8 +141,8 @@ def _inputs(b: Bench, seq: int, attn: str = "sdpa", lengths: list[int] | None = 
     """One packed sequence of seq tokens: one sample (the attention's worst case: causal over all of it), or samples
     of ``lengths`` (summing to seq) with their document ids and positions as pack_inputs makes them; for flex, padded
     as the trainer pads (train.pack_multiple: whole 128-token blocks, a document of zero states no loss reads)."""
-    from eagle3.train import ttt_attention
     from eagle3.preflight import TRAIN_ATTN
+    from eagle3.train import ttt_attention
     from eagle3.train.train import pack_multiple
 
     h, device = b.shape.hidden_size, b.device
@@ -143,15 +153,18 @@ def _inputs(b: Bench, seq: int, attn: str = "sdpa", lengths: list[int] | None = 
     docs = torch.repeat_interleave(torch.arange(len(lengths) + 1), torch.tensor(lengths + [pad]))[None]
     extra = ttt_attention.forward_kwargs(docs, device) if attn == "varlen" else {}
     real = (torch.arange(rows) < seq)[None, :, None].to(device)  # the pad's states zero
-    return dict(extra, input_ids=torch.randint(0, b.draft_vocab, (1, rows), device=device, generator=g),
-                hidden_states=torch.randn(1, rows, N_AUX * h, device=device, generator=g,
-                                          dtype=torch.bfloat16).float() * real,
-                verifier_last_hidden_states=torch.randn(1, rows, h, device=device, generator=g,
-                                                        dtype=torch.bfloat16).float() * real,
-                loss_mask=real[..., 0].clone(),
-                position_ids=torch.cat([torch.arange(1, n + 1) for n in lengths]
-                                       + [torch.zeros(pad, dtype=torch.long)])[None].to(device),
-                document_ids=docs.to(device))
+    return dict(
+        extra,
+        input_ids=torch.randint(0, b.draft_vocab, (1, rows), device=device, generator=g),
+        hidden_states=torch.randn(1, rows, N_AUX * h, device=device, generator=g, dtype=torch.bfloat16).float() * real,
+        verifier_last_hidden_states=torch.randn(1, rows, h, device=device, generator=g, dtype=torch.bfloat16).float()
+        * real,
+        loss_mask=real[..., 0].clone(),
+        position_ids=torch.cat([torch.arange(1, n + 1) for n in lengths] + [torch.zeros(pad, dtype=torch.long)])[
+            None
+        ].to(device),
+        document_ids=docs.to(device),
+    )
 
 
 def _sync(device: str):
@@ -182,8 +195,14 @@ def _steps(model, opt, inputs, n: int, amp: bool, loss_impl: str = "auto", compi
 
 
 def _row(seq: int, amp: bool, mla, loss_impl: str, optimizer: str = "auto", attn: str = "sdpa") -> dict:
-    return {"draft": "mla" if mla is not None else "llama", "seq": seq, "precision": "bf16-mixed" if amp else "fp32",
-            "loss": loss_impl, "optimizer": optimizer, **({"attn": attn} if attn != "sdpa" else {})}
+    return {
+        "draft": "mla" if mla is not None else "llama",
+        "seq": seq,
+        "precision": "bf16-mixed" if amp else "fp32",
+        "loss": loss_impl,
+        "optimizer": optimizer,
+        **({"attn": attn} if attn != "sdpa" else {}),
+    }
 
 
 def _optimizer(b: Bench, model, impl: str = "auto"):
@@ -193,22 +212,54 @@ def _optimizer(b: Bench, model, impl: str = "auto"):
     return make_optimizer([p for p in model.parameters() if p.requires_grad], 1e-4, device_type=b.device, impl=impl)
 
 
-def _measure(b: Bench, model, opt, seq: int, amp: bool, steps: int = 5, mla=None, loss_impl: str = "auto",
-             optimizer: str = "auto", compiled: bool = False, attn: str = "sdpa") -> dict:
+def _measure(
+    b: Bench,
+    model,
+    opt,
+    seq: int,
+    amp: bool,
+    steps: int = 5,
+    mla=None,
+    loss_impl: str = "auto",
+    optimizer: str = "auto",
+    compiled: bool = False,
+    attn: str = "sdpa",
+) -> dict:
     inputs = _inputs(b, seq, attn)
     if b.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     _steps(model, opt, inputs, 2, amp, loss_impl, compiled)  # warm-up: allocator, kernels
     sec = _steps(model, opt, inputs, steps, amp, loss_impl, compiled)
-    per_token = flops.train_flops_per_token(b.shape, N_AUX, b.draft_vocab, TTT, seq) if mla is None else (
-        sum(flops.mla_linear_flops(mla, N_AUX, b.draft_vocab, TTT).values()) + flops.mla_attention_flops(mla, TTT, seq))
-    return dict(_row(seq, amp, mla, loss_impl, optimizer, attn), s_per_step=round(sec, 4), tok_per_s=round(seq / sec),
-                gflop_per_token=round(per_token / 1e9, 2), mfu=round(flops.mfu(seq / sec, per_token), 4),
-                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if b.device == "cuda" else None)
+    per_token = (
+        flops.train_flops_per_token(b.shape, N_AUX, b.draft_vocab, TTT, seq)
+        if mla is None
+        else (
+            sum(flops.mla_linear_flops(mla, N_AUX, b.draft_vocab, TTT).values())
+            + flops.mla_attention_flops(mla, TTT, seq)
+        )
+    )
+    return dict(
+        _row(seq, amp, mla, loss_impl, optimizer, attn),
+        s_per_step=round(sec, 4),
+        tok_per_s=round(seq / sec),
+        gflop_per_token=round(per_token / 1e9, 2),
+        mfu=round(flops.mfu(seq / sec, per_token), 4),
+        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if b.device == "cuda" else None,
+    )
 
 
-def _tried(b: Bench, model, opt, seq: int, amp: bool, steps: int = 5, mla=None, loss_impl: str = "auto",
-           optimizer: str = "auto", attn: str = "sdpa") -> dict:
+def _tried(
+    b: Bench,
+    model,
+    opt,
+    seq: int,
+    amp: bool,
+    steps: int = 5,
+    mla=None,
+    loss_impl: str = "auto",
+    optimizer: str = "auto",
+    attn: str = "sdpa",
+) -> dict:
     """_measure's row, or {seq, out_of_memory} where a step does not fit: one size that does not fit loses no other."""
     try:
         return _measure(b, model, opt, seq, amp, steps, mla, loss_impl, optimizer, attn=attn)
@@ -249,11 +300,21 @@ def test_bench_train_store_reader_against_the_trainer(tmp_path, report, gpu_out)
     long as its step allows."""
     got = reader_rate(tmp_path / "store", 64, 2048)
     row = reader_row(got)
-    report("bench_train_reader", {"tokens": got["tokens"], "tok_per_s": row["samples_tok_per_s"],
-                                  "gb_per_s": round(got["tokens"] / got["seconds"] * got["bytes_per_token"] / 1e9, 2),
-                                  "as_training_steps": {"tok_per_s": row["tok_per_s"], "step_tokens": row["seq"],
-                                                        "pinned": got["pinned"], "gb_per_s": row["gb_per_s"],
-                                                        "checks_inline_tok_per_s": row["checks_inline_tok_per_s"]}})
+    report(
+        "bench_train_reader",
+        {
+            "tokens": got["tokens"],
+            "tok_per_s": row["samples_tok_per_s"],
+            "gb_per_s": round(got["tokens"] / got["seconds"] * got["bytes_per_token"] / 1e9, 2),
+            "as_training_steps": {
+                "tok_per_s": row["tok_per_s"],
+                "step_tokens": row["seq"],
+                "pinned": got["pinned"],
+                "gb_per_s": row["gb_per_s"],
+                "checks_inline_tok_per_s": row["checks_inline_tok_per_s"],
+            },
+        },
+    )
     READER[:] = [row]  # beside the table's rows in GPU_OUT/benchmark.json: `bench report` sets it against them
     _write_history(gpu_out, [])
     assert got["tokens"] == 64 * 2048 and got["steps"] == 16
@@ -265,10 +326,14 @@ READER: list[dict] = []  # the reader's row for `bench report` (bench.train_line
 def reader_row(got: dict) -> dict:
     """reader_rate's figures as the history row `bench report` reads (bench.train_history: train_reader/SEQ)."""
     steps = got["tokens"] / got["step_seconds"]
-    return {"reader": True, "seq": got["step_tokens"], "tok_per_s": round(steps),
-            "gb_per_s": round(steps * got["bytes_per_token"] / 1e9, 2),
-            "samples_tok_per_s": round(got["tokens"] / got["seconds"]),
-            "checks_inline_tok_per_s": round(got["tokens"] / got["step_seconds_checks_inline"])}
+    return {
+        "reader": True,
+        "seq": got["step_tokens"],
+        "tok_per_s": round(steps),
+        "gb_per_s": round(steps * got["bytes_per_token"] / 1e9, 2),
+        "samples_tok_per_s": round(got["tokens"] / got["seconds"]),
+        "checks_inline_tok_per_s": round(got["tokens"] / got["step_seconds_checks_inline"]),
+    }
 
 
 def test_bench_train_kimi_draft(report, gpu_out):
@@ -306,8 +371,9 @@ def run_bench(b: Bench, report, gpu_out) -> None:
         report("bench_train_compiled", compiled)
         _write_history(gpu_out, rows + mla_rows + varlen + compiled, b.device)
     # last, the open-ended longest-sequence searches (the 32k goal's own row is in the table above)
-    for attn, table, key in (("sdpa", rows, "longest"), ("varlen", varlen, "longest_varlen")) if "longest" in wanted \
-            else ():
+    for attn, table, key in (
+        (("sdpa", rows, "longest"), ("varlen", varlen, "longest_varlen")) if "longest" in wanted else ()
+    ):
         longest = longest_search(b, attn, table)
         if attn == "sdpa":
             report("bench_train_longest_seq", longest)
@@ -323,8 +389,13 @@ def table_rows(b: Bench, report, gpu_out) -> tuple[list[dict], dict]:
     model = _model(b)
     opt = _optimizer(b, model)
     rows = []
-    for seq, amp, loss in ((short, True, "auto"), (mid, True, "auto"), (long, True, "auto"), (mid, False, "auto"),
-                           (long, True, "eager")):  # the last: speculators' eager loss, for its peak memory
+    for seq, amp, loss in (
+        (short, True, "auto"),
+        (mid, True, "auto"),
+        (long, True, "auto"),
+        (mid, False, "auto"),
+        (long, True, "eager"),
+    ):  # the last: speculators' eager loss, for its peak memory
         rows.append(_tried(b, model, opt, seq, amp, loss_impl=loss))
         report("bench_train_kimi_draft", rows)
     # the multi-tensor AdamW (torch's default) beside the trainer's fused one, at the goal's size
@@ -391,7 +462,7 @@ def longest_search(b: Bench, attn: str, rows: list[dict]) -> int | None:
     try:
         return longest_trainable(fits, [r for r in rows if r.get("draft", "llama") == "llama"], b)
     finally:
-        del model, opt
+        model = opt = None  # the memory back before the next search
         torch.cuda.empty_cache()
 
 
@@ -412,8 +483,9 @@ def _write_history(gpu_out, rows: list[dict], device: str | None = None) -> None
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     where = card(torch.cuda.get_device_name()) if device.startswith("cuda") else device
-    (gpu_out / "benchmark.json").write_text(json.dumps(train_history(
-        READER + rows, time.strftime("%Y-%m-%dT%H:%M"), f"{where}-kimi-k2.5-draft")))
+    (gpu_out / "benchmark.json").write_text(
+        json.dumps(train_history(READER + rows, time.strftime("%Y-%m-%dT%H:%M"), f"{where}-kimi-k2.5-draft"))
+    )
 
 
 def _compiled_row(b: Bench, seq: int, attn: str = "sdpa") -> dict:
@@ -430,10 +502,15 @@ def _compiled_row(b: Bench, seq: int, attn: str = "sdpa") -> dict:
         row = _measure(b, model, opt, seq, True, compiled=True, attn=attn)
         return dict(row, attn=attn, compiled=True, compile_warmup_s=round(warm, 1))
     except Exception as e:  # noqa: BLE001 - reported (running out of memory too): whether compile pays is the question
-        return {"seq": seq, "attn": attn, "compiled": True, "error": failure(e),
-                "seconds": round(time.perf_counter() - t0, 1)}
+        return {
+            "seq": seq,
+            "attn": attn,
+            "compiled": True,
+            "error": failure(e),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
     finally:
-        del model, opt
+        model = opt = None  # the memory back before the next search
         torch.cuda.empty_cache()
 
 
@@ -477,14 +554,26 @@ def _compiled_run_row(b: Bench, attn: str) -> dict:
             rate = tokens / sum(times[i] for i in later)
             linear = sum(flops.linear_flops(b.shape, N_AUX, b.draft_vocab, TTT).values())
             attention = sum(n * flops.attention_flops(b.shape, TTT, n) for i in later for n in packs[i]) / tokens
-            return dict(row, pack_tokens=[sum(p) for p in packs], documents=[len(p) for p in packs],
-                        s_per_step=[round(t, 3) for t in times], graphs_after_each_step=graphs,
-                        recompile_limit_hits=hits.messages, tok_per_s=round(rate),
-                        mfu=round(flops.mfu(rate, linear + attention), 4), seconds=round(time.perf_counter() - t0, 1),
-                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if b.device == "cuda" else None)
+            return dict(
+                row,
+                pack_tokens=[sum(p) for p in packs],
+                documents=[len(p) for p in packs],
+                s_per_step=[round(t, 3) for t in times],
+                graphs_after_each_step=graphs,
+                recompile_limit_hits=hits.messages,
+                tok_per_s=round(rate),
+                mfu=round(flops.mfu(rate, linear + attention), 4),
+                seconds=round(time.perf_counter() - t0, 1),
+                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if b.device == "cuda" else None,
+            )
         except Exception as e:  # noqa: BLE001 - reported as the row, as _compiled_row's
-            return dict(row, error=failure(e), steps_done=len(times),
-                        recompile_limit_hits=hits.messages, seconds=round(time.perf_counter() - t0, 1))
+            return dict(
+                row,
+                error=failure(e),
+                steps_done=len(times),
+                recompile_limit_hits=hits.messages,
+                seconds=round(time.perf_counter() - t0, 1),
+            )
         finally:
             del model, opt
             torch.cuda.empty_cache()
@@ -501,14 +590,22 @@ def reader_rate(root, n: int, seq: int, hidden: int = 7168, step_tokens: int = 8
     from eagle3.store.writer import ShardWriter
     from eagle3.train import train as train_mod
 
-    spec = StoreSpec(target={"name_or_path": "synthetic", "num_hidden_layers": 61, "vocab_size": 163840},
-                     layer_ids=(2, 30, 58, 61), hidden_size=hidden, dtype="bfloat16")
+    spec = StoreSpec(
+        target={"name_or_path": "synthetic", "num_hidden_layers": 61, "vocab_size": 163840},
+        layer_ids=(2, 30, 58, 61),
+        hidden_size=hidden,
+        dtype="bfloat16",
+    )
     store = Store.open(root, spec, create=True)
     writer = ShardWriter(root, spec, 0, shard_tokens=1 << 15)
     g = torch.Generator().manual_seed(0)
     for i in range(n):  # states [layers, T, H]
-        writer.add(f"s{i}", torch.randint(0, 163840, (seq,), generator=g), torch.ones(seq, dtype=torch.uint8),
-                   torch.randn(4, seq, hidden, generator=g).bfloat16())
+        writer.add(
+            f"s{i}",
+            torch.randint(0, 163840, (seq,), generator=g),
+            torch.ones(seq, dtype=torch.uint8),
+            torch.randn(4, seq, hidden, generator=g).bfloat16(),
+        )
     store.commit(writer.flush())
     writer.close()
     samples = train_mod.StoreSamples(Store.open(root), 0)
@@ -530,6 +627,13 @@ def reader_rate(root, n: int, seq: int, hidden: int = 7168, step_tokens: int = 8
 
     inline_seconds, _ = as_steps(False)
     step_seconds, steps = as_steps(True)
-    return {"tokens": tokens, "seconds": seconds, "bytes_per_token": 4 * hidden * 2, "steps": steps,
-            "step_tokens": step_tokens, "step_seconds": step_seconds, "pinned": pin,
-            "step_seconds_checks_inline": inline_seconds}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "bytes_per_token": 4 * hidden * 2,
+        "steps": steps,
+        "step_tokens": step_tokens,
+        "step_seconds": step_seconds,
+        "pinned": pin,
+        "step_seconds_checks_inline": inline_seconds,
+    }

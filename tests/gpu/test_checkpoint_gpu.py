@@ -26,18 +26,30 @@ DEVICE = "cuda"  # the CPU runs the same with "cpu" (checkpoint_background on th
 def test_a_checkpoint_written_in_the_background_holds_its_step_s_state_on_cuda(tmp_path, monkeypatch):
     target = tiny.build_model(presets.from_name("tiny-kimi"), tmp_path / "tiny-kimi", seed=0)
     data = corpus.write_jsonl(tmp_path / "d.jsonl", corpus.generate(32, seed=7))
-    extract.run(extract.ExtractConfig(model=str(target), out=str(tmp_path / "store"), data=DataConfig([str(data)],
-                                      max_len=192), batch_size=8, shard_samples=8, writer_threads=0), progress=False)
-    taken, written, ends = {}, [], []
+    extract.run(
+        extract.ExtractConfig(
+            model=str(target),
+            out=str(tmp_path / "store"),
+            data=DataConfig([str(data)], max_len=192),
+            batch_size=8,
+            shard_samples=8,
+            writer_threads=0,
+        ),
+        progress=False,
+    )
+    taken, written = {}, []
     snapshot, write = checkpoint.snapshot, checkpoint.write
 
     def copying_snapshot(model, optimizer, state):
         snap = snapshot(model, optimizer, state)
         # beside it, copies of the training tensors themselves, at the same moment
         weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k in snap.weights}
-        moments = {f"state.{i}.{n}": v.detach().cpu().clone()
-                   for i, st in optimizer.state_dict()["state"].items() for n, v in st.items()
-                   if isinstance(v, torch.Tensor)}
+        moments = {
+            f"state.{i}.{n}": v.detach().cpu().clone()
+            for i, st in optimizer.state_dict()["state"].items()
+            for n, v in st.items()
+            if isinstance(v, torch.Tensor)
+        }
         taken[state["step"]] = (weights, moments)
         return snap
 
@@ -48,9 +60,19 @@ def test_a_checkpoint_written_in_the_background_holds_its_step_s_state_on_cuda(t
 
     monkeypatch.setattr(checkpoint, "snapshot", copying_snapshot)
     monkeypatch.setattr(checkpoint, "write", slow_write)
-    cfg = TrainConfig(store=str(tmp_path / "store"), out=str(tmp_path / "run"), device=DEVICE, draft_vocab_size=256,
-                      batch_samples=4, lr=3e-3, max_steps=6, checkpoint_every=2, keep_checkpoints=0, seed=0,
-                      checkpoint_background=True if DEVICE == "cpu" else None)  # None: on by default on CUDA
+    cfg = TrainConfig(
+        store=str(tmp_path / "store"),
+        out=str(tmp_path / "run"),
+        device=DEVICE,
+        draft_vocab_size=256,
+        batch_samples=4,
+        lr=3e-3,
+        max_steps=6,
+        checkpoint_every=2,
+        keep_checkpoints=0,
+        seed=0,
+        checkpoint_background=True if DEVICE == "cpu" else None,
+    )  # None: on by default on CUDA
     r = train(cfg, progress=False)
     assert r.steps == 6 and written == [2, 4, 6] and sorted(taken) == [2, 4, 6]
     for step, (weights, moments) in taken.items():
@@ -71,15 +93,40 @@ def test_ctrl_c_on_cuda_saves_the_finished_step_and_the_rerun_resumes_there(tmp_
 
     target = tiny.build_model(presets.from_name("tiny-kimi"), tmp_path / "tiny-kimi", seed=0)
     data = corpus.write_jsonl(tmp_path / "d.jsonl", corpus.generate(32, seed=7))
-    extract.run(extract.ExtractConfig(model=str(target), out=str(tmp_path / "store"), data=DataConfig([str(data)],
-                                      max_len=192), batch_size=8, shard_samples=8, writer_threads=0), progress=False)
+    extract.run(
+        extract.ExtractConfig(
+            model=str(target),
+            out=str(tmp_path / "store"),
+            data=DataConfig([str(data)], max_len=192),
+            batch_size=8,
+            shard_samples=8,
+            writer_threads=0,
+        ),
+        progress=False,
+    )
 
     def train_cmd(out, fault=None):
         env = {k: v for k, v in os.environ.items() if k != "EAGLE3_FAULT"}
         if fault:
             env["EAGLE3_FAULT"] = fault
-        argv = [sys.executable, "-m", "eagle3.cli", "train", "--store", str(tmp_path / "store"), "--out", str(out),
-                "--device", DEVICE, "--steps", "6", "--batch", "4", "--draft-vocab", "256"]
+        argv = [
+            sys.executable,
+            "-m",
+            "eagle3.cli",
+            "train",
+            "--store",
+            str(tmp_path / "store"),
+            "--out",
+            str(out),
+            "--device",
+            DEVICE,
+            "--steps",
+            "6",
+            "--batch",
+            "4",
+            "--draft-vocab",
+            "256",
+        ]
         return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
 
     def losses(out):

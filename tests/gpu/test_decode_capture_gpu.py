@@ -20,8 +20,10 @@ def test_take_reads_every_chunk_only_after_its_copy_to_the_host_has_finished():
         for _ in range(20):  # ~0.1-0.2 s of matmuls queued before the step's rows exist
             busy = torch.tanh(busy @ busy * 1e-4)
         marks = busy[0, 0] * 0  # 0, computed after the queue: the rows depend on it
-        step = [torch.full((rows, hidden), float(s * 10 + k), device="cuda", dtype=torch.bfloat16) + marks
-                for k in range(layers)]
+        step = [
+            torch.full((rows, hidden), float(s * 10 + k), device="cuda", dtype=torch.bfloat16) + marks
+            for k in range(layers)
+        ]
         collector.on_step(step, StepLayout(["r-abcdefgh"], [0, rows], [s * rows], [None]))
     got = collector.take("sample", ["r"], steps * rows)  # at once: the copies are still queued behind the matmuls
     want = torch.tensor([[float(s * 10 + k) for k in range(layers)] for s in range(steps)]).to(torch.bfloat16)

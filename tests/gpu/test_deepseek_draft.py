@@ -42,15 +42,39 @@ def test_a_draft_trained_on_mini_kimi_is_served_with_it(target, engines, tmp_pat
     prof = target.profile
     samples = random_samples(320, 256, prof.vocab_size, seed=51)
     store = tmp_path / "store"
-    ex = extract.run(extract.ExtractConfig(model=str(target.path), out=str(store), backend="vllm", batch_size=64,
-                                           tp=target.tp), samples=samples, backend=engines.get("hooks"), progress=False)
-    report("deepseek_draft_extract", {"samples": ex.samples_written, "tokens_per_s": round(ex.tokens_per_s),
-                                      "selfcheck": ex.selfcheck})
-    tr = train.train(train.TrainConfig(store=str(store), out=str(tmp_path / "train"), device="cuda", batch_samples=16,
-                                       epochs=2, lr=1e-3, warmup_steps=5, draft_vocab_size=16000, ttt_steps=3),
-                     progress=False)
-    report("deepseek_draft_train", {"steps": tr.steps, "loss": [round(tr.losses[0], 4), round(tr.losses[-1], 4)],
-                                    "tokens_per_s": round(tr.tokens_per_s), "accuracy": tr.accept})
+    ex = extract.run(
+        extract.ExtractConfig(model=str(target.path), out=str(store), backend="vllm", batch_size=64, tp=target.tp),
+        samples=samples,
+        backend=engines.get("hooks"),
+        progress=False,
+    )
+    report(
+        "deepseek_draft_extract",
+        {"samples": ex.samples_written, "tokens_per_s": round(ex.tokens_per_s), "selfcheck": ex.selfcheck},
+    )
+    tr = train.train(
+        train.TrainConfig(
+            store=str(store),
+            out=str(tmp_path / "train"),
+            device="cuda",
+            batch_samples=16,
+            epochs=2,
+            lr=1e-3,
+            warmup_steps=5,
+            draft_vocab_size=16000,
+            ttt_steps=3,
+        ),
+        progress=False,
+    )
+    report(
+        "deepseek_draft_train",
+        {
+            "steps": tr.steps,
+            "loss": [round(tr.losses[0], 4), round(tr.losses[-1], 4)],
+            "tokens_per_s": round(tr.tokens_per_s),
+            "accuracy": tr.accept,
+        },
+    )
     draft_cfg = json.loads((tmp_path / "train" / "draft" / "config.json").read_text())
     shape = DraftShape.from_layer_config(draft_cfg["transformer_layer_config"])
     with safe_open(str(tmp_path / "train" / "draft" / "model.safetensors"), framework="pt") as f:
@@ -64,16 +88,30 @@ def test_a_draft_trained_on_mini_kimi_is_served_with_it(target, engines, tmp_pat
     if not target.local:
         engines.close()  # a real target fills the GPUs: the eval engines need them
     prompts = [list(s.input_ids) for s in random_samples(32, 64, prof.vocab_size, seed=52)]
-    rep = evaluate.run(evaluate.EvalConfig(target=str(target.path), draft=str(tmp_path / "train" / "draft"),
-                                           prompt_ids=prompts, out=str(tmp_path / "eval"), k=3, max_tokens=32,
-                                           num_prompts=32, shifted=False, gpu_memory_utilization=0.2, tp=target.tp))
-    (gpu_out / "deepseek_draft_eval.json").write_text(json.dumps(json.loads((tmp_path / "eval" / "eval.json").read_text()),
-                                                                 indent=1))
+    rep = evaluate.run(
+        evaluate.EvalConfig(
+            target=str(target.path),
+            draft=str(tmp_path / "train" / "draft"),
+            prompt_ids=prompts,
+            out=str(tmp_path / "eval"),
+            k=3,
+            max_tokens=32,
+            num_prompts=32,
+            shifted=False,
+            gpu_memory_utilization=0.2,
+            tp=target.tp,
+        )
+    )
+    (gpu_out / "deepseek_draft_eval.json").write_text(
+        json.dumps(json.loads((tmp_path / "eval" / "eval.json").read_text()), indent=1)
+    )
     d = rep.draft
-    summary = (f"mini-Kimi + EAGLE-3 draft served by vLLM: k=3, acceptance length {d.acceptance_length:.3f}, per "
-               f"position {', '.join(f'{p:.3f}' for p in d.per_position)}, {d.drafts} drafts; greedy outputs identical "
-               f"{rep.outputs_identical:.0%}; draft {size / 2**20:.1f} MiB on disk (bf16, no embedding); engine start "
-               f"{rep.engine_start_s} s with the draft vs {rep.baseline_start_s} s without")
+    summary = (
+        f"mini-Kimi + EAGLE-3 draft served by vLLM: k=3, acceptance length {d.acceptance_length:.3f}, per "
+        f"position {', '.join(f'{p:.3f}' for p in d.per_position)}, {d.drafts} drafts; greedy outputs identical "
+        f"{rep.outputs_identical:.0%}; draft {size / 2**20:.1f} MiB on disk (bf16, no embedding); engine start "
+        f"{rep.engine_start_s} s with the draft vs {rep.baseline_start_s} s without"
+    )
     report("deepseek_draft_summary", summary)
     report("deepseek_draft_drafter", {k: v for k, v in rep.drafter.items() if not k.startswith("rope_c")})
     report("deepseek_draft_seconds", round(time.perf_counter() - t0, 1))

@@ -81,8 +81,10 @@ def test_vllm_states_equal_the_hf_reference(target, engines, hf_reference, tmp_p
                 if 0 <= j < len(ids):
                     closest_wrong = min(closest_wrong, rel_err(g["states"][layer_id], r[j]))
     assert closest_wrong > OFF_BY_ONE_MIN, closest_wrong
-    report(f"rel_err_vs_hf[{strategy},batch={batch_size}]", {"worst": round(worst, 5),
-                                                             "closest_wrong_layer": round(closest_wrong, 4)})
+    report(
+        f"rel_err_vs_hf[{strategy},batch={batch_size}]",
+        {"worst": round(worst, 5), "closest_wrong_layer": round(closest_wrong, 4)},
+    )
 
 
 def test_training_states_equal_what_vllm_feeds_its_eagle3_drafter(target, engines, tmp_path, report):
@@ -135,9 +137,31 @@ def test_kill_and_resume_the_vllm_extraction(target, tmp_path, report):
         pytest.skip("uses the locally built target's tokenizer")
     data = corpus.write_jsonl(tmp_path / "conv.jsonl", corpus.generate(800, seed=5))
     out = tmp_path / "store"
-    cmd = [sys.executable, "-m", "eagle3.cli", "-v", "extract", "--backend", "vllm", "--capture", "hooks",
-           "--model", str(target.path), "--data", str(data), "--out", str(out), "--batch-size", "32",
-           "--shard-samples", "32", "--max-len", "512", "--gpu-mem", "0.12"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagle3.cli",
+        "-v",
+        "extract",
+        "--backend",
+        "vllm",
+        "--capture",
+        "hooks",
+        "--model",
+        str(target.path),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--batch-size",
+        "32",
+        "--shard-samples",
+        "32",
+        "--max-len",
+        "512",
+        "--gpu-mem",
+        "0.12",
+    ]
     log = open(tmp_path / "first.log", "w")
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 300
@@ -154,5 +178,7 @@ def test_kill_and_resume_the_vllm_extraction(target, tmp_path, report):
     assert rep.ok, rep.lines()
     store = Store.open(out)
     assert len(store.done_ids) == 800 and sorted(store.done_ids) == sorted(store.plan())
-    report("kill_resume", {"shards_before_kill": first, "resume_s": round(time.perf_counter() - t0, 1),
-                           "samples": len(store.done_ids)})
+    report(
+        "kill_resume",
+        {"shards_before_kill": first, "resume_s": round(time.perf_counter() - t0, 1), "samples": len(store.done_ids)},
+    )

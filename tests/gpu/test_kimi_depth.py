@@ -39,8 +39,16 @@ def depth(tmp_path_factory, report):
     spec = extract.store_spec(folder, None, "bfloat16")
     assert spec.layer_ids == (2, 30, 58, 61)
     t0 = time.perf_counter()
-    backend = VLLMBackend(str(folder), spec, capture="aux", gpu_memory_utilization=0.85, max_model_len=4096,
-                          max_num_batched_tokens=MAX_BATCHED_TOKENS, load_format="dummy", log_level="INFO")
+    backend = VLLMBackend(
+        str(folder),
+        spec,
+        capture="aux",
+        gpu_memory_utilization=0.85,
+        max_model_len=4096,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        load_format="dummy",
+        log_level="INFO",
+    )
     report("kimi_depth_engine_start_s", round(time.perf_counter() - t0, 1))
     report("kimi_depth_unit_norms", backend.unit_norms())
     yield prof, folder, backend
@@ -55,8 +63,10 @@ def test_every_sample_is_four_kimi_layers_stored_and_read_back(depth, tmp_path, 
     cfg = extract.ExtractConfig(model=str(folder), out=str(tmp_path / "s"), backend="vllm", batch_size=32, selfcheck=0)
     t0 = time.perf_counter()
     summary = extract.run(cfg, samples=samples, backend=backend, progress=False)
-    report("kimi_depth_extract", {"tokens": summary.tokens_written, "tok_per_s": round(summary.tokens_written /
-                                  (time.perf_counter() - t0))})
+    report(
+        "kimi_depth_extract",
+        {"tokens": summary.tokens_written, "tok_per_s": round(summary.tokens_written / (time.perf_counter() - t0))},
+    )
     assert verify.verify(tmp_path / "s").ok
     got = list(Store.open(tmp_path / "s").iter_samples())
     assert len(got) == 64
@@ -84,9 +94,12 @@ def test_the_self_check_on_dummy_weights(depth, tmp_path, report):
     right = selfcheck.last_states(got, 61)
     h = right.float()
     post = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm).bfloat16()
-    results = {"right": selfcheck.compare(head, right, engine), "post-norm": selfcheck.compare(head, post, engine),
-               "id 58": selfcheck.compare(head, selfcheck.last_states(got, 58), engine),
-               "other prompt": selfcheck.compare(head, right.roll(1, 0), engine)}
+    results = {
+        "right": selfcheck.compare(head, right, engine),
+        "post-norm": selfcheck.compare(head, post, engine),
+        "id 58": selfcheck.compare(head, selfcheck.last_states(got, 58), engine),
+        "other prompt": selfcheck.compare(head, right.roll(1, 0), engine),
+    }
     report("selfcheck_kimi_depth_dummy", {k: v.line() for k, v in results.items()})
     report("kimi_depth_id58_vs_61_rel", round(rel_err(selfcheck.last_states(got, 58), right), 4))
     assert results["right"].ok, results["right"].line()

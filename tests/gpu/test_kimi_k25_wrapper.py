@@ -40,17 +40,22 @@ def write_verifier_weights(folder, head_files, prefix: str = "language_model.") 
     """The trainer reads the verifier's embedding, lm_head and final norm from its checkpoint; a config-only target
     has none. Written under the target's key names (Kimi-K2.5's language_model.*, DeepseekV3ForCausalLM's with no
     prefix; found by suffix): the engine's own final norm and lm_head (its dummy weights, from dump_head), and a
-    seeded random embedding (vLLM serves the draft with the engine's). vLLM with load_format="dummy" reads none of it."""
+    seeded random embedding (vLLM serves the draft with the engine's). vLLM with load_format="dummy" reads none of
+    it."""
     from safetensors.torch import load_file, save_file
 
     (path,) = head_files  # TP 1: one rank's file holds the whole head
     head = load_file(path)
     g = torch.Generator().manual_seed(0)
     embed = (torch.randn(head["lm_head"].shape, generator=g) * 0.02).bfloat16()
-    save_file({f"{prefix}model.embed_tokens.weight": embed,
-               f"{prefix}lm_head.weight": head["lm_head"].bfloat16().contiguous(),
-               f"{prefix}model.norm.weight": head["norm"].bfloat16().contiguous()},
-              str(folder / "model.safetensors"))
+    save_file(
+        {
+            f"{prefix}model.embed_tokens.weight": embed,
+            f"{prefix}lm_head.weight": head["lm_head"].bfloat16().contiguous(),
+            f"{prefix}model.norm.weight": head["norm"].bfloat16().contiguous(),
+        },
+        str(folder / "model.safetensors"),
+    )
 
 
 def test_kimi_k25_class_captures_self_checks_and_serves_a_draft(tmp_path_factory, tmp_path, report, gpu_out):
@@ -63,9 +68,16 @@ def test_kimi_k25_class_captures_self_checks_and_serves_a_draft(tmp_path_factory
     spec = extract.store_spec(folder, None, "bfloat16")
     assert spec.layer_ids == IDS
     t0 = time.perf_counter()
-    backend = VLLMBackend(str(folder), spec, gpu_memory_utilization=0.85, max_model_len=4096,
-                          max_num_batched_tokens=MAX_BATCHED_TOKENS, load_format="dummy", log_level="INFO",
-                          extra_engine_args={"enforce_eager": True})  # compiled capture at this depth: test_kimi_depth;
+    backend = VLLMBackend(
+        str(folder),
+        spec,
+        gpu_memory_utilization=0.85,
+        max_model_len=4096,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        load_format="dummy",
+        log_level="INFO",
+        extra_engine_args={"enforce_eager": True},
+    )  # compiled capture at this depth: test_kimi_depth;
     # eager saves the 67 s of torch.compile and 55 s of CUDA graphs this engine took (2026-12-04 run, init 145.7 s)
     report("kimi_k25_engine_start_s", round(time.perf_counter() - t0, 1))
     report("kimi_k25_capture", backend.strategy)
@@ -73,8 +85,12 @@ def test_kimi_k25_class_captures_self_checks_and_serves_a_draft(tmp_path_factory
     try:
         samples = random_samples(32, 512, prof.vocab_size, seed=81)
         store = tmp_path / "store"
-        ex = extract.run(extract.ExtractConfig(model=str(folder), out=str(store), backend="vllm", batch_size=16,
-                                               selfcheck=0), samples=samples, backend=backend, progress=False)
+        ex = extract.run(
+            extract.ExtractConfig(model=str(folder), out=str(store), backend="vllm", batch_size=16, selfcheck=0),
+            samples=samples,
+            backend=backend,
+            progress=False,
+        )
         report("kimi_k25_extract", {"samples": ex.samples_written, "tokens_per_s": round(ex.tokens_per_s)})
         assert verify.verify(store).ok
         st = Store.open(store)
@@ -99,22 +115,51 @@ def test_kimi_k25_class_captures_self_checks_and_serves_a_draft(tmp_path_factory
         backend.close()
 
     write_verifier_weights(folder, head_files)
-    tr = train.train(train.TrainConfig(store=str(store), out=str(tmp_path / "train"), device="cuda", batch_samples=4,
-                                       max_steps=4, lr=1e-4, warmup_steps=1, draft_vocab_size=32000, ttt_steps=3),
-                     progress=False)
+    tr = train.train(
+        train.TrainConfig(
+            store=str(store),
+            out=str(tmp_path / "train"),
+            device="cuda",
+            batch_samples=4,
+            max_steps=4,
+            lr=1e-4,
+            warmup_steps=1,
+            draft_vocab_size=32000,
+            ttt_steps=3,
+        ),
+        progress=False,
+    )
     gc.collect()
     torch.cuda.empty_cache()  # the trainer's cached blocks: the serving engine wants 0.8 of the GPU
     draft = tmp_path / "train" / "draft"
     assert vllm_reads.problems(draft) == []
     assert vllm_reads.reads(draft)["aux_layer_ids"] == [2, 30, 58]
     prompts = [list(s.input_ids) for s in random_samples(16, 64, prof.vocab_size, seed=82)]
-    rep = evaluate.run(evaluate.EvalConfig(target=str(folder), draft=str(draft), prompt_ids=prompts,
-                                           out=str(tmp_path / "eval"), k=3, max_tokens=16, num_prompts=16,
-                                           shifted=False, baseline=False, gpu_memory_utilization=0.8,
-                                           load_format="dummy", max_model_len=4096))
+    rep = evaluate.run(
+        evaluate.EvalConfig(
+            target=str(folder),
+            draft=str(draft),
+            prompt_ids=prompts,
+            out=str(tmp_path / "eval"),
+            k=3,
+            max_tokens=16,
+            num_prompts=16,
+            shifted=False,
+            baseline=False,
+            gpu_memory_utilization=0.8,
+            load_format="dummy",
+            max_model_len=4096,
+        )
+    )
     (gpu_out / "kimi_k25_eval.json").write_text((tmp_path / "eval" / "eval.json").read_text())
-    report("kimi_k25_served", {"engine_start_s": rep.engine_start_s, "drafts": rep.draft.drafts,
-                               "acceptance_length_dummy_weights": round(rep.draft.acceptance_length, 3),
-                               "drafter": {k: v for k, v in rep.drafter.items() if not k.startswith("rope_c")},
-                               "train_steps": tr.steps})
+    report(
+        "kimi_k25_served",
+        {
+            "engine_start_s": rep.engine_start_s,
+            "drafts": rep.draft.drafts,
+            "acceptance_length_dummy_weights": round(rep.draft.acceptance_length, 3),
+            "drafter": {k: v for k, v in rep.drafter.items() if not k.startswith("rope_c")},
+            "train_steps": tr.steps,
+        },
+    )
     assert rep.draft.drafts > 0 and len(rep.draft.per_position) == 3

@@ -56,15 +56,33 @@ def _online_vs_offline(tmp_path, report):
     target = tmp_path / "target"
     learnable.make_target(target, steps=1500)
     data = corpus.write_jsonl(tmp_path / "train.jsonl", corpus.generate(3000, seed=7))
-    ex = extract.ExtractConfig(model=str(target), out=str(tmp_path / "store"), backend="vllm", batch_size=256,
-                               data=DataConfig([str(data)], max_len=512), selfcheck=4)
+    ex = extract.ExtractConfig(
+        model=str(target),
+        out=str(tmp_path / "store"),
+        backend="vllm",
+        batch_size=256,
+        data=DataConfig([str(data)], max_len=512),
+        selfcheck=4,
+    )
     samples, _ = extract.load_dataset(ex)
     spec = extract.store_spec(target, None, "bfloat16")
     backend = VLLMBackend(str(target), spec, gpu_memory_utilization=0.3, max_model_len=2048)
     try:
+
         def tcfg(store, out):
-            return TrainConfig(store=str(store), out=str(out), device="cuda", batch_samples=32, epochs=2, lr=3e-3,
-                               warmup_steps=20, draft_vocab_size=512, ttt_steps=3, seed=0, checkpoint_minutes=0)
+            return TrainConfig(
+                store=str(store),
+                out=str(out),
+                device="cuda",
+                batch_samples=32,
+                epochs=2,
+                lr=3e-3,
+                warmup_steps=20,
+                draft_vocab_size=512,
+                ttt_steps=3,
+                seed=0,
+                checkpoint_minutes=0,
+            )
 
         phases["engine_start"] = round(backend.start_seconds, 1)
         t0 = time.perf_counter()
@@ -76,8 +94,15 @@ def _online_vs_offline(tmp_path, report):
         store_bytes = sum(p.stat().st_size for p in (tmp_path / "store" / "shards").iterdir())
         capacity = store_bytes // 8
         t0 = time.perf_counter()
-        on = online.run(tcfg(tmp_path / "spool", tmp_path / "online"), ex, samples, capacity, backend=backend,
-                        extract_batch=32, progress=False)
+        on = online.run(
+            tcfg(tmp_path / "spool", tmp_path / "online"),
+            ex,
+            samples,
+            capacity,
+            backend=backend,
+            extract_batch=32,
+            progress=False,
+        )
         online_s = time.perf_counter() - t0
         phase("online", t0)
         report("online_lines", on.lines())
@@ -87,20 +112,39 @@ def _online_vs_offline(tmp_path, report):
     runs = {}
     for name, run in (("offline", off), ("online", on.train)):
         t0 = time.perf_counter()
-        runs[name] = evaluate.run(evaluate.EvalConfig(target=str(target), draft=run.draft, out=str(tmp_path / f"eval-{name}"),
-                                                      k=3, max_tokens=64, num_prompts=learnable.EVAL_PROMPTS,
-                                                      gpu_memory_utilization=0.3,
-                                                      shifted=False, baseline=False))
+        runs[name] = evaluate.run(
+            evaluate.EvalConfig(
+                target=str(target),
+                draft=run.draft,
+                out=str(tmp_path / f"eval-{name}"),
+                k=3,
+                max_tokens=64,
+                num_prompts=learnable.EVAL_PROMPTS,
+                gpu_memory_utilization=0.3,
+                shifted=False,
+                baseline=False,
+            )
+        )
         phase(f"eval_{name}", t0)
     acc = {k: r.draft.acceptance_length for k, r in runs.items()}
     verdict = evaluate.gap_verdict(runs["offline"].draft, runs["online"].draft, MAX_GAP)
-    summary = {"acceptance": {k: round(v, 3) for k, v in acc.items()}, "online_vs_offline": verdict,
-               "loss_last": {"offline": off.losses[-1], "online": on.train.losses[-1]},
-               "tok_per_s": {"extract_then_train": round(tokens / offline_s), "online": round(tokens / online_s)},
-               "spool": {"capacity": capacity, "store_bytes": store_bytes, "peak": on.peak_bytes,
-                         "peak_files": on.peak_files_bytes, "shards": on.shards},
-               "waits_s": {"extraction_for_room": round(on.producer_wait_s, 1),
-                           "training_for_states": round(on.trainer_wait_s, 1)}}
+    summary = {
+        "acceptance": {k: round(v, 3) for k, v in acc.items()},
+        "online_vs_offline": verdict,
+        "loss_last": {"offline": off.losses[-1], "online": on.train.losses[-1]},
+        "tok_per_s": {"extract_then_train": round(tokens / offline_s), "online": round(tokens / online_s)},
+        "spool": {
+            "capacity": capacity,
+            "store_bytes": store_bytes,
+            "peak": on.peak_bytes,
+            "peak_files": on.peak_files_bytes,
+            "shards": on.shards,
+        },
+        "waits_s": {
+            "extraction_for_room": round(on.producer_wait_s, 1),
+            "training_for_states": round(on.trainer_wait_s, 1),
+        },
+    }
     report("online_summary", summary)
     assert on.peak_bytes <= capacity and on.peak_files_bytes <= capacity, summary
     assert verdict["decided"], f"the measurement cannot decide a gap of {MAX_GAP}: raise EVAL_PROMPTS; {summary}"

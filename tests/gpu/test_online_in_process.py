@@ -34,8 +34,7 @@ TRAINER = os.environ.get("EAGLE3_INPROC_TRAINER", "varlen")  # flex: compiled be
 WINDOW = (1.5, 5.0)  # seconds into the online run (its draft built in ~1 s; extraction ~6 s at 021b20c): both sides
 
 
-def test_online_with_the_engine_in_the_trainer_s_process(tmp_path_factory, tmp_path, report, monkeypatch,
-                                                         gpu_out):
+def test_online_with_the_engine_in_the_trainer_s_process(tmp_path_factory, tmp_path, report, monkeypatch, gpu_out):
     prof = presets.from_name("mini-kimi")
     folder = tiny.build_model(prof, tmp_path_factory.mktemp("mini-kimi"), dtype="bfloat16")
     engines, streams = [], []
@@ -53,10 +52,23 @@ def test_online_with_the_engine_in_the_trainer_s_process(tmp_path_factory, tmp_p
 
     monkeypatch.setattr(vllm_backend.VLLMBackend, "__init__", started)
     monkeypatch.setattr(online, "engine_stream", stream)
-    summaries = online_beside_the_engine(folder, prof, tmp_path, report, n_samples=256, seq=512, extract_batch=16,
-                                         attns=(TRAINER,), engine="in-process", control=False, gpu_mem=0.3,
-                                         again=False, window=None if compiled else WINDOW, stacks_dir=gpu_out,
-                                         stacks_every=20)
+    summaries = online_beside_the_engine(
+        folder,
+        prof,
+        tmp_path,
+        report,
+        n_samples=256,
+        seq=512,
+        extract_batch=16,
+        attns=(TRAINER,),
+        engine="in-process",
+        control=False,
+        gpu_mem=0.3,
+        again=False,
+        window=None if compiled else WINDOW,
+        stacks_dir=gpu_out,
+        stacks_every=20,
+    )
     summary = summaries[TRAINER]
     window = summary.get("gpu_window")
     report("in_process", {"engine_core": engines, "stream_priorities": streams, "gpu_window": window})

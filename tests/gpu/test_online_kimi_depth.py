@@ -56,8 +56,10 @@ from .test_kimi_k25_wrapper import write_verifier_weights
 pytestmark = [pytest.mark.gpu, pytest.mark.kimi_depth]
 N_SAMPLES, SEQ = 512, 512  # 262,144 tokens; the store ~15 GB (4 x 7168 bf16 a token)
 ONLINE_GOAL = 0.8
-TRAINERS = {name: {"attn_impl": impl, "compile": name == "flex"}  # TrainConfig's fields for each (`train --attn`'s
-            for name, impl in TRAIN_ATTN.items()}                    # names; flex trains only compiled)
+TRAINERS = {
+    name: {"attn_impl": impl, "compile": name == "flex"}  # TrainConfig's fields for each (`train --attn`'s
+    for name, impl in TRAIN_ATTN.items()
+}  # names; flex trains only compiled)
 TRAINERS["varlen-compiled"] = {"attn_impl": "varlen", "compile": True}  # `train --attn varlen --compile`
 
 
@@ -67,8 +69,10 @@ def trainers_from_env() -> tuple:
     names = tuple(n for n in re.split(r"[\s,]+", os.environ.get("EAGLE3_ONLINE_ATTN", "sdpa")) if n)
     unknown = [n for n in names if n not in TRAINERS]
     if unknown or not names or len(set(names)) < len(names):
-        raise ValueError(f"EAGLE3_ONLINE_ATTN={os.environ.get('EAGLE3_ONLINE_ATTN')!r}: name each trainer once, of "
-                         f"{', '.join(TRAINERS)}")
+        raise ValueError(
+            f"EAGLE3_ONLINE_ATTN={os.environ.get('EAGLE3_ONLINE_ATTN')!r}: name each trainer once, of "
+            f"{', '.join(TRAINERS)}"
+        )
     return names
 
 
@@ -100,8 +104,10 @@ def window_from_env() -> tuple | None:
         after, seconds = (float(x) for x in value.split(":"))
         assert after >= 0 and seconds > 0
     except (ValueError, AssertionError):
-        raise ValueError(f"EAGLE3_ONLINE_PROFILE={value!r}: AFTER:SECONDS, the window's start from the online run's "
-                         "start and its length, e.g. 25:4") from None
+        raise ValueError(
+            f"EAGLE3_ONLINE_PROFILE={value!r}: AFTER:SECONDS, the window's start from the online run's "
+            "start and its length, e.g. 25:4"
+        ) from None
     return after, seconds
 
 
@@ -140,12 +146,27 @@ def _gone(folder) -> None:
     shutil.rmtree(folder)
 
 
-def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_SAMPLES, seq: int = SEQ,
-                             device: str = "cuda", draft_vocab: int = 32000, batch_samples: int = 16,
-                             pack_tokens: int = 8192, extract_batch: int = 32, attns: tuple = ATTNS,
-                             engine: str = ENGINE, control: bool = CONTROL, gpu_mem: float = 0.55,
-                             again: bool = AGAIN, window: tuple | None = WINDOW,
-                             stacks_dir=None, stacks_every: float = 30.0) -> dict:
+def online_beside_the_engine(
+    folder,
+    prof,
+    tmp_path,
+    report,
+    n_samples: int = N_SAMPLES,
+    seq: int = SEQ,
+    device: str = "cuda",
+    draft_vocab: int = 32000,
+    batch_samples: int = 16,
+    pack_tokens: int = 8192,
+    extract_batch: int = 32,
+    attns: tuple = ATTNS,
+    engine: str = ENGINE,
+    control: bool = CONTROL,
+    gpu_mem: float = 0.55,
+    again: bool = AGAIN,
+    window: tuple | None = WINDOW,
+    stacks_dir=None,
+    stacks_every: float = 30.0,
+) -> dict:
     """Extract alone, then for each trainer of ``attns`` train alone and online, on one engine (dummy weights, unit
     decoder norms, the verifier's head written from the engine's own): {trainer: its summary (the three rates, the
     waits, the trainer's peak memory)}, reported as each comes (online_kd_summary). again: the extraction alone once
@@ -157,9 +178,17 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
 
     spec = extract.store_spec(folder, None, "bfloat16")
     t0 = time.perf_counter()
-    backend = VLLMBackend(str(folder), spec, gpu_memory_utilization=gpu_mem, max_model_len=4096,
-                          max_num_batched_tokens=MAX_BATCHED_TOKENS, load_format="dummy", log_level="INFO",
-                          extra_engine_args={"enforce_eager": True}, in_process=engine == "in-process")
+    backend = VLLMBackend(
+        str(folder),
+        spec,
+        gpu_memory_utilization=gpu_mem,
+        max_model_len=4096,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        load_format="dummy",
+        log_level="INFO",
+        extra_engine_args={"enforce_eager": True},
+        in_process=engine == "in-process",
+    )
     shared = {"engine": engine, "engine_start": round(time.perf_counter() - t0, 1)}
     samples = random_samples(n_samples, seq, prof.vocab_size, seed=91)
     tokens = n_samples * seq
@@ -171,17 +200,36 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
         report("online_kd_seconds", dict(shared, **reported))
 
     def cfg(trainer, store, out, read_ahead=True):
-        return TrainConfig(store=str(store), out=str(out), device=device, batch_samples=batch_samples,
-                           pack_tokens=pack_tokens, epochs=1, lr=1e-4, warmup_steps=1, draft_vocab_size=draft_vocab,
-                           ttt_steps=3, seed=0, checkpoint_minutes=0, read_ahead=read_ahead, **trainer)
+        return TrainConfig(
+            store=str(store),
+            out=str(out),
+            device=device,
+            batch_samples=batch_samples,
+            pack_tokens=pack_tokens,
+            epochs=1,
+            lr=1e-4,
+            warmup_steps=1,
+            draft_vocab_size=draft_vocab,
+            ttt_steps=3,
+            seed=0,
+            checkpoint_minutes=0,
+            read_ahead=read_ahead,
+            **trainer,
+        )
 
     try:
         backend.unit_norms()
         write_verifier_weights(folder, backend.dump_head(tmp_path), prefix="")
         # extract alone writes as the spool does, without fsync: the online extraction's own work, alone (an fsynced
         # store ran at 0.97x plain prefill at kimi-depth; the spool is never fsynced, train/online.py Spool)
-        ex = extract.ExtractConfig(model=str(folder), out=str(tmp_path / "store"), backend="vllm",
-                                   batch_size=extract_batch, selfcheck=0, fsync=False)
+        ex = extract.ExtractConfig(
+            model=str(folder),
+            out=str(tmp_path / "store"),
+            backend="vllm",
+            batch_size=extract_batch,
+            selfcheck=0,
+            fsync=False,
+        )
         t0 = time.perf_counter()
         alone = extract.run(ex, samples=samples, backend=backend, progress=False)
         shared["extract_alone"] = round(time.perf_counter() - t0, 1)
@@ -217,21 +265,36 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
             if engine == "in-process" and trainer["compile"]:
                 warm(ex, samples[:extract_batch], backend, tmp_path / "warm")
             profiled = gpu_window.Window(*window, cuda=cuda) if window else None
-            dumps = (PeriodicStacks(Path(stacks_dir) / f"online-stacks-{name}.txt", every=stacks_every)
-                     if stacks_dir else contextlib.nullcontext())
+            dumps = (
+                PeriodicStacks(Path(stacks_dir) / f"online-stacks-{name}.txt", every=stacks_every)
+                if stacks_dir
+                else contextlib.nullcontext()
+            )
             t0 = time.perf_counter()
             # a slow or stuck online run says where each thread is
             with profiled or contextlib.nullcontext(), dumps:
-                on = online.run(cfg(trainer, runs / "spool", runs / "online"), ex, samples, capacity,
-                                backend=backend, extract_batch=extract_batch, progress=False)
+                on = online.run(
+                    cfg(trainer, runs / "spool", runs / "online"),
+                    ex,
+                    samples,
+                    capacity,
+                    backend=backend,
+                    extract_batch=extract_batch,
+                    progress=False,
+                )
             seconds["online"] = round(time.perf_counter() - t0, 1)
             _gone(runs)
             report_seconds()
-            summaries[name] = summarize(name, seconds, tokens, off, between, on, peak_train, capacity, n_samples,
-                                        extract_sustained)
+            summaries[name] = summarize(
+                name, seconds, tokens, off, between, on, peak_train, capacity, n_samples, extract_sustained
+            )
             if profiled:
-                summaries[name]["gpu_window"] = {"after_s": window[0], "seconds": window[1],
-                                                 "streams_busy": profiled.summary, "error": profiled.error}
+                summaries[name]["gpu_window"] = {
+                    "after_s": window[0],
+                    "seconds": window[1],
+                    "streams_busy": profiled.summary,
+                    "error": profiled.error,
+                }
             report("online_kd_summary", summaries)
         if again:  # the denominator's run-to-run spread, measured after the online runs (the host as they found it)
             shutil.rmtree(tmp_path / "store")
@@ -239,16 +302,33 @@ def online_beside_the_engine(folder, prof, tmp_path, report, n_samples: int = N_
             again_run = extract.run(ex, samples=samples, backend=backend, progress=False)
             reported["extract_alone_again"] = round(time.perf_counter() - t0, 1)
             report_seconds()
-            report("online_kd_extraction_twice", extraction_twice(
-                shared["extract_alone"], reported["extract_alone_again"], tokens, summaries,
-                [extract_sustained, round(again_run.sustained_tokens_per_s())]))
+            report(
+                "online_kd_extraction_twice",
+                extraction_twice(
+                    shared["extract_alone"],
+                    reported["extract_alone_again"],
+                    tokens,
+                    summaries,
+                    [extract_sustained, round(again_run.sustained_tokens_per_s())],
+                ),
+            )
     finally:
         backend.close()
     return summaries
 
 
-def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_train: int, capacity: int,
-              n_samples: int, extract_sustained: float) -> dict:
+def summarize(
+    name: str,
+    seconds: dict,
+    tokens: int,
+    off,
+    between,
+    on,
+    peak_train: int,
+    capacity: int,
+    n_samples: int,
+    extract_sustained: float,
+) -> dict:
     """One trainer's figures: its runs (TrainResult alone, alone reading between steps or None, OnlineResult) against
     the extraction alone (its whole run; and extract_sustained, its rate without its first batch)."""
     rate = {k: round(tokens / max(v, 0.05)) for k, v in seconds.items() if k not in ("engine", "engine_start")}
@@ -259,55 +339,77 @@ def summarize(name: str, seconds: dict, tokens: int, off, between, on, peak_trai
     # or the two overlapping on the GPU. online_vs_it > 1: they did overlap.
     steps_s = off.phases["steps"]
     turns = round(tokens / (seconds["extract_alone"] + steps_s))
-    taking_turns = {"tok_per_s": turns, "train_steps_tok_per_s": round(tokens / steps_s),
-                    "online_vs_it": round(rate["online"] / turns, 3),
-                    "it_vs_min_alone": round(turns / min(rate["extract_alone"], rate["train_alone"]), 3)}
+    taking_turns = {
+        "tok_per_s": turns,
+        "train_steps_tok_per_s": round(tokens / steps_s),
+        "online_vs_it": round(rate["online"] / turns, 3),
+        "it_vs_min_alone": round(turns / min(rate["extract_alone"], rate["train_alone"]), 3),
+    }
     # Sustained (the issue's word): training alone over its later half of steps (no setup, no first-step warm-up or
     # compile, no final checkpoint and export, which a 262k-token run cannot amortize); online, the pipeline once
     # training began (OnlineResult.sustained_tokens_per_s: no head start taken while the draft was built, no stall
     # behind a compiling first step); the extraction alone as above (its engine already started)
-    steady = {"extract_alone": rate["extract_alone"], "train_alone": round(off.sustained_tokens_per_s()),
-              "online": round(on.sustained_tokens_per_s())}
+    steady = {
+        "extract_alone": rate["extract_alone"],
+        "train_alone": round(off.sustained_tokens_per_s()),
+        "online": round(on.sustained_tokens_per_s()),
+    }
     e, t = steady["extract_alone"], steady["train_alone"]
     steady_ratio = steady["online"] / min(e, t)
     committed = round(on.committed_tokens_per_s())  # the control, as the other rates: whole tokens a second
     # the taking-turns ceiling from the sustained rates: a first compiled run's steps hold the host's cold compile
     turns_steady = e * t / (e + t)
-    runs = {"train_alone": off, "online": on.train} | ({"train_alone_reading_between_steps": between}
-                                                       if between else {})
-    return {"attn": name, "trainer": TRAINERS[name], "engine": seconds["engine"], "seconds": seconds,
-            "tok_per_s": rate,
-            "online_vs_min_alone": round(ratio, 3), "goal_0.8_met": ratio >= ONLINE_GOAL,
-            "taking_turns": taking_turns,
-            "sustained": {"tok_per_s": steady, "online_vs_min_alone": round(steady_ratio, 3),
-                          "goal_0.8_met": steady_ratio >= ONLINE_GOAL,
-                          # the control (OnlineResult.committed_tokens_per_s): the extraction's commits over the
-                          # trainer's later half, which no state the spool held before it can inflate; 0 where the
-                          # extraction had ended before that half began
-                          "committed_in_later_half": {"tok_per_s": committed,
-                                                      "vs_min_alone": round(committed / min(e, t), 3)},
-                          # against the extraction alone over the window the online figure takes of it (no first
-                          # batch's warm-up: ExtractSummary.sustained_tokens_per_s); read the goal off the lower
-                          "against_the_extraction_s_sustained_rate": {
-                              "extract_alone": extract_sustained,
-                              "online_vs_min_alone": round(steady["online"] / min(extract_sustained, t), 3),
-                              "committed_vs_min_alone": round(committed / min(extract_sustained, t), 3)},
-                          "taking_turns": {"tok_per_s": round(turns_steady),
-                                           "vs_min_alone": round(turns_steady / min(e, t), 3),
-                                           "online_vs_it": round(steady["online"] / turns_steady, 3)}},
-            "lines": on.lines(),
-            "waits_s": {"extraction_for_room": round(on.producer_wait_s, 1),
-                        "training_for_states": round(on.trainer_wait_s, 1),
-                        "extraction_behind_compiles": round(on.compile_wait_s, 1)},
-            "compiles_gated": on.compiles,  # the engine in this process: the trainer's compiles it waited for
-            "engine_phases_s": {k: round(v, 1) for k, v in on.engine_phases.items()},  # the producer's calls
-            "phases_s": {k: r.phases for k, r in runs.items()},
-            "notes": {k: r.notes for k, r in runs.items() if r.notes},  # a recompile limit reached, among others
-            "read_ahead_same_losses": off.losses == between.losses if between else None,
-            "trainer_peak_gib": round(peak_train / 2**30, 1), "spool": {"capacity": capacity, "peak": on.peak_bytes},
-            "same_steps_and_samples": on.train.steps == off.steps and on.train.samples_seen == off.samples_seen
-            == n_samples, "steps": on.train.steps,
-            "losses_finite": all(math.isfinite(x) for x in off.losses + on.train.losses)}
+    runs = {"train_alone": off, "online": on.train} | (
+        {"train_alone_reading_between_steps": between} if between else {}
+    )
+    return {
+        "attn": name,
+        "trainer": TRAINERS[name],
+        "engine": seconds["engine"],
+        "seconds": seconds,
+        "tok_per_s": rate,
+        "online_vs_min_alone": round(ratio, 3),
+        "goal_0.8_met": ratio >= ONLINE_GOAL,
+        "taking_turns": taking_turns,
+        "sustained": {
+            "tok_per_s": steady,
+            "online_vs_min_alone": round(steady_ratio, 3),
+            "goal_0.8_met": steady_ratio >= ONLINE_GOAL,
+            # the control (OnlineResult.committed_tokens_per_s): the extraction's commits over the
+            # trainer's later half, which no state the spool held before it can inflate; 0 where the
+            # extraction had ended before that half began
+            "committed_in_later_half": {"tok_per_s": committed, "vs_min_alone": round(committed / min(e, t), 3)},
+            # against the extraction alone over the window the online figure takes of it (no first
+            # batch's warm-up: ExtractSummary.sustained_tokens_per_s); read the goal off the lower
+            "against_the_extraction_s_sustained_rate": {
+                "extract_alone": extract_sustained,
+                "online_vs_min_alone": round(steady["online"] / min(extract_sustained, t), 3),
+                "committed_vs_min_alone": round(committed / min(extract_sustained, t), 3),
+            },
+            "taking_turns": {
+                "tok_per_s": round(turns_steady),
+                "vs_min_alone": round(turns_steady / min(e, t), 3),
+                "online_vs_it": round(steady["online"] / turns_steady, 3),
+            },
+        },
+        "lines": on.lines(),
+        "waits_s": {
+            "extraction_for_room": round(on.producer_wait_s, 1),
+            "training_for_states": round(on.trainer_wait_s, 1),
+            "extraction_behind_compiles": round(on.compile_wait_s, 1),
+        },
+        "compiles_gated": on.compiles,  # the engine in this process: the trainer's compiles it waited for
+        "engine_phases_s": {k: round(v, 1) for k, v in on.engine_phases.items()},  # the producer's calls
+        "phases_s": {k: r.phases for k, r in runs.items()},
+        "notes": {k: r.notes for k, r in runs.items() if r.notes},  # a recompile limit reached, among others
+        "read_ahead_same_losses": off.losses == between.losses if between else None,
+        "trainer_peak_gib": round(peak_train / 2**30, 1),
+        "spool": {"capacity": capacity, "peak": on.peak_bytes},
+        "same_steps_and_samples": on.train.steps == off.steps
+        and on.train.samples_seen == off.samples_seen == n_samples,
+        "steps": on.train.steps,
+        "losses_finite": all(math.isfinite(x) for x in off.losses + on.train.losses),
+    }
 
 
 def extraction_twice(first_s: float, again_s: float, tokens: int, summaries: dict, sustained: list) -> dict:
@@ -316,11 +418,17 @@ def extraction_twice(first_s: float, again_s: float, tokens: int, summaries: dic
     each trainer's sustained online rate against min(the slower or the faster extraction, its training alone): the
     goal's ratio as the spread moves it."""
     rates = [round(tokens / max(s, 0.05)) for s in (first_s, again_s)]
-    out = {"seconds": [first_s, again_s], "tok_per_s": rates, "spread": round(abs(rates[0] - rates[1]) / max(rates), 3),
-           "sustained_tok_per_s": sustained, "sustained_online_vs_min_alone": {}}
+    out = {
+        "seconds": [first_s, again_s],
+        "tok_per_s": rates,
+        "spread": round(abs(rates[0] - rates[1]) / max(rates), 3),
+        "sustained_tok_per_s": sustained,
+        "sustained_online_vs_min_alone": {},
+    }
     for name, got in summaries.items():
         steady = got["sustained"]["tok_per_s"]
         out["sustained_online_vs_min_alone"][name] = {
             which: round(steady["online"] / min(rate, steady["train_alone"]), 3)
-            for which, rate in (("slower", min(rates)), ("faster", max(rates)))}
+            for which, rate in (("slower", min(rates)), ("faster", max(rates)))
+        }
     return out

@@ -37,10 +37,21 @@ def test_states_under_forced_preemption_equal_an_unpressured_run(target, engines
     # the calm run on the suite's engine of the same strategy: the same kernels, so only the preemption differs
     # (and in the campaign's `direct` step that engine is already up for the hf reference: one start fewer)
     _, calm = run(engines.get(strategy), tmp_path / "calm")
-    pressured = VLLMBackend(str(target.path), engines.spec, capture=strategy, gpu_memory_utilization=0.2,
-                            max_model_len=1152, max_num_batched_tokens=4096, max_num_seqs=64, log_level="INFO",
-                            extra_engine_args={"num_gpu_blocks_override": 96, "long_prefill_token_threshold": 256,
-                                               "disable_log_stats": False})
+    pressured = VLLMBackend(
+        str(target.path),
+        engines.spec,
+        capture=strategy,
+        gpu_memory_utilization=0.2,
+        max_model_len=1152,
+        max_num_batched_tokens=4096,
+        max_num_seqs=64,
+        log_level="INFO",
+        extra_engine_args={
+            "num_gpu_blocks_override": 96,
+            "long_prefill_token_threshold": 256,
+            "disable_log_stats": False,
+        },
+    )
     try:
         summary, got = run(pressured, tmp_path / "pressured")
         preemptions = sum(int(m.value) for m in pressured.llm.get_metrics() if m.name == "vllm:num_preemptions")
@@ -55,9 +66,14 @@ def test_states_under_forced_preemption_equal_an_unpressured_run(target, engines
             bitwise += torch.equal(a, b)
         other = calm[ids[(n + 1) % len(ids)]]["states"][target.profile.layer_ids[-1]]
         closest_wrong = min(closest_wrong, rel_err(got[sid]["states"][target.profile.layer_ids[-1]], other))
-    result = {"preemptions": preemptions, "recomputed_rows": summary.recomputed_rows,
-              "worst_rel_err_vs_unpressured": round(worst, 5), "bitwise_equal_layers": f"{bitwise}/{len(ids) * 4}",
-              "closest_other_sample": round(closest_wrong, 3), "selfcheck": summary.selfcheck}
+    result = {
+        "preemptions": preemptions,
+        "recomputed_rows": summary.recomputed_rows,
+        "worst_rel_err_vs_unpressured": round(worst, 5),
+        "bitwise_equal_layers": f"{bitwise}/{len(ids) * 4}",
+        "closest_other_sample": round(closest_wrong, 3),
+        "selfcheck": summary.selfcheck,
+    }
     report(f"preemption[{strategy}]", result)
     assert preemptions > 0 and summary.recomputed_rows > 0, f"no preemption happened: the test shows nothing {result}"
     assert worst <= REL_TOL and closest_wrong > 3 * REL_TOL, result

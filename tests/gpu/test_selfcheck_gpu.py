@@ -21,8 +21,9 @@ def test_selfcheck_passes_the_captured_state_and_fails_wrong_ones(target, engine
     L = target.profile.num_hidden_layers
     samples = random_samples(16, [512, 37, 200, 129, 64, 300, 90, 411] * 2, target.profile.vocab_size, seed=81)
     backend = engines.get("hooks")
-    cfg = extract.ExtractConfig(model=str(target.path), out=str(tmp_path / "s"), backend="vllm", batch_size=16,
-                                selfcheck=0)
+    cfg = extract.ExtractConfig(
+        model=str(target.path), out=str(tmp_path / "s"), backend="vllm", batch_size=16, selfcheck=0
+    )
     extract.run(cfg, samples=samples, backend=backend, progress=False)
     stored = {s["sample_id"]: s for s in Store.open(tmp_path / "s").iter_samples()}
     got = [stored[s.sample_id] for s in samples]
@@ -34,9 +35,12 @@ def test_selfcheck_passes_the_captured_state_and_fails_wrong_ones(target, engine
     ref.close()
     h = right.float()
     post = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm).bfloat16()
-    results = {"right": selfcheck.compare(head, right, engine), "post-norm": selfcheck.compare(head, post, engine),
-               "layer L-1 (hf)": selfcheck.compare(head, prev, engine),
-               "other prompt": selfcheck.compare(head, right.roll(1, 0), engine)}
+    results = {
+        "right": selfcheck.compare(head, right, engine),
+        "post-norm": selfcheck.compare(head, post, engine),
+        "layer L-1 (hf)": selfcheck.compare(head, prev, engine),
+        "other prompt": selfcheck.compare(head, right.roll(1, 0), engine),
+    }
     report("selfcheck_mini_kimi", {k: v.line() for k, v in results.items()})
     assert results["right"].ok, results["right"].line()
     for name in ("post-norm", "layer L-1 (hf)", "other prompt"):

@@ -33,10 +33,10 @@ def test_flash_varlen_equals_the_dense_mask_in_bf16(steps, heads):
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     fk = ta.forward_kwargs(doc[None], "cuda")
     up = torch.randn(1, h, t, dv, device="cuda", generator=g)
-    got = ta.TTTAttention.apply(q, k, v, fk[ta.KWARG], d ** -0.5, fk[ta.LONGEST])
+    got = ta.TTTAttention.apply(q, k, v, fk[ta.KWARG], d**-0.5, fk[ta.LONGEST])
     grads = torch.autograd.grad((got.float() * up).sum(), (q, k, v))
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
-    want = dense_reference(qf, kf, vf, doc.cuda(), d ** -0.5)
+    want = dense_reference(qf, kf, vf, doc.cuda(), d**-0.5)
     wants = torch.autograd.grad((want * up).sum(), (qf, kf, vf))
     assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2, _rel(got, want)
     errs = {n: _rel(a, b) for n, a, b in zip("qkv", grads, wants)}

@@ -50,14 +50,16 @@ def once_per_run(tmp_path_factory, name: str, build):
 @pytest.fixture(scope="session")
 def tiny_kimi(tmp_path_factory):
     """tiny-kimi (DeepseekV3: MLA + MoE, 8 layers, hidden 128) with random weights and the BPE tokenizer."""
-    return once_per_run(tmp_path_factory, "tiny-kimi",
-                        lambda d: tiny.build_model(presets.from_name("tiny-kimi"), d, seed=0))
+    return once_per_run(
+        tmp_path_factory, "tiny-kimi", lambda d: tiny.build_model(presets.from_name("tiny-kimi"), d, seed=0)
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-    return once_per_run(tmp_path_factory, "tiny-llama",
-                        lambda d: tiny.build_model(presets.from_name("tiny-llama"), d, seed=0))
+    return once_per_run(
+        tmp_path_factory, "tiny-llama", lambda d: tiny.build_model(presets.from_name("tiny-llama"), d, seed=0)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -80,9 +82,14 @@ def small_store(tiny_kimi, small_data, tmp_path_factory):
     from eagle3.extract import extract
 
     def build(folder):
-        cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(folder / "store"),
-                                    data=DataConfig([str(small_data)], max_len=192), batch_size=8, shard_samples=8,
-                                    writer_threads=0)
+        cfg = extract.ExtractConfig(
+            model=str(tiny_kimi),
+            out=str(folder / "store"),
+            data=DataConfig([str(small_data)], max_len=192),
+            batch_size=8,
+            shard_samples=8,
+            writer_threads=0,
+        )
         extract.run(cfg, progress=False)
         return folder / "store"
 
@@ -95,8 +102,16 @@ def trained_run(small_store, tmp_path_factory):
     from eagle3.train.train import TrainConfig, train
 
     def build(out):
-        cfg = TrainConfig(store=str(small_store), out=str(out), draft_vocab_size=256, batch_samples=4, lr=3e-3,
-                          seed=0, max_steps=12, checkpoint_every=4)
+        cfg = TrainConfig(
+            store=str(small_store),
+            out=str(out),
+            draft_vocab_size=256,
+            batch_samples=4,
+            lr=3e-3,
+            seed=0,
+            max_steps=12,
+            checkpoint_every=4,
+        )
         return train(cfg, progress=False), out
 
     return once_per_run(tmp_path_factory, "trained-run", build)
@@ -170,8 +185,13 @@ def run_forked(fn) -> tuple[bool, int]:
     return False, os.WEXITSTATUS(status)
 
 
-COMMAND_PRELOAD = ("eagle3.cli", "eagle3.train.train", "eagle3.extract.extract", "eagle3.extract.regenerate",
-                   "speculators.models.eagle3")  # what run_command's children have imported before they start
+COMMAND_PRELOAD = (
+    "eagle3.cli",
+    "eagle3.train.train",
+    "eagle3.extract.extract",
+    "eagle3.extract.regenerate",
+    "speculators.models.eagle3",
+)  # what run_command's children have imported before they start
 _zygote = None
 
 
@@ -261,8 +281,9 @@ class Command:
         for f in (self.out, self.err):
             open(f, "w").close()
         self.t0 = time.perf_counter()
-        self.child = _zygote.start(_command_child, self.argv, dict(env or {}), self.out, self.err,
-                                   preload=COMMAND_PRELOAD)
+        self.child = _zygote.start(
+            _command_child, self.argv, dict(env or {}), self.out, self.err, preload=COMMAND_PRELOAD
+        )
 
     def wait(self, timeout: float = 240):
         import subprocess
@@ -276,8 +297,9 @@ class Command:
                 self.child.join()
                 raise subprocess.TimeoutExpired(self.argv, timeout)
             with open(self.out) as f_out, open(self.err) as f_err:
-                return types.SimpleNamespace(returncode=self.child.exitcode, stdout=f_out.read(),
-                                             stderr=f_err.read()), time.perf_counter() - self.t0
+                return types.SimpleNamespace(
+                    returncode=self.child.exitcode, stdout=f_out.read(), stderr=f_err.read()
+                ), time.perf_counter() - self.t0
         finally:
             self._tmp.cleanup()
 

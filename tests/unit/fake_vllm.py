@@ -124,8 +124,9 @@ class _InputBatch:
 
 
 class _Drafter:
-    def propose(self, num_speculative_tokens, sampled_token_ids, target_hidden_states, common_attn_metadata,
-                slot_mappings=None):
+    def propose(
+        self, num_speculative_tokens, sampled_token_ids, target_hidden_states, common_attn_metadata, slot_mappings=None
+    ):
         raise AssertionError("the extension must replace propose")
 
 
@@ -184,12 +185,12 @@ class FakeLLM:
     """``reference(prompt) -> [L + 1, T, H]`` gives every layer id's states for a prompt."""
 
     reference = None
-    token_budget = 96          # tokens per step (chunked prefill)
-    prefix_caching = False     # when True, repeated prompt prefixes are not recomputed (the trap)
-    encode_replies = False     # return tensors in replies engine-encoded, as vLLM 0.26 does
-    preempt = 0.0              # chance per step that one partly computed request is preempted
+    token_budget = 96  # tokens per step (chunked prefill)
+    prefix_caching = False  # when True, repeated prompt prefixes are not recomputed (the trap)
+    encode_replies = False  # return tensors in replies engine-encoded, as vLLM 0.26 does
+    preempt = 0.0  # chance per step that one partly computed request is preempted
     last = None
-    instances: list["FakeLLM"] = []  # the engines of the current test (shutdown_all)
+    instances: list[FakeLLM] = []  # the engines of the current test (shutdown_all)
 
     def __init__(self, **kw):
         from eagle3.extract.vllm_worker import CaptureExtension
@@ -205,9 +206,11 @@ class FakeLLM:
         for rank in range(self.tp):
             w = worker_cls()
             w.rank = rank
-            w.model_runner = self.runner_cls(_Model(n_layers, FakeLLM.hidden, FakeLLM.vocab),
-                                             types.SimpleNamespace(**(kw.get("hf_overrides") or {})),
-                                             kw.get("speculative_config"))
+            w.model_runner = self.runner_cls(
+                _Model(n_layers, FakeLLM.hidden, FakeLLM.vocab),
+                types.SimpleNamespace(**(kw.get("hf_overrides") or {})),
+                kw.get("speculative_config"),
+            )
             w.model_runner.load_model()
             w.model_runner.max_num_tokens = self.token_budget  # the V1 runner's: the scheduler's token budget
             w.model_runner.dtype = torch.float32  # the model's (the reference's states)
@@ -240,7 +243,6 @@ class FakeLLM:
                 cap.shard_buffers.clear()
                 cap.pool.free.clear()
 
-
     @contextmanager
     def _as(self, rank):
         _CURRENT.update(tp_rank=rank, tp_size=self.tp)
@@ -260,8 +262,10 @@ class FakeLLM:
             with self._as(rank):
                 r = getattr(w, method)(*args, **(kwargs or {}))
             if self.encode_replies and isinstance(r, list):
-                r = [[str(t.dtype).removeprefix("torch."), list(t.shape), 1] if isinstance(t, torch.Tensor) else t
-                     for t in r]
+                r = [
+                    [str(t.dtype).removeprefix("torch."), list(t.shape), 1] if isinstance(t, torch.Tensor) else t
+                    for t in r
+                ]
             out.append(r)
         return out
 
@@ -278,8 +282,15 @@ class FakeLLM:
             lp = torch.log_softmax(FakeLLM.reference_logits(ids).float(), -1)
             top = torch.topk(lp, params.logprobs or 1)
             logprobs = [{int(t): types.SimpleNamespace(logprob=float(v)) for t, v in zip(top.indices, top.values)}]
-            outputs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(
-                token_ids=[int(lp.argmax())], logprobs=logprobs if params.logprobs else None)]))
+            outputs.append(
+                types.SimpleNamespace(
+                    outputs=[
+                        types.SimpleNamespace(
+                            token_ids=[int(lp.argmax())], logprobs=logprobs if params.logprobs else None
+                        )
+                    ]
+                )
+            )
         self._prefill(prompts)
         return outputs
 
@@ -345,8 +356,11 @@ class FakeLLM:
             out = []
             while len(out) < sp.max_tokens:
                 logits = FakeLLM.reference_logits(ids + out).float()
-                tok = int(logits.argmax()) if not sp.temperature else int(
-                    torch.multinomial(torch.softmax(logits / sp.temperature, -1), 1, generator=g))
+                tok = (
+                    int(logits.argmax())
+                    if not sp.temperature
+                    else int(torch.multinomial(torch.softmax(logits / sp.temperature, -1), 1, generator=g))
+                )
                 out.append(tok)
                 if tok in (sp.stop_token_ids or ()):
                     break
@@ -358,8 +372,17 @@ class FakeLLM:
                 skip = max((k for k in range(0, len(ids), self.BLOCK) if tuple(ids[:k]) in self.cached), default=0)
             # rows it forwards: the prompt, then every generated token but the last
             # [internal id, prompt, computed, states of the final tokens, rows it forwards, prompt length, final]
-            reqs.append([f"{rid}-{self.rng.getrandbits(32):08x}", ids, skip, FakeLLM.reference(final),
-                         len(final) - 1, len(ids), final])
+            reqs.append(
+                [
+                    f"{rid}-{self.rng.getrandbits(32):08x}",
+                    ids,
+                    skip,
+                    FakeLLM.reference(final),
+                    len(final) - 1,
+                    len(ids),
+                    final,
+                ]
+            )
             outputs.append(types.SimpleNamespace(request_id=rid, outputs=[types.SimpleNamespace(token_ids=out)]))
         waiting, after = list(reqs), []
         while waiting or after:
@@ -408,12 +431,15 @@ class FakeLLM:
                 runner.step_rows = torch.cat([rows, torch.zeros(rows.shape[0], 2, rows.shape[2])], dim=1)
                 out = runner._model_forward(input_ids=None, positions=None)
                 if self.aux:  # extract_hidden_states: the drafter gets the step's aux states
-                    runner.drafter.propose(num_speculative_tokens=1, sampled_token_ids=torch.zeros(len(step), 1),
-                                           target_hidden_states=[h[: starts[-1]] for h in out[1]],
-                                           common_attn_metadata=None)
+                    runner.drafter.propose(
+                        num_speculative_tokens=1,
+                        sampled_token_ids=torch.zeros(len(step), 1),
+                        target_hidden_states=[h[: starts[-1]] for h in out[1]],
+                        common_attn_metadata=None,
+                    )
 
-def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits, vocab: int = 1024
-            ) -> type[FakeLLM]:
+
+def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits, vocab: int = 1024) -> type[FakeLLM]:
     """Put fake `vllm` modules in sys.modules for the duration of a test. ``reference(prompt)`` gives the states
     of every layer id [L + 1, T, H]; ``reference_logits(prompt)`` the next-token logits [V] after the prompt."""
     shutdown_all()  # an earlier test's engines that nothing closed
@@ -451,11 +477,19 @@ def install(monkeypatch, n_layers: int, hidden: int, reference, reference_logits
     runner_mod = types.ModuleType("vllm.v1.worker.gpu_model_runner")
     runner_mod.GPUModelRunner = runner_cls
     v1, worker = types.ModuleType("vllm.v1"), types.ModuleType("vllm.v1.worker")
-    mods = {"vllm": vllm, "vllm.envs": envs,
-            "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils, "vllm.config": config,
-            "vllm.config.speculative": speculative, "vllm.distributed": distributed,
-            "vllm.distributed.parallel_state": ps, "vllm.v1": v1, "vllm.v1.worker": worker,
-            "vllm.v1.worker.gpu_model_runner": runner_mod}
+    mods = {
+        "vllm": vllm,
+        "vllm.envs": envs,
+        "vllm.engine": engine,
+        "vllm.engine.arg_utils": arg_utils,
+        "vllm.config": config,
+        "vllm.config.speculative": speculative,
+        "vllm.distributed": distributed,
+        "vllm.distributed.parallel_state": ps,
+        "vllm.v1": v1,
+        "vllm.v1.worker": worker,
+        "vllm.v1.worker.gpu_model_runner": runner_mod,
+    }
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     from eagle3.extract import vllm_compat

@@ -34,8 +34,13 @@ def training_step(ckpt, input_ids, aux, positions):
     model.lm_head.register_forward_hook(lambda m, a, o: seen["logits"].append(o))
     model.layers[0].register_forward_pre_hook(lambda m, a: seen["layer_in"].append(a[0]))
     with torch.no_grad():
-        model(input_ids=input_ids, hidden_states=aux, position_ids=positions, ttt_steps=2,
-              document_ids=torch.zeros_like(input_ids))
+        model(
+            input_ids=input_ids,
+            hidden_states=aux,
+            position_ids=positions,
+            ttt_steps=2,
+            document_ids=torch.zeros_like(input_ids),
+        )
     h = model.embed_tokens.weight.shape[1]
     return model, seen["logits"][0][0], seen["layer_in"][1][0, :, h:]
 

@@ -44,8 +44,27 @@ def test_the_figure_is_the_median_of_the_timed_rounds_after_the_warm_up(tmp_path
 
 
 def test_cli_bench_disk_prints_each_limit_in_tokens_a_second(tmp_path, capsys):
-    assert cli.main(["bench", "disk", "--dir", str(tmp_path), "--writers", "2", "--files", "1", "--file-mb", "1",
-                     "--rounds", "1", "--bytes-per-token", "28672"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "disk",
+                "--dir",
+                str(tmp_path),
+                "--writers",
+                "2",
+                "--files",
+                "1",
+                "--file-mb",
+                "1",
+                "--rounds",
+                "1",
+                "--bytes-per-token",
+                "28672",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.count("2 writers x 1 files x 1 MiB a round") == 2
     for name in ("fsync", "page cache"):
@@ -60,8 +79,11 @@ def test_cli_bench_disk_measures_each_kind_with_the_store_s_own_writers(tmp_path
     """A limit is read against the store that writes like it: fsynced with 4 threads, into the page cache with 8
     (store/writer.py: writer_threads); --writers N measures both with N."""
     calls = []
-    monkeypatch.setattr(bandwidth, "measure", lambda d, fsync, writers, *a: calls.append((fsync, writers))
-                        or bandwidth.DiskFigure(fsync, 10**9, [1.0]))
+    monkeypatch.setattr(
+        bandwidth,
+        "measure",
+        lambda d, fsync, writers, *a: calls.append((fsync, writers)) or bandwidth.DiskFigure(fsync, 10**9, [1.0]),
+    )
     assert cli.main(["bench", "disk", "--dir", str(tmp_path)]) == 0
     assert calls == [(True, 4), (False, 8)]
     out = capsys.readouterr().out

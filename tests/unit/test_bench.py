@@ -13,9 +13,13 @@ from eagle3 import bench, cli
 
 
 def _history(tmp_path, run, values, profile="h200-mini-kimi"):
-    data = {"datetime": run, "benchmarks": [
-        {"name": k, "stats": {"median": 1.0}, "extra_info": {"key": k, "tokens_per_s": v, "profile": profile}}
-        for k, v in values.items()]}
+    data = {
+        "datetime": run,
+        "benchmarks": [
+            {"name": k, "stats": {"median": 1.0}, "extra_info": {"key": k, "tokens_per_s": v, "profile": profile}}
+            for k, v in values.items()
+        ],
+    }
     p = tmp_path / f"{run}.json"
     p.write_text(json.dumps(data))
     return p
@@ -54,27 +58,45 @@ def test_a_disk_bound_figure_is_read_at_its_own_run_s_disk_bandwidth(tmp_path):
     assert bench.regression(store, base, slow) is None
     assert "below the baseline 33,136 minus 15%" in bench.regression(store, base)  # no disk figure: as it was
     assert "below the baseline 33,136 minus" in bench.regression(store, base, {"fsync": 3e9})  # faster: as it was
-    half = bench.regression(bench.Record("r", "h200-mini-kimi", "store_direct/64x512", 13000.0, {}), base,
-                            {"fsync": mk["disk_bytes_per_s"]["fsync"] / 2})
-    assert half == ("h200-mini-kimi store_direct/64x512: 13,000 tok/s is below the baseline 16,568 scaled to this "
-                    "run's fsync bandwidth (0.94 of 1.88 GB/s) minus 15% (14,083)")
+    half = bench.regression(
+        bench.Record("r", "h200-mini-kimi", "store_direct/64x512", 13000.0, {}),
+        base,
+        {"fsync": mk["disk_bytes_per_s"]["fsync"] / 2},
+    )
+    assert half == (
+        "h200-mini-kimi store_direct/64x512: 13,000 tok/s is below the baseline 16,568 scaled to this "
+        "run's fsync bandwidth (0.94 of 1.88 GB/s) minus 15% (14,083)"
+    )
     host = bench.Record("r", "h200-mini-kimi", "host_direct/64x512", 200000.0, {})  # no disk in its path
     assert "below the baseline 267,099" in bench.regression(host, base, {"fsync": 1e8, "page_cache": 1e8})
     # the report reads each record at its own run's disks
-    data = {"datetime": "2026-12-04T03:26", "benchmarks": [
-        {"name": k, "stats": {"median": 1.0}, "extra_info": dict(info, profile="h200-mini-kimi")}
-        for k, info in {"store_direct/64x512": {"key": "store_direct/64x512", "tokens_per_s": 25836},
-                        "disk": {"key": "disk_fsync/4x4x512MiB", "bytes_per_s": slow["fsync"]}}.items()]}
+    data = {
+        "datetime": "2026-12-04T03:26",
+        "benchmarks": [
+            {"name": k, "stats": {"median": 1.0}, "extra_info": dict(info, profile="h200-mini-kimi")}
+            for k, info in {
+                "store_direct/64x512": {"key": "store_direct/64x512", "tokens_per_s": 25836},
+                "disk": {"key": "disk_fsync/4x4x512MiB", "bytes_per_s": slow["fsync"]},
+            }.items()
+        ],
+    }
     (tmp_path / "h.json").write_text(json.dumps(data))
     md, _ = bench.report([tmp_path / "h.json"], tmp_path / "r", baselines_dir=FROZEN_BASELINE)
     assert "| store_direct/64x512 | 25,836 | 25,836 | - | 0.78x | no |" in md.read_text()
 
 
 def test_updated_baselines_keep_the_disk_bandwidth_their_figures_were_measured_at(tmp_path):
-    run = {"datetime": "2026-12-04T03:26", "benchmarks": [
-        {"name": k, "stats": {"median": 1.0}, "extra_info": {"profile": "h200-mini-kimi", "key": k, **info}}
-        for k, info in {"store_direct/64x512": {"tokens_per_s": 25836}, "plain/64x512": {"tokens_per_s": 278097},
-                        "disk_fsync/4x4x512MiB": {"bytes_per_s": 1393067797.0}}.items()]}
+    run = {
+        "datetime": "2026-12-04T03:26",
+        "benchmarks": [
+            {"name": k, "stats": {"median": 1.0}, "extra_info": {"profile": "h200-mini-kimi", "key": k, **info}}
+            for k, info in {
+                "store_direct/64x512": {"tokens_per_s": 25836},
+                "plain/64x512": {"tokens_per_s": 278097},
+                "disk_fsync/4x4x512MiB": {"bytes_per_s": 1393067797.0},
+            }.items()
+        ],
+    }
     (tmp_path / "h.json").write_text(json.dumps(run))
     folder = tmp_path / "base"
     folder.mkdir()
@@ -85,8 +107,13 @@ def test_updated_baselines_keep_the_disk_bandwidth_their_figures_were_measured_a
     # fsync from this run; page_cache from the 8ec8ff9 run, whose page-cache figures this run did not replace
     assert new["disk_bytes_per_s"] == {"fsync": 1393067797, "page_cache": 22581163748}
     run["benchmarks"] = [b for b in run["benchmarks"] if not b["name"].startswith("disk")]
-    run["benchmarks"].append({"name": "n", "stats": {"median": 1.0}, "extra_info": {
-        "profile": "h200-mini-kimi", "key": "store_nofsync_direct/64x512", "tokens_per_s": 240000}})
+    run["benchmarks"].append(
+        {
+            "name": "n",
+            "stats": {"median": 1.0},
+            "extra_info": {"profile": "h200-mini-kimi", "key": "store_nofsync_direct/64x512", "tokens_per_s": 240000},
+        }
+    )
     run["datetime"] = "2026-12-05T00:00"
     (tmp_path / "h.json").write_text(json.dumps(run))
     bench.update_baselines([tmp_path / "h.json"], folder)
@@ -109,10 +136,22 @@ def test_report_writes_a_table_and_a_plot(tmp_path):
 def test_report_gives_each_figure_s_spread_within_its_run(tmp_path):
     """A ratio moves by the figures' own noise: the GPU benchmark records each figure's rate per quarter of its
     batches and their spread, (max - min) / median; the table shows it beside the ratio."""
-    data = {"datetime": "2026-12-04T10:00", "benchmarks": [
-        {"name": "p", "extra_info": {"key": "plain/64x512", "tokens_per_s": 300000, "profile": "h200-mini-kimi",
-                                     "quarters_tok_s": [290000, 300000, 310000, 300000], "spread": 0.067}},
-        {"name": "h", "extra_info": {"key": "host/64x512", "tokens_per_s": 270000, "profile": "h200-mini-kimi"}}]}
+    data = {
+        "datetime": "2026-12-04T10:00",
+        "benchmarks": [
+            {
+                "name": "p",
+                "extra_info": {
+                    "key": "plain/64x512",
+                    "tokens_per_s": 300000,
+                    "profile": "h200-mini-kimi",
+                    "quarters_tok_s": [290000, 300000, 310000, 300000],
+                    "spread": 0.067,
+                },
+            },
+            {"name": "h", "extra_info": {"key": "host/64x512", "tokens_per_s": 270000, "profile": "h200-mini-kimi"}},
+        ],
+    }
     (tmp_path / "b.json").write_text(json.dumps(data))
     md = bench.report([tmp_path / "b.json"], tmp_path / "r")[0].read_text()
     assert "| vs baseline | regression | spread in its run |" in md
@@ -124,17 +163,44 @@ def test_report_gives_each_figure_s_spread_within_its_run(tmp_path):
 def test_the_trainer_s_figures_reach_the_report_per_gpu_with_their_mfu(tmp_path):
     """tests/gpu/test_bench_train.py's rows, written as train_history writes them on the GPU host (a row that ran
     out of memory has no rate and is left out); in the report: tokens/s, per GPU, MFU and peak memory."""
-    rows = [{"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 40000, "mfu": 0.41, "peak_gib": 61.5},
-            {"draft": "llama", "seq": 32768, "precision": "bf16-mixed", "out_of_memory": True},
-            {"draft": "mla", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 30000, "mfu": 0.33, "peak_gib": 55.0},
-            {"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "loss": "eager", "tok_per_s": 38000, "mfu": 0.39,
-             "peak_gib": 70.0},
-            {"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "loss": "auto", "attn": "flex", "compiled": True,
-             "tok_per_s": 50000, "mfu": 0.51, "peak_gib": 40.0},
-            {"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "attn": "sdpa", "compiled": True,
-             "tok_per_s": 44000, "mfu": 0.45, "peak_gib": 60.0}]
-    (tmp_path / "benchmark.json").write_text(json.dumps(bench.train_history(rows, "2026-12-05T10:00", "h200-kimi-draft",
-                                                                            gpus=2)))
+    rows = [
+        {"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 40000, "mfu": 0.41, "peak_gib": 61.5},
+        {"draft": "llama", "seq": 32768, "precision": "bf16-mixed", "out_of_memory": True},
+        {"draft": "mla", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 30000, "mfu": 0.33, "peak_gib": 55.0},
+        {
+            "draft": "llama",
+            "seq": 8192,
+            "precision": "bf16-mixed",
+            "loss": "eager",
+            "tok_per_s": 38000,
+            "mfu": 0.39,
+            "peak_gib": 70.0,
+        },
+        {
+            "draft": "llama",
+            "seq": 8192,
+            "precision": "bf16-mixed",
+            "loss": "auto",
+            "attn": "flex",
+            "compiled": True,
+            "tok_per_s": 50000,
+            "mfu": 0.51,
+            "peak_gib": 40.0,
+        },
+        {
+            "draft": "llama",
+            "seq": 8192,
+            "precision": "bf16-mixed",
+            "attn": "sdpa",
+            "compiled": True,
+            "tok_per_s": 44000,
+            "mfu": 0.45,
+            "peak_gib": 60.0,
+        },
+    ]
+    (tmp_path / "benchmark.json").write_text(
+        json.dumps(bench.train_history(rows, "2026-12-05T10:00", "h200-kimi-draft", gpus=2))
+    )
     md = bench.report([tmp_path / "benchmark.json"], tmp_path / "r")[0].read_text()
     assert "| h200-kimi-draft | train_llama_bf16-mixed/8192 | 40,000 | 20,000 | - | - | no | - |" in md
     assert "train_mla_bf16-mixed/8192: 15,000 tok/s per GPU, MFU 33.0%, peak 55.0 GiB" in md
@@ -148,18 +214,29 @@ def test_the_store_reader_reaches_the_report_against_the_fastest_training_figure
     """The trainer benchmark's reader (read as training steps: tok/s, GB/s) beside the training rows: its ratio to the
     fastest 8k training figure of the same run, the need it must meet twice over (issue 42). Another run's rows do
     not count."""
-    rows = [{"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 18685, "mfu": 0.30},
-            {"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "attn": "flex", "compiled": True,
-             "tok_per_s": 30403, "mfu": 0.488},
-            {"draft": "llama", "seq": 2048, "precision": "bf16-mixed", "tok_per_s": 90000, "mfu": 0.32},  # not 8k
-            {"reader": True, "seq": 8192, "tok_per_s": 76012, "gb_per_s": 4.36, "samples_tok_per_s": 150000}]
+    rows = [
+        {"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 18685, "mfu": 0.30},
+        {
+            "draft": "llama",
+            "seq": 8192,
+            "precision": "bf16-mixed",
+            "attn": "flex",
+            "compiled": True,
+            "tok_per_s": 30403,
+            "mfu": 0.488,
+        },
+        {"draft": "llama", "seq": 2048, "precision": "bf16-mixed", "tok_per_s": 90000, "mfu": 0.32},  # not 8k
+        {"reader": True, "seq": 8192, "tok_per_s": 76012, "gb_per_s": 4.36, "samples_tok_per_s": 150000},
+    ]
     other = [{"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 99999, "mfu": 0.9}]
     (tmp_path / "a.json").write_text(json.dumps(bench.train_history(rows, "2026-12-06T10:00", "h200-kimi-draft")))
     (tmp_path / "b.json").write_text(json.dumps(bench.train_history(other, "2026-12-06T11:00", "h200-kimi-draft")))
     md = bench.report([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "r")[0].read_text()
-    assert ("train_reader/8192: the store reader, as training steps read: 76,012 tok/s (4.36 GB/s; the samples alone "
-            "150,000); 2.50x the fastest training figure of its run at 8,192 tokens "
-            "(train_llama_bf16-mixed_flex_compiled/8192, 30,403 tok/s; goal 2x: met)") in md, md
+    assert (
+        "train_reader/8192: the store reader, as training steps read: 76,012 tok/s (4.36 GB/s; the samples alone "
+        "150,000); 2.50x the fastest training figure of its run at 8,192 tokens "
+        "(train_llama_bf16-mixed_flex_compiled/8192, 30,403 tok/s; goal 2x: met)"
+    ) in md, md
     assert "train_reader/8192: 76,012 tok/s per GPU, MFU" not in md
 
 
@@ -171,11 +248,28 @@ def test_report_without_records_says_so(tmp_path):
 def test_report_says_when_no_baseline_applies(tmp_path):
     _history(tmp_path, "2026-12-01T10:00", {"plain/64x512": 300000}, profile="h100-unknown")
     (tmp_path / "empty").mkdir()
-    assert cli.main(["bench", "report", "--history", str(tmp_path / "2026-12-01T10:00.json"), "--out",
-                     str(tmp_path / "a")]) == 0
+    assert (
+        cli.main(
+            ["bench", "report", "--history", str(tmp_path / "2026-12-01T10:00.json"), "--out", str(tmp_path / "a")]
+        )
+        == 0
+    )
     assert "No baseline for profile `h100-unknown`" in (tmp_path / "a" / "throughput.md").read_text()
-    assert cli.main(["bench", "report", "--history", str(tmp_path / "2026-12-01T10:00.json"), "--out",
-                     str(tmp_path / "b"), "--baselines", str(tmp_path / "empty")]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "report",
+                "--history",
+                str(tmp_path / "2026-12-01T10:00.json"),
+                "--out",
+                str(tmp_path / "b"),
+                "--baselines",
+                str(tmp_path / "empty"),
+            ]
+        )
+        == 0
+    )
     assert "**No baselines found in" in (tmp_path / "b" / "throughput.md").read_text()
 
 
@@ -192,16 +286,37 @@ def test_a_non_editable_install_carries_the_baselines_and_the_bundled_data(tmp_p
     shutil.copytree(repo / "eagle3", src / "eagle3", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(repo / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path / "wheel"), str(src)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "wheel"),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = (tmp_path / "wheel").glob("eagle3-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     bundled = {str(p.relative_to(repo)) for p in (repo / "eagle3" / "bundled").rglob("*") if p.is_file()}
     assert bundled and bundled <= names, sorted(bundled - names)
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     code = "from eagle3 import bench; print(bench.BASELINES); print(sorted(bench.load_baselines()))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
+    )
     where, profiles = out.stdout.splitlines()
     assert where.startswith(str(tmp_path / "site")), out.stderr
     assert eval(profiles) == sorted(bench.load_baselines()) and len(eval(profiles)) >= 2
@@ -213,24 +328,49 @@ def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines
     import shutil
 
     def hist(run, values, profile, gpus=1):
-        data = {"datetime": run, "benchmarks": [
-            {"name": k, "stats": {"median": 1.0}, "extra_info": {"key": k, "tokens_per_s": v, "profile": profile,
-                                                                 "gpus": gpus}} for k, v in values.items()]}
+        data = {
+            "datetime": run,
+            "benchmarks": [
+                {
+                    "name": k,
+                    "stats": {"median": 1.0},
+                    "extra_info": {"key": k, "tokens_per_s": v, "profile": profile, "gpus": gpus},
+                }
+                for k, v in values.items()
+            ],
+        }
         p = tmp_path / "h" / f"{run}-{profile}.json"
         p.parent.mkdir(exist_ok=True)
         p.write_text(json.dumps(data))
 
     hist("2026-12-01T10:00", {"plain/16x512": 8000, "store/16x512": 7000}, "h200-kimi-depth")
     hist("2026-12-02T10:00", {"plain/64x512": 8000, "store_direct/64x512": 7900}, "h200-kimi-depth")
-    hist("2026-12-03T10:00", {"plain/16x512": 8000, "store/16x512": 7800, "plain/64x512": 8100,
-                              "hooks_host/64x512": 6000}, "h200-kimi-depth")
+    hist(
+        "2026-12-03T10:00",
+        {"plain/16x512": 8000, "store/16x512": 7800, "plain/64x512": 8100, "hooks_host/64x512": 6000},
+        "h200-kimi-depth",
+    )
     hist("2026-12-03T11:00", {"store/extract": 2400}, "8xrtx6000-kimi-k2.5", gpus=8)
     base = tmp_path / "base"
     shutil.copytree(bench.BASELINES, base)
     drawn, bars = [], bench.bars
     monkeypatch.setattr(bench, "bars", lambda *a, **k: drawn.extend(bars(*a, **k)) or drawn)
-    assert cli.main(["bench", "report", "--history", str(tmp_path / "h"), "--out", str(tmp_path / "r"),
-                     "--baselines", str(base), "--update-baselines"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "report",
+                "--history",
+                str(tmp_path / "h"),
+                "--out",
+                str(tmp_path / "r"),
+                "--baselines",
+                str(base),
+                "--update-baselines",
+            ]
+        )
+        == 0
+    )
     md = (tmp_path / "r" / "throughput.md").read_text()
     assert "| 2026-12-03T10:00 | h200-kimi-depth | store/16x512 | 7,800 | 7,800 | 0.97x |" in md
     assert "| 2026-12-03T11:00 | 8xrtx6000-kimi-k2.5 | store/extract | 2,400 | 300 | - | 1.05x | no |" in md
@@ -242,10 +382,15 @@ def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines
     assert any("cluster/GPU" in x for x in drawn)  # the report's PNG sets kimi-depth beside the cluster
     monkeypatch.undo()
     labels = bench.bars(bench.load_history([tmp_path / "h"]), tmp_path / "b.png")
-    assert [x for x in labels if x.startswith("h200")] == ["h200-kimi-depth plain/16x512 1.00x", "h200-kimi-depth plain/64x512 1.00x",
-                      "h200-kimi-depth hooks_host/64x512 0.74x", "h200-kimi-depth store/16x512 0.97x",
-                      "h200-kimi-depth legend plain", "h200-kimi-depth legend hooks_host",
-                      "h200-kimi-depth legend store"]  # the newest run; a mode measured at one shape only is named
+    assert [x for x in labels if x.startswith("h200")] == [
+        "h200-kimi-depth plain/16x512 1.00x",
+        "h200-kimi-depth plain/64x512 1.00x",
+        "h200-kimi-depth hooks_host/64x512 0.74x",
+        "h200-kimi-depth store/16x512 0.97x",
+        "h200-kimi-depth legend plain",
+        "h200-kimi-depth legend hooks_host",
+        "h200-kimi-depth legend store",
+    ]  # the newest run; a mode measured at one shape only is named
     # with the cluster's figure, the kimi-depth panel draws its per-GPU line and puts a store bar beside it
     labels = bench.bars(bench.load_history([tmp_path / "h"]), tmp_path / "c.png", cluster=bench.load_baselines())
     depth = [x for x in labels if x.startswith("h200-kimi-depth")]
@@ -258,38 +403,61 @@ def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines
     newest = {"plain/16x512": 8000, "store/16x512": 7800, "plain/64x512": 8100, "hooks_host/64x512": 6000}
     assert new["tokens_per_s"] == {**bundled["tokens_per_s"], **newest}  # the newest run over the bundled one
     assert new["hardware"] == bundled["hardware"] and new["model"] == bundled["model"]  # kept
-    assert sorted(p.name for p in base.iterdir()) == ["cluster-kimi-k2.5.json", "h200-kimi-depth.json",
-                                                      "h200-mini-kimi.json"]  # one file per profile
+    assert sorted(p.name for p in base.iterdir()) == [
+        "cluster-kimi-k2.5.json",
+        "h200-kimi-depth.json",
+        "h200-mini-kimi.json",
+    ]  # one file per profile
     cluster = json.loads((base / "cluster-kimi-k2.5.json").read_text())
     assert cluster["tokens_per_s"] == {"store/extract": 2400} and cluster["margin"] == 0.1 and "hardware" in cluster
     assert json.loads((base / "h200-mini-kimi.json").read_text()) == json.loads(
-        (bench.BASELINES / "h200-mini-kimi.json").read_text())  # other profiles untouched
+        (bench.BASELINES / "h200-mini-kimi.json").read_text()
+    )  # other profiles untouched
 
 
 def test_the_report_sets_each_disk_bound_mode_against_its_disk_limit(tmp_path):
-    """The 90b2d70 run's H200 run (results/, its pytest-benchmark JSON): the fsynced store reads 0.06x plain, yet it wrote
+    """The 90b2d70 run's H200 run (results/, its pytest-benchmark JSON): the fsynced store reads 0.06x plain, yet it
+    wrote
     at 0.83x of what the disk's fsynced writes allow; the page-cache writers against the page cache. Limit =
     min(plain, disk bytes/s of the same run / the mode's bytes per token), as issue 14's acceptance reads them."""
     run = Path(__file__).parents[2] / "results/2026-12-03-90b2d70-h200-vllm0.26.0/benchmark.json.gz"
     md, _ = bench.report([run], tmp_path / "r")
     text = md.read_text()
-    assert ("- 2026-12-03T06:54:02.341252+00:00 h200-mini-kimi store/64x512: 18,119 tok/s = 0.83x of 21,833 "
-            "(fsync 1.25 GB/s / 57,344 B a token)") in text
-    assert ("- 2026-12-03T06:54:02.341252+00:00 h200-mini-kimi store_nofsync/64x512: 48,424 tok/s = 0.23x of "
-            "206,769 (page cache 11.86 GB/s / 57,344 B a token)") in text
+    assert (
+        "- 2026-12-03T06:54:02.341252+00:00 h200-mini-kimi store/64x512: 18,119 tok/s = 0.83x of 21,833 "
+        "(fsync 1.25 GB/s / 57,344 B a token)"
+    ) in text
+    assert (
+        "- 2026-12-03T06:54:02.341252+00:00 h200-mini-kimi store_nofsync/64x512: 48,424 tok/s = 0.23x of "
+        "206,769 (page cache 11.86 GB/s / 57,344 B a token)"
+    ) in text
     assert "h200-mini-kimi vllm_ehs/64x512: 131,610 tok/s = 0.64x of 206,769 (page cache" in text
     assert "host/64x512: 236,587 tok/s = " not in text  # no disk bounds a null sink
     both = bench.report([run, run.with_name("benchkd-benchmark.json.gz")], tmp_path / "kd")[0].read_text()
-    assert ("h200-kimi-depth store/64x512: 7,392 tok/s = 0.91x of 8,153 (plain prefill; fsync 1.25 GB/s / 57,344 B "
-            "a token = 21,731)") in both  # at Kimi's depth prefill binds, not the disk; each run's own disk figure
+    assert (
+        "h200-kimi-depth store/64x512: 7,392 tok/s = 0.91x of 8,153 (plain prefill; fsync 1.25 GB/s / 57,344 B "
+        "a token = 21,731)"
+    ) in both  # at Kimi's depth prefill binds, not the disk; each run's own disk figure
     assert "h200-mini-kimi store/64x512: 18,119 tok/s = 0.83x of 21,833 (fsync" in both
     labels = bench.bars(bench.load_history([run]), tmp_path / "b.png", bench.load_disks([run]))
     assert "h200-mini-kimi store/64x512 0.06x; 0.83x of limit" in labels
-    assert "h200-mini-kimi host/64x512 0.82x" in labels and "h200-mini-kimi legend limit: min(plain, disk B/s / B a token)" in labels
+    assert (
+        "h200-mini-kimi host/64x512 0.82x" in labels
+        and "h200-mini-kimi legend limit: min(plain, disk B/s / B a token)" in labels
+    )
     fp8 = bench.read_json(run)
     fp8["benchmarks"] = [b for b in fp8["benchmarks"] if b["extra_info"]["key"] != "store/64x512"]
-    fp8["benchmarks"].append({"name": "fp8", "extra_info": {"key": "store_fp8/64x512", "tokens_per_s": 40000,
-                                                            "profile": "h200-mini-kimi", "bytes_per_token": 28672}})
+    fp8["benchmarks"].append(
+        {
+            "name": "fp8",
+            "extra_info": {
+                "key": "store_fp8/64x512",
+                "tokens_per_s": 40000,
+                "profile": "h200-mini-kimi",
+                "bytes_per_token": 28672,
+            },
+        }
+    )
     (tmp_path / "fp8.json").write_text(json.dumps(fp8))
     md, _ = bench.report([tmp_path / "fp8.json"], tmp_path / "f")
     assert "store_fp8/64x512: 40,000 tok/s = 0.92x of 43,666 (fsync 1.25 GB/s / 28,672 B a token)" in md.read_text()
@@ -298,13 +466,35 @@ def test_the_report_sets_each_disk_bound_mode_against_its_disk_limit(tmp_path):
 def test_each_mode_is_set_against_the_disk_it_writes_to_whatever_its_capture():
     """store_nofsync_direct writes into the page cache like store_nofsync: set against the fsynced disk, its limit
     would be ~10x too low and its ratio flattering."""
-    modes = ["store", "store_direct", "store_fp8", "store_nofsync", "store_nofsync_direct", "vllm_ehs",
-             "host_direct", "count", "plain"]
-    assert [bench.disk_of(m) for m in modes] == ["fsync", "fsync", "fsync", "page_cache", "page_cache",
-                                                 "page_cache", None, None, None]
+    modes = [
+        "store",
+        "store_direct",
+        "store_fp8",
+        "store_nofsync",
+        "store_nofsync_direct",
+        "vllm_ehs",
+        "host_direct",
+        "count",
+        "plain",
+    ]
+    assert [bench.disk_of(m) for m in modes] == [
+        "fsync",
+        "fsync",
+        "fsync",
+        "page_cache",
+        "page_cache",
+        "page_cache",
+        None,
+        None,
+        None,
+    ]
     # the GPU benchmark starts each mode's engine by this split (tests/gpu/test_bench_extract.test_eagle3_aux_capture)
     assert [bench.split_mode(m) for m in ("store_nofsync_direct", "host_whole_direct", "count", "host_slots8")] == [
-        ("store_nofsync", "direct"), ("host_whole", "direct"), ("count", "aux"), ("host_slots8", "aux")]
+        ("store_nofsync", "direct"),
+        ("host_whole", "direct"),
+        ("count", "aux"),
+        ("host_slots8", "aux"),
+    ]
 
 
 def test_the_trend_plot_has_a_panel_per_profile_and_shape_and_one_color_per_mode(tmp_path):
@@ -338,7 +528,8 @@ def _measured(run: str) -> dict:
 
 def test_the_gpu_benchmark_s_acceptance_on_the_3cf512b_h200_figures(tmp_path, monkeypatch):
     """The GPU benchmark's acceptance (issue 14's targets, tests/gpu/test_bench_extract.acceptance) replayed on CPU
-    with the figures the H200 measured in the 3cf512b run (results/2026-12-03-3cf512b-h200-vllm0.26.0/): it fails exactly on the
+    with the figures the H200 measured in the 3cf512b run (results/2026-12-03-3cf512b-h200-vllm0.26.0/): it fails
+    exactly on the
     null sink and the page-cache store, as it did there; a mode left out (EAGLE3_BENCH_MODES) is 'not measured',
     not a KeyError; kimi-depth's target applies to every shape."""
     from tests.gpu import test_bench_extract as gb
@@ -346,12 +537,15 @@ def test_the_gpu_benchmark_s_acceptance_on_the_3cf512b_h200_figures(tmp_path, mo
     measured = _measured("2026-12-03-3cf512b-h200-vllm0.26.0")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {})
-    assert failures == ["null sink / plain prefill 0.72x (< 0.9)",
-                        "page-cache store / vLLM's extract_hidden_states 0.89x (< 1.0)"]
+    assert failures == [
+        "null sink / plain prefill 0.72x (< 0.9)",
+        "page-cache store / vLLM's extract_hidden_states 0.89x (< 1.0)",
+    ]
     r = summary["ratios"]["64x512"]
     assert round(r["store/limit_fsync"], 3) == 0.904 and r["limit_tokens_per_s"]["fsync"] == 36432
-    _, failures = gb.acceptance({k: v for k, v in measured.items() if not k.startswith("vllm_ehs/")},
-                                "mini-kimi", 57344, "h200-mini-kimi", {})
+    _, failures = gb.acceptance(
+        {k: v for k, v in measured.items() if not k.startswith("vllm_ehs/")}, "mini-kimi", 57344, "h200-mini-kimi", {}
+    )
     assert "page-cache store / vLLM's extract_hidden_states: not measured (store_nofsync/vllm_ehs; " in failures[-1]
     fast_disk = dict(measured, **{"disk_bytes_per_s[fsync]": 1e12})  # the limit is then prefill, not the disk
     _, failures = gb.acceptance(fast_disk, "mini-kimi", 57344, "h200-mini-kimi", {})
@@ -409,7 +603,7 @@ def test_the_gpu_campaign_and_its_plans_name_only_modes_and_shapes_the_benchmark
     gpu = Path(__file__).parents[1] / "gpu"
     text = (gpu / "README.md").read_text() + (gpu / "campaign.sh").read_text()
     modes = re.findall(r'(?:BENCH|BENCHKD)_MODES(?::-|=)"([^"]+)"', text)
-    shapes = re.findall(r'(?:BENCH|BENCHKD)_SHAPES=([\dx]+)', text)
+    shapes = re.findall(r"(?:BENCH|BENCHKD)_SHAPES=([\dx]+)", text)
     assert len(modes) >= 5 and len(shapes) >= 3, (modes, shapes)
     assert {m for line in modes for m in line.split()} - gb.KNOWN_MODES == set()
     assert set(shapes) <= {f"{b}x{t}" for b, t in gb.ALL_SHAPES}
@@ -426,8 +620,10 @@ def test_a_null_sink_below_target_says_when_the_device_to_host_copies_cannot_car
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     slow = dict(measured, d2h_bytes_per_s=13.2e9)  # 230,190 tok/s = 0.72x plain 319,051
     _, failures = gb.acceptance(slow, "mini-kimi", 57344, "h200-mini-kimi", {})
-    assert failures[0] == ("null sink / plain prefill 0.72x (< 0.9): unreachable on this host, whose device-to-host "
-                           "copies (13.2 GB/s) carry 230,190 tok/s = 0.72x plain; host/limit_d2h 1.00x")
+    assert failures[0] == (
+        "null sink / plain prefill 0.72x (< 0.9): unreachable on this host, whose device-to-host "
+        "copies (13.2 GB/s) carry 230,190 tok/s = 0.72x plain; host/limit_d2h 1.00x"
+    )
     fast = dict(measured, d2h_bytes_per_s=50e9)
     _, failures = gb.acceptance(fast, "mini-kimi", 57344, "h200-mini-kimi", {})
     assert failures[0] == "null sink / plain prefill 0.72x (< 0.9)"
@@ -453,19 +649,23 @@ def test_the_benchmark_s_shapes_are_all_of_them_unless_narrowed(monkeypatch):
 
 
 def test_a_null_sink_below_target_says_when_the_capture_engine_itself_is_below(monkeypatch):
-    """The 90b2d70 run on the H200: host 0.82x plain, count (the same engine, nothing copied) 0.85x: the failure says the
+    """The 90b2d70 run on the H200: host 0.82x plain, count (the same engine, nothing copied) 0.85x: the failure says
+    the
     engine is the limit, and how plain fares without async scheduling (what vLLM allows that engine) if measured."""
     from tests.gpu import test_bench_extract as gb
 
     measured = _measured("2026-12-03-90b2d70-h200-vllm0.26.0")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {})
-    assert failures[0] == ("null sink / plain prefill 0.82x (< 0.9): the capture's engine with nothing copied (count) "
-                           "reaches 0.85x plain")
+    assert failures[0] == (
+        "null sink / plain prefill 0.82x (< 0.9): the capture's engine with nothing copied (count) reaches 0.85x plain"
+    )
     with_sync = dict(measured, **{"plain_sync/64x512": 250000.0})
     summary, failures = gb.acceptance(with_sync, "mini-kimi", 57344, "h200-mini-kimi", {})
-    assert failures[0].endswith("reaches 0.85x plain; plain without async scheduling (which vLLM 0.26 refuses "
-                                "extract_hidden_states engines) 0.87x; host/plain_sync 0.95x")
+    assert failures[0].endswith(
+        "reaches 0.85x plain; plain without async scheduling (which vLLM 0.26 refuses "
+        "extract_hidden_states engines) 0.87x; host/plain_sync 0.95x"
+    )
     assert round(summary["ratios"]["64x512"]["count/plain_sync"], 3) == 0.970
     fine = dict(measured, **{"count/64x512": 0.95 * measured["plain/64x512"]})  # the engine is not the limit
     _, failures = gb.acceptance(fine, "mini-kimi", 57344, "h200-mini-kimi", {})
@@ -476,7 +676,8 @@ def test_a_null_sink_below_target_says_when_the_capture_engine_itself_is_below(m
 
 
 def test_the_targets_hold_the_capture_extraction_uses_by_default_and_the_other_is_information(monkeypatch):
-    """The 6e3f68b run measured --capture direct (count_direct, host_direct, store_direct) beside the 90b2d70 run's aux figures:
+    """The 6e3f68b run measured --capture direct (count_direct, host_direct, store_direct) beside the 90b2d70 run's
+    aux figures:
     the targets apply to the strategy extraction runs by default; the summary gives both strategies' verdicts, so
     one run says whether switching the default would meet them. Direct's null-sink failure names its own count
     and, if measured, the same with a step's copies issued at once."""
@@ -486,21 +687,38 @@ def test_the_targets_hold_the_capture_extraction_uses_by_default_and_the_other_i
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     plain, ehs = measured["plain/64x512"], measured["vllm_ehs/64x512"]
     limit = min(plain, measured["disk_bytes_per_s[fsync]"] / 57344)
-    direct = dict(measured, **{"count_direct/64x512": 0.95 * plain, "host_direct/64x512": 0.92 * plain,
-                               "store_direct/64x512": 0.93 * limit, "store_nofsync_direct/64x512": 1.05 * ehs})
+    direct = dict(
+        measured,
+        **{
+            "count_direct/64x512": 0.95 * plain,
+            "host_direct/64x512": 0.92 * plain,
+            "store_direct/64x512": 0.93 * limit,
+            "store_nofsync_direct/64x512": 1.05 * ehs,
+        },
+    )
     summary, failures = gb.acceptance(direct, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct")
     assert failures == [] and summary["acceptance"]["direct"] == [] and summary["acceptance"]["capture"] == "direct"
     summary, aux_failures = gb.acceptance(direct, "mini-kimi", 57344, "h200-mini-kimi", {})
-    assert aux_failures == summary["acceptance"]["aux"] and aux_failures[0].startswith("null sink / plain prefill 0.82x")
+    assert aux_failures == summary["acceptance"]["aux"] and aux_failures[0].startswith(
+        "null sink / plain prefill 0.82x"
+    )
     assert summary["acceptance"]["direct"] == []
     slow = dict(direct, **{"host_direct/64x512": 0.81 * plain, "host_whole_direct/64x512": 0.80 * plain})
     _, failures = gb.acceptance(slow, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct")
-    assert failures == [("null sink (--capture direct) / plain prefill 0.81x (< 0.9): count (--capture direct) "
-                         "reaches 0.95x plain; with a step's copies issued at once host reaches 0.80x")]
+    assert failures == [
+        (
+            "null sink (--capture direct) / plain prefill 0.81x (< 0.9): count (--capture direct) "
+            "reaches 0.95x plain; with a step's copies issued at once host reaches 0.80x"
+        )
+    ]
     no_nofsync = {k: v for k, v in direct.items() if k != "store_nofsync_direct/64x512"}
     _, failures = gb.acceptance(no_nofsync, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct")
-    assert failures == [("page-cache store (--capture direct) / vLLM's extract_hidden_states: not measured "
-                         "(store_nofsync_direct/vllm_ehs; EAGLE3_BENCH_MODES)")]
+    assert failures == [
+        (
+            "page-cache store (--capture direct) / vLLM's extract_hidden_states: not measured "
+            "(store_nofsync_direct/vllm_ehs; EAGLE3_BENCH_MODES)"
+        )
+    ]
     kd = {"plain/64x512": 8000.0, "store/64x512": 7300.0, "store_direct/64x512": 7800.0}
     _, failures = gb.acceptance(kd, "kimi-depth", 57344, "h200-kimi-depth", {}, capture="direct")
     assert failures == []
@@ -514,16 +732,20 @@ def test_direct_s_null_sink_failure_splits_its_engine_s_cost_from_the_capture_s(
     says how much of that is vLLM's aux outputs: the failure names it and count_direct / plain_auxout."""
     from tests.gpu import test_bench_extract as gb
 
-    measured = json.loads((Path(__file__).parents[2] / "results/2026-12-03-0ccc20f-h200-vllm0.26.0/bench_summary.json")
-                          .read_text())["tokens_per_s"]
+    measured = json.loads(
+        (Path(__file__).parents[2] / "results/2026-12-03-0ccc20f-h200-vllm0.26.0/bench_summary.json").read_text()
+    )["tokens_per_s"]
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct")
-    assert failures[0] == ("null sink (--capture direct) / plain prefill 0.84x (< 0.9): count (--capture direct) "
-                           "reaches 0.90x plain")
+    assert failures[0] == (
+        "null sink (--capture direct) / plain prefill 0.84x (< 0.9): count (--capture direct) reaches 0.90x plain"
+    )
     auxout = dict(measured, **{"plain_auxout/64x512": 0.93 * measured["plain/64x512"]})
     summary, failures = gb.acceptance(auxout, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct")
-    assert failures[0].endswith("reaches 0.90x plain; the engine alone, its model returning the aux states "
-                                "(plain_auxout), 0.93x; count_direct/plain_auxout 0.96x")
+    assert failures[0].endswith(
+        "reaches 0.90x plain; the engine alone, its model returning the aux states "
+        "(plain_auxout), 0.93x; count_direct/plain_auxout 0.96x"
+    )
     assert round(summary["ratios"]["64x512"]["plain_auxout/plain"], 2) == 0.93
 
 
@@ -554,8 +776,10 @@ def test_plain_auxout_measures_the_direct_engine_with_its_capture_detached(monke
     monkeypatch.setattr(gb, "sustained", sustained)
     monkeypatch.setattr(gb, "_generate", lambda llm, batch: used.append(llm))
     monkeypatch.setattr(gb, "MODES", None)
-    live = types.SimpleNamespace(backend=lambda strategy: backend if strategy == "direct" else None,
-                                 llm=lambda *a: pytest.fail("plain_auxout started an engine of its own"))
+    live = types.SimpleNamespace(
+        backend=lambda strategy: backend if strategy == "direct" else None,
+        llm=lambda *a: pytest.fail("plain_auxout started an engine of its own"),
+    )
     with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
         gb.test_plain_prefill(None, None, (64, 512), live, "plain_auxout")
     assert used == [("plain_auxout/64x512", False), Backend.llm] and states == [False, True]
@@ -606,35 +830,47 @@ def test_the_benchmark_s_own_engines_start_in_the_capture_engines_environment(mo
             seen.update({k: os.environ.get(k) for k in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_USE_V2_MODEL_RUNNER")})
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
-    target = types.SimpleNamespace(path=tmp_path, load_format="dummy", local=True, tp=1,
-                                   profile=types.SimpleNamespace(layer_ids=(2, 4, 5, 8)))
+    target = types.SimpleNamespace(
+        path=tmp_path, load_format="dummy", local=True, tp=1, profile=types.SimpleNamespace(layer_ids=(2, 4, 5, 8))
+    )
     getattr(gb, make)(target, *([tmp_path / "out"] if make == "_ehs_llm" else []))
     assert seen == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
 def test_the_gpu_benchmark_reads_its_fsynced_store_against_the_baseline_at_its_own_disk(monkeypatch):
-    """The 6b3715c run's mini-Kimi run, replayed (results/2026-12-04-6b3715c-h200-vllm0.26.0/): every target met, yet the run
+    """The 6b3715c run's mini-Kimi run, replayed (results/2026-12-04-6b3715c-h200-vllm0.26.0/): every target met, yet
+    the run
     failed on a "regression" of the fsynced store, 25,836 tok/s at 1.39 GB/s against the bundled 33,136 measured
     at 1.88 GB/s. The GPU test hands the run's disk figures to the regression check."""
     from tests.gpu import test_bench_extract as gb
 
     measured = _measured("2026-12-04-6b3715c-h200-vllm0.26.0")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
-    summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", bench.load_baselines(FROZEN_BASELINE),
-                                      capture="direct")
+    summary, failures = gb.acceptance(
+        measured, "mini-kimi", 57344, "h200-mini-kimi", bench.load_baselines(FROZEN_BASELINE), capture="direct"
+    )
     assert failures == [] and summary["regressions"] == []
     no_disk = {k: v for k, v in measured.items() if not k.startswith("disk_")}
-    summary, _ = gb.acceptance(no_disk, "mini-kimi", 57344, "h200-mini-kimi", bench.load_baselines(FROZEN_BASELINE),
-                               capture="direct")
-    assert summary["regressions"] == [("h200-mini-kimi store_direct/64x512: 25,836 tok/s is below the baseline "
-                                       "33,136 minus 15% (28,166)")]
+    summary, _ = gb.acceptance(
+        no_disk, "mini-kimi", 57344, "h200-mini-kimi", bench.load_baselines(FROZEN_BASELINE), capture="direct"
+    )
+    assert summary["regressions"] == [
+        ("h200-mini-kimi store_direct/64x512: 25,836 tok/s is below the baseline 33,136 minus 15% (28,166)")
+    ]
 
 
 # vLLM 0.26's tuned Triton MoE configs for kimi-depth's and mini-Kimi's experts on the H200 (fused_moe/configs/
 # E=8,N=2048,device_name=NVIDIA_H200.json, the keys a prefill step can be nearest to), as (BLOCK_SIZE_M,
 # BLOCK_SIZE_N, GROUP_SIZE_M): vLLM takes the key nearest a step's token count
-H200_E8_N2048 = {256: (128, 256, 32), 512: (128, 256, 32), 1024: (128, 256, 32), 1536: (128, 256, 32),
-                 2048: (128, 256, 64), 3072: (128, 256, 64), 4096: (128, 256, 32)}
+H200_E8_N2048 = {
+    256: (128, 256, 32),
+    512: (128, 256, 32),
+    1024: (128, 256, 32),
+    1536: (128, 256, 32),
+    2048: (128, 256, 64),
+    3072: (128, 256, 64),
+    4096: (128, 256, 32),
+}
 
 
 def _nearest(grid):
@@ -694,8 +930,9 @@ def test_the_benchmark_asks_vllm_for_the_moe_config_of_the_target_s_experts_at_i
     pick = gb.moe_config_of(target)
     assert pick(2048) == (128, 256, 64)
     assert asked[-1] == ((384, 512, 7168), (384, 7168, 256), 8, None, 2048)
-    dense = types.SimpleNamespace(tp=1, profile=types.SimpleNamespace(hf_config={"intermediate_size": 11008},
-                                                                      hidden_size=4096))
+    dense = types.SimpleNamespace(
+        tp=1, profile=types.SimpleNamespace(hf_config={"intermediate_size": 11008}, hidden_size=4096)
+    )
     assert gb.moe_config_of(dense) is None
     monkeypatch.setitem(sys.modules, name, types.SimpleNamespace())  # a vLLM without it
     assert gb.moe_config_of(target) is None
@@ -736,11 +973,23 @@ def test_the_benchmark_runs_its_warm_steps_before_the_clock_with_prompts_of_thei
         if "finish" in events:
             clock.append(True)  # the second start: the timed session
 
-    n = gb.sustained(benchmark, target, "store_direct/16x512", run_batch, lambda: events.append("finish"), start,
-                     lookahead=True)
+    n = gb.sustained(
+        benchmark, target, "store_direct/16x512", run_batch, lambda: events.append("finish"), start, lookahead=True
+    )
     assert n == 3
-    assert events == ["start", ("run", 512, 0), ("run", 2048, 0), ("run", 8192, 1), ("run", 8192, 0), "finish",
-                      "start", ("run", 8192, 2), ("run", 8192, 1), ("run", 8192, 0), "finish"]
+    assert events == [
+        "start",
+        ("run", 512, 0),
+        ("run", 2048, 0),
+        ("run", 8192, 1),
+        ("run", 8192, 0),
+        "finish",
+        "start",
+        ("run", 8192, 2),
+        ("run", 8192, 1),
+        ("run", 8192, 0),
+        "finish",
+    ]
     assert prompts[:3] == [[512], [2048], [512] * 16]  # one prompt a warm step: the engine cannot split it
     assert len(ids["warm"]) == 1 + 1 + 32 and not ids["warm"] & ids["timed"]
     figure = reported["sustained[store_direct/16x512]"]
@@ -749,7 +998,8 @@ def test_the_benchmark_runs_its_warm_steps_before_the_clock_with_prompts_of_thei
 
 def test_the_jit_check_says_when_vllm_logged_only_each_engine_s_first_compile(tmp_path, capsys):
     """vLLM's JIT monitor logs a compile with warning_once unless jit_monitor_verbose is on: each engine's first
-    only. The 8ff3dae run's kimi-depth log (results/2026-12-04-8ff3dae-h200-vllm0.26.0/) had one per engine: plain's 1 s into
+    only. The 8ff3dae run's kimi-depth log (results/2026-12-04-8ff3dae-h200-vllm0.26.0/) had one per engine: plain's
+    1 s into
     its clock, the store's 4 s before its own; a second compile in the store's clock would not have shown, and
     "no JIT inside its clock" would have been read as proof. The check now says when it cannot see a later one."""
     import gzip
@@ -764,9 +1014,13 @@ def test_the_jit_check_says_when_vllm_logged_only_each_engine_s_first_compile(tm
     assert capsys.readouterr().out.splitlines() == [
         "plain/16x512: JIT INSIDE ITS CLOCK: fused_moe_kernel at 04:34:06",
         "store_direct/16x512: no JIT inside its clock",
-        ("CAUTION: vLLM logged only each engine's first compile (jit_monitor_verbose off in 2 of 2 engines): a later "
-         "one inside a clock would not show"),
-        f"2 JIT warning(s) in {log}; 2 figure(s) with a clock in {report}"]
+        (
+            "CAUTION: vLLM logged only each engine's first compile (jit_monitor_verbose off in 2 of 2 engines): "
+            "a later "
+            "one inside a clock would not show"
+        ),
+        f"2 JIT warning(s) in {log}; 2 figure(s) with a clock in {report}",
+    ]
 
 
 def test_the_jit_check_names_the_config_of_each_kernel_compiled_in_a_clock(tmp_path, capsys):
@@ -775,43 +1029,59 @@ def test_the_jit_check_names_the_config_of_each_kernel_compiled_in_a_clock(tmp_p
     warm-up missed."""
     from tests.gpu import jit_in_clock as jc
 
-    args = ("INFO 12-04 05:00:00 [api_utils.py:273] non-default args: {'skip_tokenizer_init': True, "
-            "'jit_monitor_verbose': True, 'max_num_batched_tokens': 16384}\n")
-    hit = ("(EngineCore pid=7) WARNING 12-04 {t} [jit_monitor.py:131] Triton kernel JIT compilation during "
-           "inference: fused_moe_kernel (constexprs={{BLOCK_SIZE_M=128, GROUP_SIZE_M={g}, top_k=8}}; "
-           "signature={{EM='i32'}}; extra_compile_info={{}}; key='k'). This causes a latency spike; consider "
-           "extending warmup to cover this shape/config.\n")
+    args = (
+        "INFO 12-04 05:00:00 [api_utils.py:273] non-default args: {'skip_tokenizer_init': True, "
+        "'jit_monitor_verbose': True, 'max_num_batched_tokens': 16384}\n"
+    )
+    hit = (
+        "(EngineCore pid=7) WARNING 12-04 {t} [jit_monitor.py:131] Triton kernel JIT compilation during "
+        "inference: fused_moe_kernel (constexprs={{BLOCK_SIZE_M=128, GROUP_SIZE_M={g}, top_k=8}}; "
+        "signature={{EM='i32'}}; extra_compile_info={{}}; key='k'). This causes a latency spike; consider "
+        "extending warmup to cover this shape/config.\n"
+    )
     log = tmp_path / "bench.log"
     log.write_text(args + hit.format(t="05:00:03", g=64) + hit.format(t="05:00:09", g=16))
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"sustained[plain/16x512]": {"timed_clock": ["05:00:05", "05:00:40"]}}))
     assert jc.compiles(log.read_text()) == [
         ("05:00:03", "fused_moe_kernel", "{BLOCK_SIZE_M=128, GROUP_SIZE_M=64, top_k=8}"),
-        ("05:00:09", "fused_moe_kernel", "{BLOCK_SIZE_M=128, GROUP_SIZE_M=16, top_k=8}")]
+        ("05:00:09", "fused_moe_kernel", "{BLOCK_SIZE_M=128, GROUP_SIZE_M=16, top_k=8}"),
+    ]
     assert jc.main([str(log), str(report)]) == 1
     assert capsys.readouterr().out.splitlines() == [
-        ("plain/16x512: JIT INSIDE ITS CLOCK: fused_moe_kernel at 05:00:09 {BLOCK_SIZE_M=128, GROUP_SIZE_M=16, "
-         "top_k=8}"),
-        f"2 JIT warning(s) in {log}; 1 figure(s) with a clock in {report}"]
+        (
+            "plain/16x512: JIT INSIDE ITS CLOCK: fused_moe_kernel at 05:00:09 {BLOCK_SIZE_M=128, GROUP_SIZE_M=16, "
+            "top_k=8}"
+        ),
+        f"2 JIT warning(s) in {log}; 1 figure(s) with a clock in {report}",
+    ]
 
 
 def test_a_page_cache_store_below_target_says_when_the_kernel_wrote_back_during_its_figure(monkeypatch):
-    """The 0ccc20f and 9f3c587 runs: the page-cache store fell to 0.23x / 0.27x vllm_ehs once its folder outgrew the kernel's
+    """The 0ccc20f and 9f3c587 runs: the page-cache store fell to 0.23x / 0.27x vllm_ehs once its folder outgrew the
+    kernel's
     background writeback threshold, which vllm_ehs stayed under; the failure gave only the ratio, and the cause
     had to be dug out of the report. It now gives both figures' writeback and dirty peaks. Replayed on session
     15's run 1 (capture direct, results/2026-12-04-9f3c587-h200-vllm0.26.0/): the only target it missed."""
     from tests.gpu import test_bench_extract as gb
 
     measured = _measured("2026-12-04-9f3c587-h200-vllm0.26.0")
-    report = json.loads((Path(__file__).parents[2] / "results/2026-12-04-9f3c587-h200-vllm0.26.0/bench-report.json").read_text())
-    peaks = {k[len("sustained["):-1]: {f: v[f] for f in ("dirty_max_GB", "writeback_max_GB")}
-             for k, v in report.items() if k.startswith("sustained[")}
+    report = json.loads(
+        (Path(__file__).parents[2] / "results/2026-12-04-9f3c587-h200-vllm0.26.0/bench-report.json").read_text()
+    )
+    peaks = {
+        k[len("sustained[") : -1]: {f: v[f] for f in ("dirty_max_GB", "writeback_max_GB")}
+        for k, v in report.items()
+        if k.startswith("sustained[")
+    }
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     plain = "page-cache store (--capture direct) / vLLM's extract_hidden_states 0.27x (< 1.0)"
     _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct", peaks=peaks)
-    assert failures == [plain + ": the kernel wrote back up to 2.03 GB while it ran (dirty up to 20.32 GB; vllm_ehs "
-                        "0.00 and 7.10 GB): past the background writeback threshold the figure measures the disk "
-                        "and the unlinks that wait on it, not the sink"]
+    assert failures == [
+        plain + ": the kernel wrote back up to 2.03 GB while it ran (dirty up to 20.32 GB; vllm_ehs "
+        "0.00 and 7.10 GB): past the background writeback threshold the figure measures the disk "
+        "and the unlinks that wait on it, not the sink"
+    ]
     calm = dict(peaks, **{"store_nofsync_direct/64x512": {"dirty_max_GB": 3.0, "writeback_max_GB": 0.0}})
     for p in (calm, None):  # no writeback during the figure, or no peaks recorded: the ratio alone
         _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct", peaks=p)
@@ -819,7 +1089,8 @@ def test_a_page_cache_store_below_target_says_when_the_kernel_wrote_back_during_
 
 
 def test_the_campaign_names_each_figure_that_had_a_kernel_compiled_inside_its_clock(tmp_path, capsys):
-    """The 6b3715c run's kimi-depth log (results/2026-12-04-6b3715c-h200-vllm0.26.0/benchkd.log.gz): plain's engine compiled
+    """The 6b3715c run's kimi-depth log (results/2026-12-04-6b3715c-h200-vllm0.26.0/benchkd.log.gz): plain's engine
+    compiled
     fused_moe_kernel at 03:29:42, in its warm-up; the store's at 03:33:06, in its first timed quarter. That run's
     report had no clock times yet; the ones here are where its two figures ran."""
     import gzip
@@ -838,9 +1109,13 @@ def test_the_campaign_names_each_figure_that_had_a_kernel_compiled_inside_its_cl
     assert capsys.readouterr().out.splitlines() == [
         "plain/16x512: no JIT inside its clock",
         "store_direct/16x512: JIT INSIDE ITS CLOCK: fused_moe_kernel at 03:33:06",
-        ("CAUTION: vLLM logged only each engine's first compile (jit_monitor_verbose off in 2 of 2 engines): a later "
-         "one inside a clock would not show"),
-        f"2 JIT warning(s) in {log}; 2 figure(s) with a clock in {tmp_path / 'report.json'}"]
+        (
+            "CAUTION: vLLM logged only each engine's first compile (jit_monitor_verbose off in 2 of 2 engines): "
+            "a later "
+            "one inside a clock would not show"
+        ),
+        f"2 JIT warning(s) in {log}; 2 figure(s) with a clock in {tmp_path / 'report.json'}",
+    ]
     report["sustained[store_direct/16x512]"]["timed_clock"] = ["03:33:07", "03:33:39"]  # warmed before the clock
     (tmp_path / "report.json").write_text(json.dumps(report))
     assert jc.main([str(log), str(tmp_path / "report.json")]) == 0
@@ -848,7 +1123,8 @@ def test_the_campaign_names_each_figure_that_had_a_kernel_compiled_inside_its_cl
 
 
 def test_a_bar_whose_figure_compiled_a_kernel_inside_its_clock_fails_the_acceptance(monkeypatch):
-    """The 8ff3dae run's kimi-depth store read 1.014x plain, a pass, because plain compiled fused_moe_kernel 1 s into its
+    """The 8ff3dae run's kimi-depth store read 1.014x plain, a pass, because plain compiled fused_moe_kernel 1 s into
+    its
     clock; only a person reading jit_in_clock.txt saw it. The acceptance now takes each figure's compiles inside
     its clock: a bar resting on such a figure fails, naming the figure, kernel, time and block sizes; a figure no bar
     reads is only reported. Replayed on the 6b3715c run's mini-Kimi figures, which met every direct bar."""
@@ -857,28 +1133,53 @@ def test_a_bar_whose_figure_compiled_a_kernel_inside_its_clock_fails_the_accepta
     measured = _measured("2026-12-04-6b3715c-h200-vllm0.26.0")
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
     clean = {k: [] for k in measured if "/" in k}  # every figure: no compile inside its clock
-    summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct",
-                                      jit=clean)
+    summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct", jit=clean)
     assert failures == [] and summary["jit_in_clock"] == clean
     hit = [("05:46:06", "fused_moe_kernel", "{GROUP_SIZE_M=64}")]
-    host, fsync, cache = ("null sink (--capture direct) / plain prefill", "fsynced store (--capture direct) / min(",
-                          "page-cache store (--capture direct) / vLLM's")
-    for figure, bars in [("plain/64x512", {host, fsync}), ("host_direct/64x512", {host}),
-                         ("store_direct/64x512", {fsync}), ("vllm_ehs/64x512", {cache}),
-                         ("store_nofsync_direct/64x512", {cache})]:
-        _, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct",
-                                    jit=dict(clean, **{figure: hit}))
-        assert all(f"{figure} compiled fused_moe_kernel at 05:46:06 {{GROUP_SIZE_M=64}} inside its "
-                   "clock: not a sustained figure" in f for f in failures), (figure, failures)
+    host, fsync, cache = (
+        "null sink (--capture direct) / plain prefill",
+        "fsynced store (--capture direct) / min(",
+        "page-cache store (--capture direct) / vLLM's",
+    )
+    for figure, bars in [
+        ("plain/64x512", {host, fsync}),
+        ("host_direct/64x512", {host}),
+        ("store_direct/64x512", {fsync}),
+        ("vllm_ehs/64x512", {cache}),
+        ("store_nofsync_direct/64x512", {cache}),
+    ]:
+        _, failures = gb.acceptance(
+            measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct", jit=dict(clean, **{figure: hit})
+        )
+        assert all(
+            f"{figure} compiled fused_moe_kernel at 05:46:06 {{GROUP_SIZE_M=64}} inside its "
+            "clock: not a sustained figure" in f
+            for f in failures
+        ), (figure, failures)
         assert {b for b in (host, fsync, cache) for f in failures if f.startswith(b)} == bars, (figure, failures)
-    summary, failures = gb.acceptance(measured, "mini-kimi", 57344, "h200-mini-kimi", {}, capture="direct",
-                                      jit=dict(clean, **{"count_direct/64x512": hit}))
+    summary, failures = gb.acceptance(
+        measured,
+        "mini-kimi",
+        57344,
+        "h200-mini-kimi",
+        {},
+        capture="direct",
+        jit=dict(clean, **{"count_direct/64x512": hit}),
+    )
     assert failures == [] and summary["jit_in_clock"]["count_direct/64x512"] == hit  # no bar reads count_direct
     kd = {"plain/16x512": 8177.0, "store_direct/16x512": 8100.0}
-    _, failures = gb.acceptance(kd, "kimi-depth", 57344, "h200-kimi-depth", {}, capture="direct",
-                                jit={"plain/16x512": hit, "store_direct/16x512": []})
-    assert len(failures) == 1 and failures[0].startswith("kimi-depth 16x512: fsynced store (--capture direct) / "
-                                                         "plain prefill: plain/16x512 compiled"), failures
+    _, failures = gb.acceptance(
+        kd,
+        "kimi-depth",
+        57344,
+        "h200-kimi-depth",
+        {},
+        capture="direct",
+        jit={"plain/16x512": hit, "store_direct/16x512": []},
+    )
+    assert len(failures) == 1 and failures[0].startswith(
+        "kimi-depth 16x512: fsynced store (--capture direct) / plain prefill: plain/16x512 compiled"
+    ), failures
     summary, failures = gb.acceptance(kd, "kimi-depth", 57344, "h200-kimi-depth", {}, capture="direct")
     assert failures == [] and summary["jit_in_clock"] == "not checked"  # no engine log given (jit=None)
 
@@ -904,12 +1205,16 @@ def test_the_acceptance_reads_the_engines_log_it_is_given(tmp_path):
     empty = tmp_path / "empty.log"
     empty.write_text("tests/gpu/test_bench_extract.py::test_plain_prefill[16x512-plain] PASSED\n")
     assert gb.jit_in_clocks(str(empty), clocks)[1] == [
-        f"EAGLE3_ENGINE_LOG={empty} holds no engine's start: run pytest with -s, so the engines' output reaches it"]
+        f"EAGLE3_ENGINE_LOG={empty} holds no engine's start: run pytest with -s, so the engines' output reaches it"
+    ]
     quiet = tmp_path / "quiet.log"
     quiet.write_bytes(gzip.decompress((run.parent / "2026-12-04-8ff3dae-h200-vllm0.26.0/benchkd.log.gz").read_bytes()))
     assert gb.jit_in_clocks(str(quiet), clocks)[1] == [
-        (f"EAGLE3_ENGINE_LOG={quiet}: 2 of 2 engines ran without jit_monitor_verbose; vLLM logged only each one's "
-         "first compile, so a later one inside a clock would not show")]
+        (
+            f"EAGLE3_ENGINE_LOG={quiet}: 2 of 2 engines ran without jit_monitor_verbose; vLLM logged only each one's "
+            "first compile, so a later one inside a clock would not show"
+        )
+    ]
     missing = tmp_path / "nowhere.log"
     assert gb.jit_in_clocks(str(missing), clocks)[1] == [f"EAGLE3_ENGINE_LOG={missing}: no such file"]
 
@@ -940,7 +1245,8 @@ def test_the_clock_starts_and_ends_a_wall_second_apart_from_what_runs_around_it(
 
 
 def test_the_benchmark_s_acceptance_test_fails_on_a_compile_in_a_clock_or_a_log_that_cannot_show_one(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """The GPU acceptance test itself (test_ratios_acceptance_and_baseline), on the 6b3715c run's mini-Kimi figures that
     met every bar: the engines' log it is given (EAGLE3_ENGINE_LOG) decides. A compile inside plain's clock fails
     it; so does a log whose engines logged only their first compile; a clean log passes, the check in
@@ -949,8 +1255,9 @@ def test_the_benchmark_s_acceptance_test_fails_on_a_compile_in_a_clock_or_a_log_
     from tests.gpu import test_bench_extract as gb
 
     monkeypatch.setattr(gb, "RESULTS", _measured("2026-12-04-6b3715c-h200-vllm0.26.0"))
-    monkeypatch.setattr(gb, "CLOCKS", {"plain/64x512": ["05:00:05", "05:00:40"],
-                                       "host_direct/64x512": ["05:02:05", "05:02:40"]})
+    monkeypatch.setattr(
+        gb, "CLOCKS", {"plain/64x512": ["05:00:05", "05:00:40"], "host_direct/64x512": ["05:02:05", "05:02:40"]}
+    )
     for name in ("SPREADS", "PEAKS"):
         monkeypatch.setattr(gb, name, {})
     monkeypatch.setattr(gb, "_vllm_version", lambda: "0.26.0")
@@ -958,14 +1265,20 @@ def test_the_benchmark_s_acceptance_test_fails_on_a_compile_in_a_clock_or_a_log_
     monkeypatch.setattr(vllm_compat, "pick_strategy", lambda requested: "direct")
     monkeypatch.setattr(bench, "load_baselines", dict)
     target = types.SimpleNamespace(profile=types.SimpleNamespace(name="mini-kimi", bytes_per_token=57344))
-    engine = ("INFO 12-04 05:00:00 [api_utils.py:273] non-default args: {'skip_tokenizer_init': True, "
-              "'jit_monitor_verbose': %s}\n")
-    jit = ("(EngineCore pid=7) WARNING 12-04 %s [jit_monitor.py:132] Triton kernel JIT compilation during inference: "
-           "fused_moe_kernel (constexprs={GROUP_SIZE_M=32}; signature={}; key='k'). This causes a latency spike\n")
+    engine = (
+        "INFO 12-04 05:00:00 [api_utils.py:273] non-default args: {'skip_tokenizer_init': True, "
+        "'jit_monitor_verbose': %s}\n"
+    )
+    jit = (
+        "(EngineCore pid=7) WARNING 12-04 %s [jit_monitor.py:132] Triton kernel JIT compilation during inference: "
+        "fused_moe_kernel (constexprs={GROUP_SIZE_M=32}; signature={}; key='k'). This causes a latency spike\n"
+    )
     log = tmp_path / "bench.log"
     monkeypatch.setenv("EAGLE3_ENGINE_LOG", str(log))
-    for text, said in [(engine % True + jit % "05:00:07", "plain/64x512 compiled fused_moe_kernel at 05:00:07"),
-                       (engine % False + jit % "05:00:01", "1 of 1 engines ran without jit_monitor_verbose")]:
+    for text, said in [
+        (engine % True + jit % "05:00:07", "plain/64x512 compiled fused_moe_kernel at 05:00:07"),
+        (engine % False + jit % "05:00:01", "1 of 1 engines ran without jit_monitor_verbose"),
+    ]:
         log.write_text(text)
         with pytest.raises(AssertionError, match=said):
             gb.test_ratios_acceptance_and_baseline(target, tmp_path, lambda *a: None)

@@ -3,7 +3,6 @@ finding a wrong name: every row of the table, the longest-sequence search agains
 profile where the MFU goal is missed, the MLA rows, the report's JSON and the compiled row. The figures mean nothing
 here (CPU, a 64-wide draft); what is checked is that each is made and lands where `bench report` reads it."""
 
-
 import pytest
 import torch
 
@@ -12,9 +11,17 @@ from eagle3.train import mla_draft
 from eagle3.train.draft import DraftShape
 from tests.gpu import test_bench_train as gb
 
-SMALL = gb.Bench(DraftShape(64, 512, 4, 2, 16, 128), mla_draft.MLAShape(64, 4, 24, 32, 16, 8, 12, 96), device="cpu",
-                 draft_vocab=256, seqs=(32, 64, 128), longest_cap=512, longest_step=16,
-                 compiled=(("varlen", 1), ("sdpa", 1), ("sdpa", "run")), run_steps=4)  # the compiled rows'
+SMALL = gb.Bench(
+    DraftShape(64, 512, 4, 2, 16, 128),
+    mla_draft.MLAShape(64, 4, 24, 32, 16, 8, 12, 96),
+    device="cpu",
+    draft_vocab=256,
+    seqs=(32, 64, 128),
+    longest_cap=512,
+    longest_step=16,
+    compiled=(("varlen", 1), ("sdpa", 1), ("sdpa", "run")),
+    run_steps=4,
+)  # the compiled rows'
 # code (speculators compiles only where CUDA is; a compile that fails on the GPU is that row's error, not a lost table)
 
 
@@ -57,19 +64,30 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
     calls = [SMALL.run_steps if k == "run" else 3 for _, k in SMALL.compiled]  # _steps calls of a compiled row: its
     # compile's two steps, _measure's warm-up, timing; a run row's one a step
     n, first = sum(calls), stances.index("default")  # the compiled rows: one block, then the eager searches
-    eager = stances[:first] + stances[first + n:]
-    assert set(stances[first:first + n]) == {"default"} and set(eager) == {"force_eager"}, stances
-    assert stances[:first] and stances[first + n:], stances  # the table before them, the searches after
+    eager = stances[:first] + stances[first + n :]
+    assert set(stances[first : first + n]) == {"default"} and set(eager) == {"force_eager"}, stances
+    assert stances[:first] and stances[first + n :], stances  # the table before them, the searches after
     assert resets == [first + sum(calls[:i]) for i in range(len(calls))], (resets, first)
     order = list(got)
-    assert order.index("bench_train_varlen_mla") < order.index("bench_train_compiled") < order.index(
-        "bench_train_longest_seq"), order  # a step cut short by its limit loses the open-ended searches first
+    assert (
+        order.index("bench_train_varlen_mla")
+        < order.index("bench_train_compiled")
+        < order.index("bench_train_longest_seq")
+    ), order  # a step cut short by its limit loses the open-ended searches first
     rows = got["bench_train_kimi_draft"]
     assert [(r["seq"], r["precision"], r["loss"], r["optimizer"]) for r in rows] == [
-        (32, "bf16-mixed", "auto", "auto"), (64, "bf16-mixed", "auto", "auto"), (128, "bf16-mixed", "auto", "auto"),
-        (64, "fp32", "auto", "auto"), (128, "bf16-mixed", "eager", "auto"), (64, "bf16-mixed", "auto", "foreach")]
-    assert list(got).index("bench_train_profile_8k") < list(got).index("bench_train_kimi_mla_draft") < list(
-        got).index("bench_train_longest_seq")  # what the goals need first; the open-ended search after them
+        (32, "bf16-mixed", "auto", "auto"),
+        (64, "bf16-mixed", "auto", "auto"),
+        (128, "bf16-mixed", "auto", "auto"),
+        (64, "fp32", "auto", "auto"),
+        (128, "bf16-mixed", "eager", "auto"),
+        (64, "bf16-mixed", "auto", "foreach"),
+    ]
+    assert (
+        list(got).index("bench_train_profile_8k")
+        < list(got).index("bench_train_kimi_mla_draft")
+        < list(got).index("bench_train_longest_seq")
+    )  # what the goals need first; the open-ended search after them
     for r in rows:
         assert ("out_of_memory" in r) == (r["seq"] > limit), r
         assert "out_of_memory" in r or (r["tok_per_s"] > 0 and 0 <= r["mfu"] < 1 and "gflop_per_token" in r), r
@@ -84,13 +102,20 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
     # the rows that ran, as `bench report --history` reads them
     records = [r for r in bench.load_history([tmp_path / "benchmark.json"]) if "compiled" not in r.key]
     keys = sorted(r.key for r in records)
-    assert keys == sorted(f"train_{d}_{p}{'_eager' if e else ''}/{s}" for d, s, p, e in
-                          [("llama", 32, "bf16-mixed", 0), ("llama", 64, "bf16-mixed", 0), ("llama", 64, "fp32", 0),
-                           ("llama", 64, "bf16-mixed_foreach", 0),
-                           ("mla", 32, "bf16-mixed", 0), ("mla", 64, "bf16-mixed", 0)]
-                          + [("llama", 128, "bf16-mixed", 0), ("llama", 128, "bf16-mixed", 1)]
-                          + [("llama", s, "bf16-mixed_varlen", 0) for s in SMALL.seqs]
-                          + [("mla", s, "bf16-mixed_varlen", 0) for s in SMALL.seqs[:2]])
+    assert keys == sorted(
+        f"train_{d}_{p}{'_eager' if e else ''}/{s}"
+        for d, s, p, e in [
+            ("llama", 32, "bf16-mixed", 0),
+            ("llama", 64, "bf16-mixed", 0),
+            ("llama", 64, "fp32", 0),
+            ("llama", 64, "bf16-mixed_foreach", 0),
+            ("mla", 32, "bf16-mixed", 0),
+            ("mla", 64, "bf16-mixed", 0),
+        ]
+        + [("llama", 128, "bf16-mixed", 0), ("llama", 128, "bf16-mixed", 1)]
+        + [("llama", s, "bf16-mixed_varlen", 0) for s in SMALL.seqs]
+        + [("mla", s, "bf16-mixed_varlen", 0) for s in SMALL.seqs[:2]]
+    )
     assert len(bench.train_lines(records)) == 2 + len(keys)
     # the mask-free attention's rows and profile, then the MLA draft with it, before the open-ended searches
     varlen = got["bench_train_varlen"]
@@ -100,7 +125,8 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
     assert order.index("bench_train_varlen_mla") < order.index("bench_train_longest_seq"), order
     assert (tmp_path / "profile_8k_varlen.txt").read_text().strip() and "mfu_8k_varlen" in goals
     assert [(r["draft"], r["seq"], r["attn"]) for r in got["bench_train_varlen_mla"]] == [
-        ("mla", s, "varlen") for s in SMALL.seqs[:2]]
+        ("mla", s, "varlen") for s in SMALL.seqs[:2]
+    ]
     varlen_c, sdpa, run = got["bench_train_compiled"]  # the varlen one first: its inputs carry the samples' boundaries
     for row, attn in ((varlen_c, "varlen"), (sdpa, "sdpa")):
         assert (row["attn"], row["seq"]) == (attn, 64) and "error" not in row and row["tok_per_s"] > 0, row
@@ -110,8 +136,11 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
     assert min(run["documents"]) >= 3 and run["tok_per_s"] > 0 and 0 <= run["mfu"] < 1, run
     assert run["recompile_limit_hits"] == [] and len(run["graphs_after_each_step"]) == SMALL.run_steps, run
     keys = {r.key for r in bench.load_history([tmp_path / "benchmark.json"])}
-    assert {"train_llama_bf16-mixed_compiled/64", "train_llama_bf16-mixed_varlen_compiled/64",
-            "train_llama_bf16-mixed_compiled/run"} <= keys, keys
+    assert {
+        "train_llama_bf16-mixed_compiled/64",
+        "train_llama_bf16-mixed_varlen_compiled/64",
+        "train_llama_bf16-mixed_compiled/run",
+    } <= keys, keys
 
 
 def test_a_short_lease_measures_only_the_parts_it_names(monkeypatch, tmp_path):
@@ -125,7 +154,11 @@ def test_a_short_lease_measures_only_the_parts_it_names(monkeypatch, tmp_path):
     got = {}
     gb.run_bench(dataclasses.replace(SMALL, parts=parts), got.__setitem__, tmp_path)
     assert [k for k in got if k != "bench_train_goals"] == [
-        "bench_train_varlen", "bench_train_profile_8k_varlen", "bench_train_varlen_mla", "bench_train_compiled"], got
+        "bench_train_varlen",
+        "bench_train_profile_8k_varlen",
+        "bench_train_varlen_mla",
+        "bench_train_compiled",
+    ], got
     assert len(got["bench_train_compiled"]) == len(SMALL.compiled) and "mfu_8k_varlen" in got["bench_train_goals"]
     keys = {r.key for r in bench.load_history([tmp_path / "benchmark.json"])}
     assert "train_llama_bf16-mixed_varlen/64" in keys and "train_llama_bf16-mixed/64" not in keys, keys
@@ -142,11 +175,9 @@ def test_the_history_names_the_card_it_ran_on(monkeypatch, tmp_path):
     assert gb.card("NVIDIA H100 80GB HBM3") == "h100" and gb.card("NVIDIA H200") == "h200"
     assert gb.card("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
     monkeypatch.setattr(gb.torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    gb._write_history(tmp_path, [{"draft": "llama", "seq": 64, "precision": "bf16-mixed", "tok_per_s": 5.0}],
-                      "cuda")
+    gb._write_history(tmp_path, [{"draft": "llama", "seq": 64, "precision": "bf16-mixed", "tok_per_s": 5.0}], "cuda")
     assert {r.profile for r in bench.load_history([tmp_path / "benchmark.json"])} == {"h100-kimi-k2.5-draft"}
-    gb._write_history(tmp_path, [{"draft": "llama", "seq": 64, "precision": "bf16-mixed", "tok_per_s": 5.0}],
-                      "cpu")
+    gb._write_history(tmp_path, [{"draft": "llama", "seq": 64, "precision": "bf16-mixed", "tok_per_s": 5.0}], "cpu")
     assert {r.profile for r in bench.load_history([tmp_path / "benchmark.json"])} == {"cpu-kimi-k2.5-draft"}
 
 
@@ -218,4 +249,3 @@ def test_the_reader_benchmark_times_the_steps_as_the_trainer_reads_them(monkeypa
     assert {c[1:] for c in calls} == {(80, 2, False)} and ahead == [(3, list(range(6)))]
     assert got["step_tokens"] == 80 and got["steps"] == 3 and got["step_seconds"] > 0, got
     assert got["step_seconds_checks_inline"] > 0 and gb.reader_row(got)["checks_inline_tok_per_s"] > 0
-

@@ -17,9 +17,15 @@ WAIT = Path(__file__).resolve().parents[1] / "gpu" / "wait.sh"
 def _wait(tmp_path, campaign: Path, limit: int = 30):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     t0 = time.monotonic()
-    out = subprocess.run(["bash", str(WAIT), str(limit)], capture_output=True, text=True, timeout=limit + 30,
-                         env=dict(env, CAMPAIGN=str(campaign), WAIT_GRACE="2", WAIT_POLL="0.2"), cwd=tmp_path,
-                         check=False)  # looks every 0.2 s, a campaign 2 s to appear (the GPU host: 2 s, 5 s)
+    out = subprocess.run(
+        ["bash", str(WAIT), str(limit)],
+        capture_output=True,
+        text=True,
+        timeout=limit + 30,
+        env=dict(env, CAMPAIGN=str(campaign), WAIT_GRACE="2", WAIT_POLL="0.2"),
+        cwd=tmp_path,
+        check=False,
+    )  # looks every 0.2 s, a campaign 2 s to appear (the GPU host: 2 s, 5 s)
     return out, time.monotonic() - t0
 
 
@@ -69,8 +75,15 @@ def test_the_online_steps_figures_and_stack_dumps_come_back(tmp_path, step):
     (c / "DONE").write_text("DONE\n")
     (c / step / "report.json").write_text('{"online_kd_seconds": {"engine": "in-process"}}')
     (c / step / "online-stacks-flex.txt").write_text("--- stacks at 20 s\n")
-    res = subprocess.run(["bash", str(WAIT), "5"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                         env=dict(os.environ, CAMPAIGN=str(c), OUT=str(out), WAIT_GRACE="1"), check=False)
+    res = subprocess.run(
+        ["bash", str(WAIT), "5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=dict(os.environ, CAMPAIGN=str(c), OUT=str(out), WAIT_GRACE="1"),
+        check=False,
+    )
     assert f"== {step}/report.json" in res.stdout and '"engine": "in-process"' in res.stdout, res.stdout
     assert (out / f"{step}-report.json").read_text() == (c / step / "report.json").read_text()
     with tarfile.open(out / "campaign.tgz") as tar:
@@ -111,9 +124,12 @@ def test_a_step_s_tests_count_as_passed_only_when_each_passed(tmp_path):
     that is missing, has none of FILE's tests, or has one of them failed."""
     f = "tests/gpu/test_ttt_attention_gpu.py"
     ok = f"PASSED {f}::test_a[1]\nPASSED {f}::test_b\nFAILED tests/gpu/test_bench_train.py::test_c - boom\n"
-    logs = {"all passed": (ok, 0), "one failed": (ok + f"FAILED {f}::test_a[3] - AssertionError\n", 1),
-            "one in error": (ok + f"ERROR {f}::test_b - RuntimeError\n", 1),
-            "none of them ran": (f"PASSED tests/gpu/test_bench_train.py::test_d\n{f}::test_a PASSED\n", 1)}
+    logs = {
+        "all passed": (ok, 0),
+        "one failed": (ok + f"FAILED {f}::test_a[3] - AssertionError\n", 1),
+        "one in error": (ok + f"ERROR {f}::test_b - RuntimeError\n", 1),
+        "none of them ran": (f"PASSED tests/gpu/test_bench_train.py::test_d\n{f}::test_a PASSED\n", 1),
+    }
     for name, (text, want) in logs.items():
         (tmp_path / "step.log").write_text(text)
         got = subprocess.run(["bash", str(PASSED), str(tmp_path / "step.log"), f], check=False).returncode
@@ -130,8 +146,10 @@ def _bench_report(sdpa=18685, varlen=None, flex=None, run=None) -> dict:
     eager = [{"seq": 2048, "tok_per_s": 21131}, {"seq": 8192, "tok_per_s": sdpa}, {"seq": 32768, "tok_per_s": 8831}]
     out = {"bench_train_kimi_draft": eager}
     if varlen is not None:
-        out["bench_train_varlen"] = [{"seq": 2048, "attn": "varlen", "tok_per_s": 1},
-                                     {"seq": 8192, "attn": "varlen", **varlen}]
+        out["bench_train_varlen"] = [
+            {"seq": 2048, "attn": "varlen", "tok_per_s": 1},
+            {"seq": 8192, "attn": "varlen", **varlen},
+        ]
     compiled = [{"seq": 8192, "attn": "varlen", "compiled": True, "tok_per_s": 99999}]  # not a candidate: not in a run
     if flex is not None:
         compiled.append({"seq": 8192, "attn": "flex", "compiled": True, **flex})
@@ -143,23 +161,47 @@ def _bench_report(sdpa=18685, varlen=None, flex=None, run=None) -> dict:
     return out
 
 
-@pytest.mark.parametrize("case,varlen_passed,want", [
-    ({}, True, "sdpa"),                                                          # only the eager table ran
-    ({"varlen": {"tok_per_s": 24000}}, True, "varlen"),
-    ({"varlen": {"tok_per_s": 24000}}, False, "sdpa"),                           # its CUDA tests did not pass
-    ({"varlen": {"tok_per_s": 15000}}, True, "sdpa"),                            # slower than sdpa
-    ({"varlen": {"out_of_memory": True}}, True, "sdpa"),
-    ({"varlen": {"tok_per_s": 24000}, "flex": {"tok_per_s": 30403},
-      "run": {"tok_per_s": 33000, "recompile_limit_hits": []}}, True, "flex"),
-    ({"flex": {"tok_per_s": 30403}, "run": {"tok_per_s": 33000, "recompile_limit_hits": ["function: 'forward'"]}},
-     True, "sdpa"),                                                              # a run reached the recompile limit
-    ({"flex": {"tok_per_s": 30403}, "run": {"error": "OutOfMemoryError: ..."}}, True, "sdpa"),
-    ({"flex": {"tok_per_s": 30403}}, True, "sdpa"),                              # no run row: not shown in a run
-    ({"varlen": {"tok_per_s": 24000}, "flex": {"tok_per_s": 21000},
-      "run": {"tok_per_s": 33000, "recompile_limit_hits": []}}, True, "varlen"),  # compiled, yet slower at 8k
-])
-def test_the_online_step_trains_with_the_fastest_configuration_the_benchmark_showed_working(tmp_path, case,
-                                                                                             varlen_passed, want):
+@pytest.mark.parametrize(
+    "case,varlen_passed,want",
+    [
+        ({}, True, "sdpa"),  # only the eager table ran
+        ({"varlen": {"tok_per_s": 24000}}, True, "varlen"),
+        ({"varlen": {"tok_per_s": 24000}}, False, "sdpa"),  # its CUDA tests did not pass
+        ({"varlen": {"tok_per_s": 15000}}, True, "sdpa"),  # slower than sdpa
+        ({"varlen": {"out_of_memory": True}}, True, "sdpa"),
+        (
+            {
+                "varlen": {"tok_per_s": 24000},
+                "flex": {"tok_per_s": 30403},
+                "run": {"tok_per_s": 33000, "recompile_limit_hits": []},
+            },
+            True,
+            "flex",
+        ),
+        (
+            {
+                "flex": {"tok_per_s": 30403},
+                "run": {"tok_per_s": 33000, "recompile_limit_hits": ["function: 'forward'"]},
+            },
+            True,
+            "sdpa",
+        ),  # a run reached the recompile limit
+        ({"flex": {"tok_per_s": 30403}, "run": {"error": "OutOfMemoryError: ..."}}, True, "sdpa"),
+        ({"flex": {"tok_per_s": 30403}}, True, "sdpa"),  # no run row: not shown in a run
+        (
+            {
+                "varlen": {"tok_per_s": 24000},
+                "flex": {"tok_per_s": 21000},
+                "run": {"tok_per_s": 33000, "recompile_limit_hits": []},
+            },
+            True,
+            "varlen",
+        ),  # compiled, yet slower at 8k
+    ],
+)
+def test_the_online_step_trains_with_the_fastest_configuration_the_benchmark_showed_working(
+    tmp_path, case, varlen_passed, want
+):
     """tests/gpu/pick_trainer.py REPORT VARLEN_PASSED: the onlinekd step's trainer (sdpa, varlen or flex compiled) as
     the same campaign's benchtrain step measured them at 8k, one sample a sequence each: varlen only where its CUDA
     tests passed, flex compiled only where its run of varying packs trained without error or a recompile limit
@@ -167,13 +209,18 @@ def test_the_online_step_trains_with_the_fastest_configuration_the_benchmark_sho
     import json
 
     (tmp_path / "report.json").write_text(json.dumps(_bench_report(**case)))
-    got = subprocess.run([sys.executable, str(PICK), str(tmp_path / "report.json"), "1" if varlen_passed else "0"],
-                         capture_output=True, text=True, check=True)
+    got = subprocess.run(
+        [sys.executable, str(PICK), str(tmp_path / "report.json"), "1" if varlen_passed else "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert got.stdout.split()[0] == want, (got.stdout, got.stderr)
     (tmp_path / "cut.json").write_text(json.dumps(_bench_report(**case))[:-9])  # a write cut short
     for name in ("none.json", "cut.json"):
-        got = subprocess.run([sys.executable, str(PICK), str(tmp_path / name), "1"], capture_output=True, text=True,
-                             check=True)
+        got = subprocess.run(
+            [sys.executable, str(PICK), str(tmp_path / name), "1"], capture_output=True, text=True, check=True
+        )
         assert got.stdout.split()[0] == "sdpa", (name, got.stderr)
 
 
@@ -182,14 +229,18 @@ def test_the_online_step_does_not_pick_flex_where_its_run_row_failed_on_the_gpu(
     but its row over a training run's packs failed (the block-mask error, since padded away): not picked."""
     import json
 
-    report = json.loads((Path(__file__).resolve().parents[2] / "results/2026-12-05-eb52e7a-h100-vllm0.26.0/"
-                         "benchtrain-report.json").read_text())
+    report = json.loads(
+        (
+            Path(__file__).resolve().parents[2] / "results/2026-12-05-eb52e7a-h100-vllm0.26.0/benchtrain-report.json"
+        ).read_text()
+    )
     from tests.gpu import pick_trainer
 
     assert "error" in next(r for r in report["bench_train_compiled"] if r["seq"] == "run")
     assert "flex" not in pick_trainer.candidates(report, True)
-    rows = [{k: v for k, v in r.items() if k != "error"} if r["seq"] == "run" else r
-            for r in report["bench_train_compiled"]]
+    rows = [
+        {k: v for k, v in r.items() if k != "error"} if r["seq"] == "run" else r for r in report["bench_train_compiled"]
+    ]
     ok = dict(report, bench_train_compiled=rows)
     assert pick_trainer.candidates(ok, True)["flex"] == 30580  # the same rows, the run row without its error
 
@@ -203,26 +254,48 @@ def test_the_online_step_picks_flex_where_only_the_metrics_reached_the_recompile
 
     from tests.gpu import pick_trainer
 
-    report = json.loads((Path(__file__).resolve().parents[2] / "results/2026-12-05-6c7a0aa-h200-vllm0.26.0/"
-                         "benchtrain-report.json").read_text())
+    report = json.loads(
+        (
+            Path(__file__).resolve().parents[2] / "results/2026-12-05-6c7a0aa-h200-vllm0.26.0/benchtrain-report.json"
+        ).read_text()
+    )
     run = next(r for r in report["bench_train_compiled"] if r["seq"] == "run")
     assert ["compute_metrics" in h for h in run["recompile_limit_hits"]] == [True]
     assert pick_trainer.candidates(report, True) == {"sdpa": 0, "varlen": 24400, "flex": 30944}
-    got = subprocess.run([sys.executable, str(PICK), str(Path(__file__).resolve().parents[2] / "results/"
-                          "2026-12-05-6c7a0aa-h200-vllm0.26.0/benchtrain-report.json"), "1"],
-                         capture_output=True, text=True, check=True)
+    got = subprocess.run(
+        [
+            sys.executable,
+            str(PICK),
+            str(
+                Path(__file__).resolve().parents[2] / "results/"
+                "2026-12-05-6c7a0aa-h200-vllm0.26.0/benchtrain-report.json"
+            ),
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert got.stdout.split()[0] == "flex", got
-    forward = [dict(r, recompile_limit_hits=r["recompile_limit_hits"] + ["function: 'forward' (.../eagle3/core.py:1)"])
-               if r["seq"] == "run" else r for r in report["bench_train_compiled"]]
+    forward = [
+        dict(r, recompile_limit_hits=r["recompile_limit_hits"] + ["function: 'forward' (.../eagle3/core.py:1)"])
+        if r["seq"] == "run"
+        else r
+        for r in report["bench_train_compiled"]
+    ]
     assert "flex" not in pick_trainer.candidates(dict(report, bench_train_compiled=forward), True)
 
 
 def test_the_gpu_suite_runs_the_engine_in_the_test_process_last():
     """`pytest -m gpu`: tests/gpu/test_online_in_process.py (its engine in the test process, which may keep GPU memory
     after it closes) after every other test of the run; the others in their own order."""
-    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
-                             "gpu", "tests/gpu"], capture_output=True, text=True, timeout=120,
-                            cwd=Path(__file__).resolve().parents[2])
+    listed = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/gpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     ids = [line for line in listed.stdout.splitlines() if "::" in line]
     assert len(ids) > 10 and "test_online_in_process.py" in ids[-1], listed.stdout[-2000:] + listed.stderr[-2000:]
     files = [i.split("::")[0] for i in ids[:-1]]

@@ -83,8 +83,12 @@ def test_any_schedule_reassembles_every_sample(tmp_path_factory, case):
     cap = Capturer(N_LAYERS, H, torch.float32)
     try:  # rng draws from Hypothesis's data as it goes: an example it abandons mid-run must not leave the threads
         cap.start("store", writer, shard_tokens=shard_tokens, copy_chunk_bytes=chunk)
-        cap.filler.announce([Announced(f"s{i}", torch.tensor(p, dtype=torch.int32),
-                                       torch.ones(len(p), dtype=torch.uint8)) for i, p in enumerate(prompts)])
+        cap.filler.announce(
+            [
+                Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(len(p), dtype=torch.uint8))
+                for i, p in enumerate(prompts)
+            ]
+        )
         _run(cap, prompts, budget, rng, preempt=preempt)
         cap.drain()
         cap.filler.seal()
@@ -121,11 +125,11 @@ def test_a_preempted_request_never_lets_a_shard_go_out_with_rows_that_did_not_ar
         cap.on_step([torch.cat([st[k, c : c + n], torch.zeros(3, H)]) for k in range(N_LAYERS)], layout)
         cap.drain()
 
-    step(0, 6)   # rows 0..5 arrive
-    step(0, 4)   # preempted, recomputed from 0: rows 0..3 again - not new rows
+    step(0, 6)  # rows 0..5 arrive
+    step(0, 4)  # preempted, recomputed from 0: rows 0..3 again - not new rows
     assert cap.filler.recomputed == 4
     assert writer.take_done() == [] and not cap.filler.errors  # 4 rows still missing: nothing written
-    step(4, 6)   # rows 4..9
+    step(4, 6)  # rows 4..9
     cap.filler.seal()
     store.commit(writer.flush(), fsync=False)
     got = next(Store.open(root).iter_samples())
@@ -144,8 +148,12 @@ def test_a_store_pins_its_buffers_at_start_and_counts_any_the_forward_pins(tmp_p
     cap.start("store", writer, shard_tokens=10)
     assert len(cap.filler.free) == cap.filler.max_buffers == 8
     prompts = {"short": list(range(1, 9)), "long": list(range(100, 125))}  # 8 rows fit a shard of 10; 25 do not
-    cap.filler.announce([Announced(k, torch.tensor(p, dtype=torch.int32), torch.ones(len(p), dtype=torch.uint8))
-                         for k, p in prompts.items()])
+    cap.filler.announce(
+        [
+            Announced(k, torch.tensor(p, dtype=torch.int32), torch.ones(len(p), dtype=torch.uint8))
+            for k, p in prompts.items()
+        ]
+    )
     for name, pinned in (("short", 0), ("long", 1)):
         p = prompts[name]
         st = _states(p)
@@ -188,8 +196,12 @@ def test_steps_in_flight_are_bounded_so_device_memory_cannot_pile_up(tmp_path, m
     cap = Capturer(N_LAYERS, H, torch.float32, slots=2)
     cap.start("store", writer, shard_tokens=64)
     prompts = [[i + 1] * 4 for i in range(3)]
-    cap.filler.announce([Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(4, dtype=torch.uint8))
-                         for i, p in enumerate(prompts)])
+    cap.filler.announce(
+        [
+            Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(4, dtype=torch.uint8))
+            for i, p in enumerate(prompts)
+        ]
+    )
     steps = []
 
     def forward():
@@ -230,13 +242,23 @@ def test_pinned_buffers_of_another_dtype_neither_count_nor_stay(tmp_path):
         def submit(self, build, on_done):
             self.held.append(on_done)
 
-    old = [ShardBuffer(torch.empty(8, dtype=torch.int32), torch.empty(8, dtype=torch.uint8),
-                       torch.empty(8, N_LAYERS, H, dtype=torch.float32)) for _ in range(2)]
+    old = [
+        ShardBuffer(
+            torch.empty(8, dtype=torch.int32),
+            torch.empty(8, dtype=torch.uint8),
+            torch.empty(8, N_LAYERS, H, dtype=torch.float32),
+        )
+        for _ in range(2)
+    ]
     writer = HoldingWriter()
     f = ShardFiller(writer, N_LAYERS, H, torch.bfloat16, capacity=8, pin=False, free=old, max_buffers=2)
     prompts = [[i + 1] * 8 for i in range(2)]
-    f.announce([Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(8, dtype=torch.uint8))
-                for i, p in enumerate(prompts)])
+    f.announce(
+        [
+            Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(8, dtype=torch.uint8))
+            for i, p in enumerate(prompts)
+        ]
+    )
     first = f.reserve("r0", prompts[0], 0)
     f.arrived(first.buf, 8)
     second = threading.Thread(target=f.reserve, args=("r1", prompts[1], 0), daemon=True)
@@ -271,8 +293,12 @@ def test_every_writer_thread_can_hold_a_shard_while_the_capture_fills_more(pinne
         f.pin_all()
         assert len(f.free) == f.allocated == 12
     prompts = [[i + 1] * 8 for i in range(12)]
-    f.announce([Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(8, dtype=torch.uint8))
-                for i, p in enumerate(prompts)])
+    f.announce(
+        [
+            Announced(f"s{i}", torch.tensor(p, dtype=torch.int32), torch.ones(8, dtype=torch.uint8))
+            for i, p in enumerate(prompts)
+        ]
+    )
 
     def fill(n):
         for i in range(n):
@@ -307,8 +333,11 @@ def test_the_forward_issues_no_copy_to_the_host(tmp_path, monkeypatch, mode):
     cap.start(mode, writer, shard_tokens=64)
     copied = []
     real_copy = torch.Tensor.copy_
-    monkeypatch.setattr(torch.Tensor, "copy_", lambda dst, src, *a, **k: (copied.append(tuple(dst.shape)),
-                                                                          real_copy(dst, src, *a, **k))[1])
+    monkeypatch.setattr(
+        torch.Tensor,
+        "copy_",
+        lambda dst, src, *a, **k: (copied.append(tuple(dst.shape)), real_copy(dst, src, *a, **k))[1],
+    )
     p = [5, 6, 7, 8]
     if mode == "store":
         cap.filler.announce([Announced("s0", torch.tensor(p, dtype=torch.int32), torch.ones(4, dtype=torch.uint8))])
@@ -329,8 +358,14 @@ def test_the_forward_issues_no_copy_to_the_host(tmp_path, monkeypatch, mode):
     cap.close()
 
 
-@pytest.mark.parametrize("chunk,shapes", [(0, [(4, N_LAYERS, H)]), (N_LAYERS * H * 4, [(1, N_LAYERS, H)] * 4),
-                                          (2 * N_LAYERS * H * 4 + 1, [(2, N_LAYERS, H)] * 2)])
+@pytest.mark.parametrize(
+    "chunk,shapes",
+    [
+        (0, [(4, N_LAYERS, H)]),
+        (N_LAYERS * H * 4, [(1, N_LAYERS, H)] * 4),
+        (2 * N_LAYERS * H * 4 + 1, [(2, N_LAYERS, H)] * 2),
+    ],
+)
 def test_a_step_s_copies_go_in_chunks_of_the_session_s_size(monkeypatch, chunk, shapes):
     """copy_chunk_bytes reaches the consumer's copies (a session's option, so the benchmark can compare a step's
     copies issued whole with chunked ones on one engine)."""
@@ -338,8 +373,11 @@ def test_a_step_s_copies_go_in_chunks_of_the_session_s_size(monkeypatch, chunk, 
     cap.start("host", copy_chunk_bytes=chunk)
     copied = []
     real_copy = torch.Tensor.copy_
-    monkeypatch.setattr(torch.Tensor, "copy_", lambda dst, src, *a, **k: (copied.append(tuple(dst.shape)),
-                                                                          real_copy(dst, src, *a, **k))[1])
+    monkeypatch.setattr(
+        torch.Tensor,
+        "copy_",
+        lambda dst, src, *a, **k: (copied.append(tuple(dst.shape)), real_copy(dst, src, *a, **k))[1],
+    )
     p = [5, 6, 7, 8]
     cap.on_step([_states(p)[k] for k in range(N_LAYERS)], StepLayout(["r0"], [0, 4], [0], [p]))
     cap.drain()
@@ -349,7 +387,8 @@ def test_a_step_s_copies_go_in_chunks_of_the_session_s_size(monkeypatch, chunk, 
 
 
 def test_the_timing_counts_steps_by_their_size():
-    """How the engine cut a batch into steps (the 118974b and 90b2d70 runs: the aux engine ran 96 steps for 32 batches of 64x512,
+    """How the engine cut a batch into steps (the 118974b and 90b2d70 runs: the aux engine ran 96 steps for 32
+    batches of 64x512,
     where a 16,384-token budget needs 2 a batch): the step sizes say which steps are extra."""
     cap = Capturer(N_LAYERS, H, torch.float32)
     for n in [16, 16, 2, 16, 16, 2, 5]:
@@ -407,8 +446,10 @@ def test_an_announcement_unpacks_to_what_was_packed(rows):
     """Lengths 0 and vocabulary ids up to int32's top travel exactly; the masks are each sample's own."""
     from eagle3.data.conversations import Sample
 
-    samples = [Sample(f"s{k}", tuple(ids), tuple((seed >> (j % 40)) & 1 for j in range(len(ids))))
-               for k, (ids, seed) in enumerate(rows)]
+    samples = [
+        Sample(f"s{k}", tuple(ids), tuple((seed >> (j % 40)) & 1 for j in range(len(ids))))
+        for k, (ids, seed) in enumerate(rows)
+    ]
     got = unpack_announcement(*pack_announcement(samples))
     assert [a.sample_id for a in got] == [s.sample_id for s in samples]
     for a, s in zip(got, samples):
@@ -429,15 +470,19 @@ def test_a_malformed_announcement_is_refused_naming_what_does_not_add_up():
 
 
 @settings(max_examples=60)
-@given(st.lists(st.tuples(st.integers(1, 9), st.integers(1, 6)), min_size=0, max_size=6),
-       st.sampled_from([0, 1, 7, 24, 50, 1000]))
+@given(
+    st.lists(st.tuples(st.integers(1, 9), st.integers(1, 6)), min_size=0, max_size=6),
+    st.sampled_from([0, 1, 7, 24, 50, 1000]),
+)
 def test_copies_in_chunks_cover_every_row_once_in_order_and_no_chunk_is_over_the_limit(pairs, limit):
     """The consumer issues a step's copies a chunk at a time, waiting for each before the one after next, so an
     engine's small copy queues behind at most two chunks in the copy engine instead of a whole step's states
     (64x512 on the H200: host 0.90x the same engine's count with the step's copy issued whole, the 6e3f68b run).
     Each (dst, src) pair is cut along rows; a row larger than the limit goes alone; 0 keeps the pairs whole."""
-    srcs = [torch.arange(rows * width, dtype=torch.float32).view(rows, width) + 1000 * i
-            for i, (rows, width) in enumerate(pairs)]
+    srcs = [
+        torch.arange(rows * width, dtype=torch.float32).view(rows, width) + 1000 * i
+        for i, (rows, width) in enumerate(pairs)
+    ]
     dsts = [torch.zeros_like(s) for s in srcs]
     groups = copy_chunks(list(zip(dsts, srcs)), limit)
     if limit == 0:
@@ -511,8 +556,9 @@ def test_a_sample_that_would_overflow_its_shard_by_one_row_opens_the_next(tmp_pa
     cap = Capturer(N_LAYERS, H, torch.float32)
     cap.start("store", writer, shard_tokens=10)
     prompts = [list(range(10 * i + 1, 10 * i + 1 + n)) for i, n in enumerate(lengths)]
-    cap.filler.announce([Announced(f"s{i}", torch.tensor(p), torch.ones(len(p), dtype=torch.uint8))
-                         for i, p in enumerate(prompts)])
+    cap.filler.announce(
+        [Announced(f"s{i}", torch.tensor(p), torch.ones(len(p), dtype=torch.uint8)) for i, p in enumerate(prompts)]
+    )
     starts = [0, lengths[0], sum(lengths)]
     rows = [torch.cat([_states(p)[k] for p in prompts]) for k in range(N_LAYERS)]
     cap.on_step(rows, StepLayout(["r0", "r1"], starts, [0, 0], prompts))

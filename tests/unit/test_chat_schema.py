@@ -16,12 +16,17 @@ LLAMA3_TEMPLATE = (  # Llama-3's layout, written here: headers, "\n\n", <|eot_id
     "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
-CALL = {"id": "functions.get_weather:0", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
-TOOL_CHAT = [{"role": "user", "content": "Weather in Oslo?"},
-             {"role": "assistant", "content": None, "tool_calls": [CALL]},
-             {"role": "tool", "tool_call_id": CALL["id"], "content": '{"weather": "foggy"}'},
-             {"role": "assistant", "content": "Foggy in Oslo."}]
+CALL = {
+    "id": "functions.get_weather:0",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+}
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": CALL["id"], "content": '{"weather": "foggy"}'},
+    {"role": "assistant", "content": "Foggy in Oslo."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +41,13 @@ def llama3_tok(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama3-tok")
     tiny.build_tokenizer(out, 1024)
     tok = AutoTokenizer.from_pretrained(out)
-    tok.add_special_tokens({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "additional_special_tokens":
-                            ["<|start_header_id|>", "<|end_header_id|>"]})
+    tok.add_special_tokens(
+        {
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|eot_id|>",
+            "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"],
+        }
+    )
     tok.chat_template = LLAMA3_TEMPLATE
     return tok
 
@@ -58,13 +68,25 @@ def _split(tok, s):
 
 
 def test_golden_mask_chatml(tmp_path, tokenizer):
-    (s,), _ = _load(tmp_path, tokenizer, [{"messages": [{"role": "system", "content": "Be brief."},
-                                                        {"role": "user", "content": "Hi?"},
-                                                        {"role": "assistant", "content": "Hello."}]}])
+    (s,), _ = _load(
+        tmp_path,
+        tokenizer,
+        [
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi?"},
+                    {"role": "assistant", "content": "Hello."},
+                ]
+            }
+        ],
+    )
     on, off = _split(tokenizer, s)
     assert on == "Hello.<|im_end|>"
-    assert off == "<|bos|><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n" \
-                  "<|im_start|>assistant\n\n"
+    assert (
+        off == "<|bos|><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
+        "<|im_start|>assistant\n\n"
+    )
 
 
 def test_golden_mask_kimi_with_thinking_and_tool_calls(tmp_path, kimi_tok):
@@ -72,27 +94,43 @@ def test_golden_mask_kimi_with_thinking_and_tool_calls(tmp_path, kimi_tok):
     msgs[3]["reasoning_content"] = "Read the reply."
     (s,), rep = _load(tmp_path, kimi_tok, [{"tools": kimi_traffic.TOOLS[:1], "messages": msgs}])
     on, off = _split(kimi_tok, s)
-    assert on == ("<think></think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
-                  '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
-                  "<think>Read the reply.</think>Foggy in Oslo.<|im_end|>")
-    assert off == ("<|im_system|>tool_declare<|im_middle|>" + json.dumps(kimi_traffic.TOOLS[:1]) + "<|im_end|>"
-                   "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
-                   "<|im_user|>user<|im_middle|>Weather in Oslo?<|im_end|><|im_assistant|>assistant<|im_middle|>"
-                   '<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n{"weather": "foggy"}<|im_end|>'
-                   "<|im_assistant|>assistant<|im_middle|>")
+    assert on == (
+        "<think></think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+        "<think>Read the reply.</think>Foggy in Oslo.<|im_end|>"
+    )
+    assert off == (
+        "<|im_system|>tool_declare<|im_middle|>" + json.dumps(kimi_traffic.TOOLS[:1]) + "<|im_end|>"
+        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+        "<|im_user|>user<|im_middle|>Weather in Oslo?<|im_end|><|im_assistant|>assistant<|im_middle|>"
+        '<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n{"weather": "foggy"}<|im_end|>'
+        "<|im_assistant|>assistant<|im_middle|>"
+    )
     assert not rep.template_dropped and rep.views == 0
 
 
 def test_golden_mask_llama3(tmp_path, llama3_tok):
-    (s,), rep = _load(tmp_path, llama3_tok, [{"messages": [{"role": "user", "content": "Hi?"},
-                                                           {"role": "assistant", "content": "Hello."},
-                                                           {"role": "user", "content": "Bye?"},
-                                                           {"role": "assistant", "content": "Bye."}]}])
+    (s,), rep = _load(
+        tmp_path,
+        llama3_tok,
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi?"},
+                    {"role": "assistant", "content": "Hello."},
+                    {"role": "user", "content": "Bye?"},
+                    {"role": "assistant", "content": "Bye."},
+                ]
+            }
+        ],
+    )
     on, off = _split(llama3_tok, s)
     assert on == "Hello.<|eot_id|>Bye.<|eot_id|>"
-    assert off == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi?<|eot_id|>"
-                   "<|start_header_id|>assistant<|end_header_id|>\n\n<|start_header_id|>user<|end_header_id|>\n\nBye?"
-                   "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert off == (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n<|start_header_id|>user<|end_header_id|>\n\nBye?"
+        "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
 
 
 def test_a_template_that_drops_tools_and_calls_is_reported(tmp_path, llama3_tok):
@@ -107,8 +145,10 @@ def test_a_template_that_drops_tools_and_calls_is_reported(tmp_path, llama3_tok)
 
 
 def test_text_parts_give_the_same_sample_as_a_string(tmp_path, tokenizer):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Count "}, {"type": "text", "text": "to 3."}]},
-             {"role": "assistant", "content": [{"type": "text", "text": "1, 2, 3."}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Count "}, {"type": "text", "text": "to 3."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "1, 2, 3."}]},
+    ]
     flat = [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1, 2, 3."}]
     (a, b), _ = _load(tmp_path, tokenizer, [{"messages": parts}, {"messages": flat}])
     assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask
@@ -124,28 +164,44 @@ def test_developer_and_tool_turns_reach_the_template_outside_the_mask(tmp_path, 
 
 
 def test_reasoning_is_in_the_mask_and_vllm_s_name_for_it_is_read(tmp_path, kimi_tok):
-    a = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.",
-                                                             "reasoning_content": "Two and two."}]}
-    b = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.",
-                                                             "reasoning": "Two and two."}]}
+    a = {
+        "messages": [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4.", "reasoning_content": "Two and two."},
+        ]
+    }
+    b = {
+        "messages": [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4.", "reasoning": "Two and two."},
+        ]
+    }
     (x, y), _ = _load(tmp_path, kimi_tok, [a, b])
     assert x.input_ids == y.input_ids and _split(kimi_tok, x)[0] == "<think>Two and two.</think>4.<|im_end|>"
 
 
 def test_weight_zero_keeps_a_turn_as_context_only(tmp_path, tokenizer):
-    msgs = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello.", "weight": 0},
-            {"role": "user", "content": "Bye?"}, {"role": "assistant", "content": "Bye.", "weight": 1}]
+    msgs = [
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hello.", "weight": 0},
+        {"role": "user", "content": "Bye?"},
+        {"role": "assistant", "content": "Bye.", "weight": 1},
+    ]
     (s,), _ = _load(tmp_path, tokenizer, [{"messages": msgs}])
     on, off = _split(tokenizer, s)
     assert on == "Bye.<|im_end|>" and "Hello.<|im_end|>" in off
 
 
 def test_sharegpt_function_call_roles_are_the_openai_tool_turns(tmp_path, kimi_tok):
-    sg = {"tools": json.dumps(kimi_traffic.TOOLS[:1]), "conversations": [
-        {"from": "human", "value": "Weather in Oslo?"},
-        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": '{"city": "Oslo"}'})},
-        {"from": "observation", "value": '{"weather": "foggy"}'},
-        {"from": "gpt", "value": "Foggy in Oslo."}]}
+    sg = {
+        "tools": json.dumps(kimi_traffic.TOOLS[:1]),
+        "conversations": [
+            {"from": "human", "value": "Weather in Oslo?"},
+            {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": '{"city": "Oslo"}'})},
+            {"from": "observation", "value": '{"weather": "foggy"}'},
+            {"from": "gpt", "value": "Foggy in Oslo."},
+        ],
+    }
     oa = [dict(m) for m in TOOL_CHAT]
     oa[1] = dict(oa[1], content="", tool_calls=[{k: v for k, v in CALL.items() if k != "id"}])
     oa[2] = {"role": "tool", "content": '{"weather": "foggy"}'}
@@ -164,12 +220,18 @@ def test_an_assistant_first_chat_masks_no_bos_nor_header(tmp_path, tokenizer):
 def test_a_turn_the_template_rerenders_later_is_learned_from_its_own_view(tmp_path, kimi_tok):
     """Kimi's thinking template drops the thinking of turns before the last user message: turn 1's thinking is
     learned from the conversation through turn 1, turn 3 from the whole (two samples)."""
-    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.", "reasoning_content": "Two."},
-            {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6.", "reasoning_content": "Three."}]
+    msgs = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4.", "reasoning_content": "Two."},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "6.", "reasoning_content": "Three."},
+    ]
     samples, rep = _load(tmp_path, kimi_tok, [{"messages": msgs}])
     assert [s.sample_id for s in samples] == ["d.jsonl:1", "d.jsonl:1@1"]
-    assert [_split(kimi_tok, s)[0] for s in samples] == ["<think>Three.</think>6.<|im_end|>",
-                                                          "<think>Two.</think>4.<|im_end|>"]
+    assert [_split(kimi_tok, s)[0] for s in samples] == [
+        "<think>Three.</think>6.<|im_end|>",
+        "<think>Two.</think>4.<|im_end|>",
+    ]
     assert "<think></think>4." in kimi_tok.decode(samples[0].input_ids)  # the history as the target saw it
     assert rep.views == 1 and not rep.template_dropped
 
@@ -189,8 +251,10 @@ def test_extract_dedup_flag_and_the_data_line(tmp_path, tiny_llama, capsys):
     c = {"messages": [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1, 2, 3."}]}
     data = tmp_path / "d.jsonl"
     data.write_text((json.dumps(c) + "\n") * 3 + "\n")
-    assert cli.main(["extract", "--model", str(tiny_llama), "--data", str(data), "--out", str(tmp_path / "s"),
-                     "--dedup"]) == 0
+    assert (
+        cli.main(["extract", "--model", str(tiny_llama), "--data", str(data), "--out", str(tmp_path / "s"), "--dedup"])
+        == 0
+    )
     said = capsys.readouterr().out
     assert "4 lines (1 blank) -> 1 samples" in said and "duplicates 2" in said, said
 
@@ -204,8 +268,9 @@ def test_kimi_traffic_renders_through_the_kimi_template_with_its_masks(tmp_path,
         on = [t for t, m in zip(s.input_ids, s.loss_mask) if m]
         turns = sum(m["role"] == "assistant" for m in c["messages"])
         assert on.count(kimi_tok.eos_token_id) == turns and on.count(think) == turns  # every turn, its end included
-        assert (call in on) == (c["traffic"] == "tool") and (call not in [t for t, m in zip(s.input_ids, s.loss_mask)
-                                                                          if not m])
+        assert (call in on) == (c["traffic"] == "tool") and (
+            call not in [t for t, m in zip(s.input_ids, s.loss_mask) if not m]
+        )
         if c["traffic"] == "thinking":
             assert c["messages"][-1]["reasoning_content"] in kimi_tok.decode(on)
 
@@ -215,8 +280,10 @@ def test_kimi_traffic_renders_through_the_kimi_template_with_its_masks(tmp_path,
 
 def _regenerated(messages, turns, finish):
     """A line as `eagle3 regenerate` writes it: the messages and its record of the turns it wrote."""
-    return {"messages": messages, "regenerated": {"line": 1, "turns": turns, "tokens": [100] * len(turns),
-                                                  "finish": finish, "cut_after": None}}
+    return {
+        "messages": messages,
+        "regenerated": {"line": 1, "turns": turns, "tokens": [100] * len(turns), "finish": finish, "cut_after": None},
+    }
 
 
 @pytest.mark.parametrize("finish,on", [("length", "Hello."), ("stop", "Hello.<|im_end|>")])
@@ -231,13 +298,18 @@ def test_a_turn_the_target_did_not_end_learns_no_end_of_turn(tmp_path, tokenizer
 
 
 def test_of_several_regenerated_turns_only_the_cut_one_loses_its_end_token(tmp_path, llama3_tok, kimi_tok):
-    msgs = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."},
-            {"role": "user", "content": "Bye?"}, {"role": "assistant", "content": "Bye."}]
+    msgs = [
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye?"},
+        {"role": "assistant", "content": "Bye."},
+    ]
     (s,), _ = _load(tmp_path, llama3_tok, [_regenerated(msgs, [1, 3], ["length", "stop"])])
     assert _split(llama3_tok, s)[0] == "Hello.Bye.<|eot_id|>"
     msgs = [dict(m) for m in TOOL_CHAT]
-    (s,), _ = _load(tmp_path, kimi_tok, [{"tools": kimi_traffic.TOOLS[:1],
-                                          **_regenerated(msgs, [1, 3], ["stop", "length"])}])
+    (s,), _ = _load(
+        tmp_path, kimi_tok, [{"tools": kimi_traffic.TOOLS[:1], **_regenerated(msgs, [1, 3], ["stop", "length"])}]
+    )
     assert _split(kimi_tok, s)[0].endswith("<|tool_calls_section_end|><|im_end|><think></think>Foggy in Oslo.")
 
 
@@ -246,8 +318,10 @@ def test_a_turn_cut_inside_its_thinking_learns_only_what_the_target_wrote(tmp_pa
     neither. regenerate's record has the turn's token count: the mask stops there."""
     wrote = "<think>Let me think about wh"
     n = len(kimi_tok(wrote, add_special_tokens=False)["input_ids"])
-    msgs = [{"role": "user", "content": "Weather in Oslo?"},
-            {"role": "assistant", "content": "", "reasoning_content": wrote.removeprefix("<think>")}]
+    msgs = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "reasoning_content": wrote.removeprefix("<think>")},
+    ]
     line = _regenerated(msgs, [1], ["length"])
     line["regenerated"]["tokens"] = [n]
     (s,), _ = _load(tmp_path, kimi_tok, [line])
@@ -255,17 +329,22 @@ def test_a_turn_cut_inside_its_thinking_learns_only_what_the_target_wrote(tmp_pa
     assert kimi_tok.decode(s.input_ids).endswith(wrote + "</think><|im_end|>")
 
 
-@pytest.mark.parametrize("record,problem", [
-    ({"turns": [0], "finish": ["length"]}, "turn 0 is a user turn"),
-    ({"turns": [1], "finish": ["length", "stop"]}, "1 turns but 2 finish"),
-    ({"turns": [1], "finish": ["eos"]}, "finish 'eos'"),
-    ({"turns": [7], "finish": ["stop"]}, "turn 7 is past the last of 2"),
-    ({"turns": "1", "finish": ["stop"]}, "turns and finish must be lists"),
-    ({"turns": [1], "finish": ["length"], "tokens": [-3]}, "token count -3"),
-])
+@pytest.mark.parametrize(
+    "record,problem",
+    [
+        ({"turns": [0], "finish": ["length"]}, "turn 0 is a user turn"),
+        ({"turns": [1], "finish": ["length", "stop"]}, "1 turns but 2 finish"),
+        ({"turns": [1], "finish": ["eos"]}, "finish 'eos'"),
+        ({"turns": [7], "finish": ["stop"]}, "turn 7 is past the last of 2"),
+        ({"turns": "1", "finish": ["stop"]}, "turns and finish must be lists"),
+        ({"turns": [1], "finish": ["length"], "tokens": [-3]}, "token count -3"),
+    ],
+)
 def test_a_malformed_regenerate_record_is_refused_with_the_reason(tmp_path, tokenizer, record, problem):
-    line = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}],
-            "regenerated": record}
+    line = {
+        "messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}],
+        "regenerated": record,
+    }
     good = _regenerated(line["messages"], [1], ["stop"])
     kept, rep = _load(tmp_path, tokenizer, [line, good], rejects_path=str(tmp_path / "rejects.jsonl"))
     assert [s.sample_id for s in kept] == ["d.jsonl:2"] and rep.rejected["bad_regenerated"] == 1
@@ -279,10 +358,17 @@ def test_tool_call_arguments_render_as_the_template_renders_them_in_either_form(
     """Arguments as a JSON object or as a string: the sample's tokens are the template's own rendering of the line as
     given (an object through its tojson, non-ASCII kept; a string verbatim), the mask on the call."""
     args = {"city": "Zürich", "days": [1, 2], "units": {"t": "C"}}
-    call = {"id": "functions.get_weather:0", "type": "function",
-            "function": {"name": "get_weather", "arguments": args if form == "object" else json.dumps(args)}}
-    msgs = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": call["id"], "content": "mild"}, {"role": "assistant", "content": "Mild."}]
+    call = {
+        "id": "functions.get_weather:0",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": args if form == "object" else json.dumps(args)},
+    }
+    msgs = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "mild"},
+        {"role": "assistant", "content": "Mild."},
+    ]
     (s,), rep = _load(tmp_path, kimi_tok, [{"tools": kimi_traffic.TOOLS[:1], "messages": msgs}])
     own = kimi_tok.apply_chat_template(msgs, tools=kimi_traffic.TOOLS[:1], tokenize=False)
     assert kimi_tok.decode(s.input_ids) == own
@@ -293,10 +379,12 @@ def test_tool_call_arguments_render_as_the_template_renders_them_in_either_form(
 
 
 def test_the_legacy_function_role_is_a_tool_s_reply_never_trained(tmp_path, kimi_tok):
-    msgs = [{"role": "user", "content": "Weather?"},
-            {"role": "assistant", "content": None, "tool_calls": [CALL]},
-            {"role": "function", "name": "get_weather", "content": "RAINY-IN-OSLO"},
-            {"role": "assistant", "content": "Rain."}]
+    msgs = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "function", "name": "get_weather", "content": "RAINY-IN-OSLO"},
+        {"role": "assistant", "content": "Rain."},
+    ]
     (s,), _ = _load(tmp_path, kimi_tok, [{"tools": kimi_traffic.TOOLS[:1], "messages": msgs}])
     on, off = _split(kimi_tok, s)
     assert "RAINY-IN-OSLO" in off and "RAINY-IN-OSLO" not in on
@@ -308,20 +396,27 @@ def test_kimi_keeps_the_thinking_of_every_turn_after_the_last_user_message_and_d
     """An agentic turn (thinking, a call, the tool's reply, thinking, the answer) keeps both thinkings in one sample:
     both follow the last user message. A turn before a later user message is rendered without its thinking in the
     whole conversation, so it is learned from its own view (@1), thinking included."""
-    agentic = [{"role": "user", "content": "Weather?"},
-               {"role": "assistant", "content": None, "reasoning_content": "THINK-ONE", "tool_calls": [CALL]},
-               {"role": "tool", "tool_call_id": CALL["id"], "content": "foggy"},
-               {"role": "assistant", "content": "Foggy.", "reasoning_content": "THINK-TWO"}]
+    agentic = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "reasoning_content": "THINK-ONE", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": CALL["id"], "content": "foggy"},
+        {"role": "assistant", "content": "Foggy.", "reasoning_content": "THINK-TWO"},
+    ]
     (s,), rep = _load(tmp_path, kimi_tok, [{"tools": kimi_traffic.TOOLS[:1], "messages": agentic}])
     on, _ = _split(kimi_tok, s)
     assert "<think>THINK-ONE</think>" in on and "<think>THINK-TWO</think>" in on and rep.views == 0
-    later = agentic + [{"role": "user", "content": "And tomorrow?"},
-                       {"role": "assistant", "content": "Rain.", "reasoning_content": "THINK-THREE"}]
+    later = agentic + [
+        {"role": "user", "content": "And tomorrow?"},
+        {"role": "assistant", "content": "Rain.", "reasoning_content": "THINK-THREE"},
+    ]
     whole, own = _load(tmp_path, kimi_tok, [{"tools": kimi_traffic.TOOLS[:1], "messages": later}])[0]
     assert [x.sample_id for x in (whole, own)] == ["d.jsonl:1", "d.jsonl:1@3"]
     text = kimi_tok.decode(whole.input_ids)
     assert "THINK-ONE" not in text and "THINK-TWO" not in text and "<think>THINK-THREE</think>" in text
-    assert "<think>THINK-ONE</think>" in _split(kimi_tok, own)[0] and "<think>THINK-TWO</think>" in _split(kimi_tok, own)[0]
+    assert (
+        "<think>THINK-ONE</think>" in _split(kimi_tok, own)[0]
+        and "<think>THINK-TWO</think>" in _split(kimi_tok, own)[0]
+    )
 
 
 def test_a_template_that_writes_a_call_s_name_but_not_its_arguments_is_reported(tmp_path, tokenizer):
@@ -329,8 +424,10 @@ def test_a_template_that_writes_a_call_s_name_but_not_its_arguments_is_reported(
     import copy
 
     tok = copy.deepcopy(tokenizer)
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
-                         "{% for c in m.get('tool_calls') or [] %}call {{ c['function']['name'] }}{% endfor %}"
-                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+        "{% for c in m.get('tool_calls') or [] %}call {{ c['function']['name'] }}{% endfor %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     _, rep = _load(tmp_path, tok, [{"tools": kimi_traffic.TOOLS[:1], "messages": TOOL_CHAT}])
     assert rep.template_dropped == {"assistant.tool_calls": 1}  # the tools list: its name is in the text

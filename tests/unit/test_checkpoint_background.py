@@ -86,8 +86,9 @@ def test_a_checkpoint_is_written_while_the_next_steps_train(small_store, tmp_pat
     """At 962a6d4 this slept 1 s in the write and expected a step to end meanwhile: on a loaded two-core machine a
     step took longer. The write now waits for a step to end (the bug, a write that blocks training, times out)."""
     spans = _writes_waiting_for_a_step(monkeypatch, last=6)
-    r = train(_cfg(small_store, tmp_path / "bg", max_steps=6, checkpoint_every=2, checkpoint_background=True),
-              progress=False)
+    r = train(
+        _cfg(small_store, tmp_path / "bg", max_steps=6, checkpoint_every=2, checkpoint_background=True), progress=False
+    )
     ends = [r.started_at + t for t, _ in r.timeline]
     during = [(step, sum(a < e < b for e in ends)) for a, b, step in spans]
     assert [s for s, _ in during] == [2, 4, 6], spans
@@ -99,8 +100,7 @@ def test_a_checkpoint_is_written_while_the_next_steps_train(small_store, tmp_pat
     assert (tmp_path / "bg" / "draft" / "model.safetensors").is_file()
 
 
-def test_a_checkpoint_written_in_the_background_holds_its_step_s_state(small_store, tmp_path, monkeypatch,
-                                                                        one_thread):
+def test_a_checkpoint_written_in_the_background_holds_its_step_s_state(small_store, tmp_path, monkeypatch, one_thread):
     """The snapshot is a copy: on the CPU `.cpu()` returns the training tensors themselves, which the next steps
     change in place while the thread writes. Each checkpoint equals, tensor for tensor, a synchronous run's."""
     kw = dict(max_steps=6, checkpoint_every=2, keep_checkpoints=0)
@@ -121,8 +121,9 @@ def test_a_checkpoint_written_in_the_background_holds_its_step_s_state(small_sto
 
 def test_a_kill_during_a_background_write_resumes_to_the_uninterrupted_run(small_store, tmp_path, one_thread):
     ref = train(_cfg(small_store, tmp_path / "ref", max_steps=7), progress=False).losses
-    cfg = _cfg(small_store, tmp_path / "t", max_steps=7, checkpoint_every=2, keep_checkpoints=0,
-               checkpoint_background=True)
+    cfg = _cfg(
+        small_store, tmp_path / "t", max_steps=7, checkpoint_every=2, keep_checkpoints=0, checkpoint_background=True
+    )
 
     def killed_run():
         os.environ["EAGLE3_FAULT"] = "mid_checkpoint:2"  # in the thread writing step 4's checkpoint
@@ -146,8 +147,10 @@ def test_a_failed_background_write_stops_the_run_with_its_error(small_store, tmp
 
     monkeypatch.setattr(checkpoint, "write", full_disk)
     with pytest.raises(OSError, match="No space left on device"):
-        train(_cfg(small_store, tmp_path / "t", max_steps=8, checkpoint_every=2, checkpoint_background=True),
-              progress=False)
+        train(
+            _cfg(small_store, tmp_path / "t", max_steps=8, checkpoint_every=2, checkpoint_background=True),
+            progress=False,
+        )
     assert 4 in calls and 8 not in calls  # raised at the next checkpoint (step 6's), before another write
     assert not (tmp_path / "t" / "draft").exists()
     assert checkpoint.latest(tmp_path / "t").name == "step-0000002"
@@ -158,28 +161,39 @@ def test_a_run_that_stops_waits_for_its_checkpoint_being_written(small_store, tm
     waits for it: what was checkpointed before the divergence is there, whole."""
     _slow_writes(monkeypatch, 1.0)
     with pytest.raises(TrainingDiverged, match="step 2: the loss is nan"):
-        train(_cfg(small_store, tmp_path / "t", lr=1e30, max_steps=4, checkpoint_every=1,
-                   checkpoint_background=True), progress=False)
+        train(
+            _cfg(small_store, tmp_path / "t", lr=1e30, max_steps=4, checkpoint_every=1, checkpoint_background=True),
+            progress=False,
+        )
     assert [p.name for p in (tmp_path / "t" / "checkpoints").glob("step-*")] == ["step-0000001"]
     assert checkpoint.complete(tmp_path / "t" / "checkpoints" / "step-0000001")
 
 
-@pytest.mark.parametrize("device,given,want", [("cpu", None, False), ("cuda", None, True), ("cuda:1", None, True),
-                                               ("cuda", False, False), ("cpu", True, True)])
+@pytest.mark.parametrize(
+    "device,given,want",
+    [("cpu", None, False), ("cuda", None, True), ("cuda:1", None, True), ("cuda", False, False), ("cpu", True, True)],
+)
 def test_checkpoints_are_written_in_the_background_by_default_on_cuda_only(device, given, want):
     assert checkpoint_background(TrainConfig(store="s", out="o", device=device, checkpoint_background=given)) is want
 
 
-@pytest.mark.parametrize("flag,want", [([], None), (["--checkpoint-background", "on"], True),
-                                       (["--checkpoint-background", "off"], False),
-                                       (["--checkpoint-background", "auto"], None)])
+@pytest.mark.parametrize(
+    "flag,want",
+    [
+        ([], None),
+        (["--checkpoint-background", "on"], True),
+        (["--checkpoint-background", "off"], False),
+        (["--checkpoint-background", "auto"], None),
+    ],
+)
 def test_cli_checkpoint_background(flag, want):
     a = cli.build_parser().parse_args(["train", "--store", "s", "--out", "o", *flag])
     assert cli._train_config(a).checkpoint_background is want
 
 
 def test_when_the_loop_fails_while_a_background_write_fails_the_loop_s_error_is_raised_and_the_write_s_logged(
-        small_store, tmp_path, monkeypatch, caplog):
+    small_store, tmp_path, monkeypatch, caplog
+):
     """lr 1e30: step 2 diverges while step 1's checkpoint fails to write (a full disk): the user sees why training
     stopped (the loop's error), with the write's beside it in the log, not one in place of the other."""
     import logging
@@ -190,7 +204,11 @@ def test_when_the_loop_fails_while_a_background_write_fails_the_loop_s_error_is_
 
     monkeypatch.setattr(checkpoint, "write", full_disk)
     with caplog.at_level(logging.ERROR), pytest.raises(TrainingDiverged, match="step 2: the loss is nan"):
-        train(_cfg(small_store, tmp_path / "t", lr=1e30, max_steps=4, checkpoint_every=1,
-                   checkpoint_background=True), progress=False)
-    assert "the checkpoint written in the background failed too: OSError: [Errno 28] No space left on device" \
-        in caplog.text, caplog.text
+        train(
+            _cfg(small_store, tmp_path / "t", lr=1e30, max_steps=4, checkpoint_every=1, checkpoint_background=True),
+            progress=False,
+        )
+    assert (
+        "the checkpoint written in the background failed too: OSError: [Errno 28] No space left on device"
+        in caplog.text
+    ), caplog.text

@@ -50,17 +50,31 @@ def test_it_keeps_no_float32_copy_of_the_logits_for_the_backward_pass():
 
 
 def test_training_with_the_chunked_loss_follows_the_eager_curve(small_store, tmp_path):
-    runs = {impl: train(TrainConfig(store=str(small_store), out=str(tmp_path / impl), draft_vocab_size=256,
-                                    batch_samples=8, lr=3e-3, max_steps=4, seed=0, loss_impl=impl), progress=False)
-            for impl in ("eager", "chunked")}
+    runs = {
+        impl: train(
+            TrainConfig(
+                store=str(small_store),
+                out=str(tmp_path / impl),
+                draft_vocab_size=256,
+                batch_samples=8,
+                lr=3e-3,
+                max_steps=4,
+                seed=0,
+                loss_impl=impl,
+            ),
+            progress=False,
+        )
+        for impl in ("eager", "chunked")
+    }
     assert runs["chunked"].losses == pytest.approx(runs["eager"].losses, rel=1e-5), runs
     assert chunked_kl_div_loss.__name__ == "chunked_kl_div_loss"
 
 
 def test_an_unknown_loss_implementation_is_refused_with_the_choices(small_store, tmp_path):
     with pytest.raises(ValueError, match="chunked"):
-        train(TrainConfig(store=str(small_store), out=str(tmp_path / "x"), max_steps=1, loss_impl="lazy"),
-              progress=False)
+        train(
+            TrainConfig(store=str(small_store), out=str(tmp_path / "x"), max_steps=1, loss_impl="lazy"), progress=False
+        )
 
 
 def test_the_default_is_chunked_on_cuda_and_eager_elsewhere():
@@ -69,4 +83,3 @@ def test_the_default_is_chunked_on_cuda_and_eager_elsewhere():
     assert loss_config("kl_div", "eager", "cuda")["kl_div"][0] is kl_div_loss
     with pytest.raises(ValueError, match="for loss 'tv' use eager or fused"):
         loss_config("tv", "chunked")
-

@@ -18,9 +18,11 @@ def test_doctor_prints_versions_and_finds_no_problem(capsys):
 
 def test_doctor_is_quick_it_imports_no_model_code_unless_deep(capsys):
     """Issue 17: doctor took 8-10 s (speculators and transformers' models imported for the checks)."""
-    code = ("import sys, time; t = time.perf_counter(); from eagle3 import cli; rc = cli.main(['doctor']); "
-            "print(rc, 'speculators' in sys.modules, 'transformers.models.deepseek_v3' in sys.modules, "
-            "round(time.perf_counter() - t, 2), file=sys.stderr)")
+    code = (
+        "import sys, time; t = time.perf_counter(); from eagle3 import cli; rc = cli.main(['doctor']); "
+        "print(rc, 'speculators' in sys.modules, 'transformers.models.deepseek_v3' in sys.modules, "
+        "round(time.perf_counter() - t, 2), file=sys.stderr)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     rc, spec, ds, seconds = out.stderr.split()[-4:]
     assert (rc, spec, ds) == ("0", "False", "False"), out.stderr
@@ -31,8 +33,11 @@ def test_doctor_is_quick_it_imports_no_model_code_unless_deep(capsys):
 
 
 def test_importing_eagle3_does_not_import_vllm_or_initialize_cuda():
-    code = ("import sys, eagle3, eagle3.cli, eagle3.extract.extract, eagle3.extract.rpc, eagle3.extract.vllm_compat, eagle3.doctor;"
-            "import torch; print('vllm' in sys.modules, torch.cuda.is_initialized())")
+    code = (
+        "import sys, eagle3, eagle3.cli, eagle3.extract.extract, eagle3.extract.rpc, eagle3.extract.vllm_compat, "
+        "eagle3.doctor;"
+        "import torch; print('vllm' in sys.modules, torch.cuda.is_initialized())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stderr
 
@@ -50,7 +55,9 @@ def test_install_problems_name_what_to_do(monkeypatch):
     monkeypatch.setattr(doctor, "CHECKS", doctor.CHECKS + [("eagle3_no_such_module", "a missing module")])
     for deep in (True, False):
         (problem,) = doctor.install_problems(deep)
-        assert problem.startswith("a missing module does not") and problem.endswith("Re-run scripts/setup-env."), problem
+        assert problem.startswith("a missing module does not") and problem.endswith("Re-run scripts/setup-env."), (
+            problem
+        )
 
 
 def test_demo_chain_small(tmp_path, capsys):

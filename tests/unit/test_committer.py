@@ -23,13 +23,21 @@ def backend(tiny_kimi):
 
 
 def _cfg(tiny_kimi, small_data, out, **kw):
-    return extract.ExtractConfig(model=str(tiny_kimi), out=str(out), batch_size=4, shard_samples=2,
-                                 writer_threads=0, selfcheck=0,
-                                 data=DataConfig([str(small_data)], max_len=64, max_samples=12), **kw)
+    return extract.ExtractConfig(
+        model=str(tiny_kimi),
+        out=str(out),
+        batch_size=4,
+        shard_samples=2,
+        writer_threads=0,
+        selfcheck=0,
+        data=DataConfig([str(small_data)], max_len=64, max_samples=12),
+        **kw,
+    )
 
 
-def test_the_next_batch_is_computed_while_the_previous_commit_runs(tiny_kimi, small_data, backend, tmp_path,
-                                                                      monkeypatch):
+def test_the_next_batch_is_computed_while_the_previous_commit_runs(
+    tiny_kimi, small_data, backend, tmp_path, monkeypatch
+):
     commit, capture = Store.commit, HFBackend.capture
     in_commit, overlapped = threading.Event(), threading.Event()
 

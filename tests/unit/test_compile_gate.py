@@ -27,6 +27,7 @@ def gate():
 
 def compiled(log, seconds=0.0):
     """A fresh function compiled with a backend that logs (start, end) of the compile and sleeps ``seconds`` in it."""
+
     def backend(gm, inputs):
         t0 = time.perf_counter()
         time.sleep(seconds)
@@ -70,7 +71,7 @@ def test_an_engine_batch_waits_for_a_compile_and_the_wait_is_kept(gate):
         started.append(time.perf_counter())
     t.join()
     assert log and started[0] >= log[0][1], (log, started)  # the batch began after the compile had ended
-    (a, b), = gate.waits
+    ((a, b),) = gate.waits
     assert b - a >= 0.2 and gate.waited_s == pytest.approx(b - a), gate.waits
 
 
@@ -165,21 +166,48 @@ def test_the_extraction_s_waits_behind_compiles_are_not_its_rate():
     from eagle3.train.train import TrainResult
 
     # the trainer: started at t=10, its later half at 10,000 tok/s (far faster than the extraction)
-    train = TrainResult("o", "d", 4, 64, 40_000, 4.0, [1.0] * 4, {}, timeline=[(1, 10_000), (2, 10_000),
-                                                                               (3, 10_000), (4, 10_000)],
-                        started_at=10.0)
+    train = TrainResult(
+        "o",
+        "d",
+        4,
+        64,
+        40_000,
+        4.0,
+        [1.0] * 4,
+        {},
+        timeline=[(1, 10_000), (2, 10_000), (3, 10_000), (4, 10_000)],
+        started_at=10.0,
+    )
     commits = [(11.0, 1000), (13.0, 1000), (15.0, 1000), (17.0, 1000)]  # 3,000 tokens after the first in 6 s
     plain = OnlineResult(train, "s", 1, 0, 0, 4000, 4, 7.0, 0.0, 0.0, commits=commits)
     assert plain.sustained_tokens_per_s() == pytest.approx(500.0)
-    waited = OnlineResult(train, "s", 1, 0, 0, 4000, 4, 7.0, 0.0, 0.0, commits=commits,
-                          producer_waits=[(11.0, 12.0)], compile_waits=[(13.0, 15.0), (20.0, 30.0)], compiles=2)
+    waited = OnlineResult(
+        train,
+        "s",
+        1,
+        0,
+        0,
+        4000,
+        4,
+        7.0,
+        0.0,
+        0.0,
+        commits=commits,
+        producer_waits=[(11.0, 12.0)],
+        compile_waits=[(13.0, 15.0), (20.0, 30.0)],
+        compiles=2,
+    )
     assert waited.sustained_tokens_per_s() == pytest.approx(3000 / 3)  # 6 s less 1 s for room, 2 s behind compiles
     assert any(line.startswith("compile ") and "waited 12.0 s behind 2 compiles" in line for line in waited.lines())
     assert not any(line.startswith("compile ") for line in plain.lines())
 
 
-def test_a_compile_in_the_trainer_s_thread_no_longer_breaks_the_engine_s_forward(fake, tiny_kimi, tmp_path,  # noqa: F811
-                                                                                   monkeypatch):
+def test_a_compile_in_the_trainer_s_thread_no_longer_breaks_the_engine_s_forward(
+    fake,
+    tiny_kimi,
+    tmp_path,
+    monkeypatch,
+):
     """The 08e9a75 H200 failure on the CPU: online.run with an engine in this process (the fake vLLM), whose every
     prefill, like vLLM's forward, keeps calling a torch.compile'd helper for 0.2 s and fails as torch 2.11's dynamo
     does where any thread FX-traces (torch 2.13 no longer raises there, so the fake checks the flag itself); the

@@ -17,10 +17,13 @@ def _train_args(store, out, *extra):
     return ["train", "--store", str(store), "--out", str(out), "--draft-vocab", "256", "--batch", "4", *extra]
 
 
-@pytest.mark.parametrize("extra,words", [
-    (["--attn", "flex"], ["flex attention has no backward on the CPU", "--attn sdpa", "--device cuda"]),
-    (["--attn", "flex", "--device", "cuda"], ["runs fused only compiled", "--compile"]),
-])
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (["--attn", "flex"], ["flex attention has no backward on the CPU", "--attn sdpa", "--device cuda"]),
+        (["--attn", "flex", "--device", "cuda"], ["runs fused only compiled", "--compile"]),
+    ],
+)
 def test_a_flex_run_that_cannot_train_is_refused_at_once(small_store, tmp_path, capsys, extra, words):
     t0 = time.perf_counter()
     code = cli.main(_train_args(small_store, tmp_path / "run", *extra))
@@ -34,8 +37,11 @@ def test_train_called_from_python_refuses_flex_attention_on_the_cpu_too(small_st
     from eagle3.preflight import UsageError
 
     with pytest.raises(UsageError, match="no backward on the CPU"):
-        train(TrainConfig(store=str(small_store), out=str(tmp_path / "run"), attn_impl="simple_flex_attention",
-                          compile=True))
+        train(
+            TrainConfig(
+                store=str(small_store), out=str(tmp_path / "run"), attn_impl="simple_flex_attention", compile=True
+            )
+        )
     assert not (tmp_path / "run").exists()
 
 
@@ -65,8 +71,9 @@ def _compiled_loss(monkeypatch):
     real = chunked_loss.loss_config
 
     def loss_config(loss, impl, device="cpu"):
-        return {k: (torch.compile(fn, backend="eager", dynamic=False), w)
-                for k, (fn, w) in real(loss, impl, device).items()}
+        return {
+            k: (torch.compile(fn, backend="eager", dynamic=False), w) for k, (fn, w) in real(loss, impl, device).items()
+        }
 
     monkeypatch.setattr(chunked_loss, "loss_config", loss_config)
 
@@ -78,9 +85,18 @@ def test_a_compiled_run_that_reaches_the_recompile_limit_says_so(monkeypatch, sm
     _compiled_loss(monkeypatch)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False):
-        result = train(TrainConfig(store=str(small_store), out=str(tmp_path / "run"), draft_vocab_size=256,
-                                   batch_samples=4, max_steps=2, checkpoint_minutes=0, compile=compiled),
-                       progress=False)
+        result = train(
+            TrainConfig(
+                store=str(small_store),
+                out=str(tmp_path / "run"),
+                draft_vocab_size=256,
+                batch_samples=4,
+                max_steps=2,
+                checkpoint_minutes=0,
+                compile=compiled,
+            ),
+            progress=False,
+        )
     torch._dynamo.reset()
     limit = [n for n in result.notes if "recompile limit" in n]
     assert bool(limit) == compiled, result.notes
@@ -98,8 +114,10 @@ def test_the_watch_names_a_function_that_reaches_the_recompile_limit():
 
     for limit, named in ((2, True), (8, False)):
         torch._dynamo.reset()
-        with RecompileLimitHits() as hits, torch._dynamo.config.patch(recompile_limit=limit,
-                                                                      automatic_dynamic_shapes=False):
+        with (
+            RecompileLimitHits() as hits,
+            torch._dynamo.config.patch(recompile_limit=limit, automatic_dynamic_shapes=False),
+        ):
             f = torch.compile(shift, backend="eager", dynamic=False)
             for k in range(4):
                 assert float(f(torch.zeros(1), k)) == k

@@ -25,10 +25,23 @@ def _assistant_text(tokenizer, s):
 
 
 def test_openai_and_sharegpt_give_the_same_sample(tmp_path, tokenizer):
-    oa = _write(tmp_path, "oa.jsonl", [{"messages": [{"role": "user", "content": "Count from 1 to 3."},
-                                                      {"role": "assistant", "content": "1, 2, 3."}]}])
-    sg = _write(tmp_path, "sg.jsonl", [{"conversations": [{"from": "human", "value": "Count from 1 to 3."},
-                                                           {"from": "gpt", "value": "1, 2, 3."}]}])
+    oa = _write(
+        tmp_path,
+        "oa.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "Count from 1 to 3."},
+                    {"role": "assistant", "content": "1, 2, 3."},
+                ]
+            }
+        ],
+    )
+    sg = _write(
+        tmp_path,
+        "sg.jsonl",
+        [{"conversations": [{"from": "human", "value": "Count from 1 to 3."}, {"from": "gpt", "value": "1, 2, 3."}]}],
+    )
     (a,), _ = load_samples(DataConfig([str(oa)]), tokenizer)
     (b,), _ = load_samples(DataConfig([str(sg)]), tokenizer)
     assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask
@@ -36,9 +49,13 @@ def test_openai_and_sharegpt_give_the_same_sample(tmp_path, tokenizer):
 
 
 def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 plus 3?"},
-            {"role": "assistant", "content": "2 plus 3 is 5."}, {"role": "user", "content": "Times 2?"},
-            {"role": "assistant", "content": "5 times 2 is 10."}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 plus 3?"},
+        {"role": "assistant", "content": "2 plus 3 is 5."},
+        {"role": "user", "content": "Times 2?"},
+        {"role": "assistant", "content": "5 times 2 is 10."},
+    ]
     ids, mask = render(tokenizer, msgs)
     assert len(ids) == len(mask)
     masked = tokenizer.decode([t for t, m in zip(ids, mask) if m])
@@ -50,8 +67,12 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
 
 @pytest.mark.parametrize("rule", ["truncate", "split", "drop", "error"])
 def test_long_sample_rule(tmp_path, tokenizer, rule):
-    long = {"messages": [{"role": "user", "content": "Count from 1 to 60."},
-                         {"role": "assistant", "content": ", ".join(map(str, range(1, 61)))}]}
+    long = {
+        "messages": [
+            {"role": "user", "content": "Count from 1 to 60."},
+            {"role": "assistant", "content": ", ".join(map(str, range(1, 61)))},
+        ]
+    }
     short = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
     p = _write(tmp_path, "d.jsonl", [short, long])
     cfg = DataConfig([str(p)], max_len=48, long_rule=rule, rejects_path=str(tmp_path / "rej.jsonl"))
@@ -77,13 +98,18 @@ def test_long_sample_rule(tmp_path, tokenizer, rule):
 
 def test_split_drops_a_last_window_of_one_token(tmp_path, tokenizer):
     """A one-token sample has no (token, next token) pair to train on: --long split keeps windows of 2+ tokens."""
-    long = {"messages": [{"role": "user", "content": "Count from 1 to 60."},
-                         {"role": "assistant", "content": ", ".join(map(str, range(1, 61)))}]}
+    long = {
+        "messages": [
+            {"role": "user", "content": "Count from 1 to 60."},
+            {"role": "assistant", "content": ", ".join(map(str, range(1, 61)))},
+        ]
+    }
     full, mask = render(tokenizer, long["messages"])
     m = next(m for m in range(24, len(full)) if len(full) % m == 1)  # the last window holds one token
     assert mask[-2] == 1  # the end-of-turn token; the template's "\n" after it is the last token
-    samples, rep = load_samples(DataConfig([str(_write(tmp_path, "d.jsonl", [long]))], max_len=m, long_rule="split"),
-                                tokenizer)
+    samples, rep = load_samples(
+        DataConfig([str(_write(tmp_path, "d.jsonl", [long]))], max_len=m, long_rule="split"), tokenizer
+    )
     assert [t for s in samples for t in s.input_ids] == full[:-1] and min(len(s) for s in samples) >= 2
     assert rep.split_parts == len(samples) == len(full) // m
     assert not rep.rejected  # dropped by the length rule, not rejected as a window with no assistant token
@@ -103,9 +129,19 @@ def test_skip_policy_reports_bad_lines_and_keeps_good_ones(tmp_path, tokenizer):
 
 
 def test_role_names_are_normalized():
-    msgs = parse_conversation(json.dumps({"conversations": [{"from": "system", "value": "s"},
-                                                            {"from": "human", "value": "u"},
-                                                            {"from": "gpt", "value": "a"}]}), "f", 1)
+    msgs = parse_conversation(
+        json.dumps(
+            {
+                "conversations": [
+                    {"from": "system", "value": "s"},
+                    {"from": "human", "value": "u"},
+                    {"from": "gpt", "value": "a"},
+                ]
+            }
+        ),
+        "f",
+        1,
+    )
     assert [m["role"] for m in msgs] == ["system", "user", "assistant"]
 
 

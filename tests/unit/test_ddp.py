@@ -23,12 +23,34 @@ def _free_port() -> int:
 
 def test_two_process_ddp_matches_one_process(small_store, tmp_path, one_thread):
     steps, batch = 4, 8
-    argv = ["train", "--store", str(small_store), "--out", str(tmp_path / "two"), "--draft-vocab", "256",
-            "--batch", str(batch), "--lr", "3e-3", "--steps", str(steps)]
+    argv = [
+        "train",
+        "--store",
+        str(small_store),
+        "--out",
+        str(tmp_path / "two"),
+        "--draft-vocab",
+        "256",
+        "--batch",
+        str(batch),
+        "--lr",
+        "3e-3",
+        "--steps",
+        str(steps),
+    ]
     env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     ranks = [start_command(argv, dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
-    one = train(TrainConfig(store=str(small_store), out=str(tmp_path / "one"), draft_vocab_size=256,
-                            batch_samples=batch, lr=3e-3, max_steps=steps), progress=False)  # beside the ranks
+    one = train(
+        TrainConfig(
+            store=str(small_store),
+            out=str(tmp_path / "one"),
+            draft_vocab_size=256,
+            batch_samples=batch,
+            lr=3e-3,
+            max_steps=steps,
+        ),
+        progress=False,
+    )  # beside the ranks
     single = one.losses
     for r, done in enumerate(rank.wait(300)[0] for rank in ranks):
         assert done.returncode == 0, (r, done.stdout[-2000:] + done.stderr[-4000:])
@@ -47,17 +69,36 @@ def test_a_world_of_one_initialized_by_someone_else_trains_without_collectives(s
     nor call a collective, and trains as it does alone."""
     import torch.distributed as dist
 
-    alone = train(TrainConfig(store=str(small_store), out=str(tmp_path / "alone"), draft_vocab_size=256,
-                              batch_samples=4, lr=3e-3, max_steps=2), progress=False)
+    alone = train(
+        TrainConfig(
+            store=str(small_store),
+            out=str(tmp_path / "alone"),
+            draft_vocab_size=256,
+            batch_samples=4,
+            lr=3e-3,
+            max_steps=2,
+        ),
+        progress=False,
+    )
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
+
         def refuse(*a, **k):
             raise RuntimeError("a collective in a world of one (vLLM's NCCL group has no CPU all_reduce)")
 
         for name in ("all_reduce", "barrier", "broadcast"):
             monkeypatch.setattr(dist, name, refuse)
-        beside = train(TrainConfig(store=str(small_store), out=str(tmp_path / "beside"), draft_vocab_size=256,
-                                   batch_samples=4, lr=3e-3, max_steps=2), progress=False)
+        beside = train(
+            TrainConfig(
+                store=str(small_store),
+                out=str(tmp_path / "beside"),
+                draft_vocab_size=256,
+                batch_samples=4,
+                lr=3e-3,
+                max_steps=2,
+            ),
+            progress=False,
+        )
     finally:
         monkeypatch.undo()
         dist.destroy_process_group()

@@ -18,8 +18,9 @@ from eagle3.targets import learnable, presets
 @pytest.fixture(scope="module")
 def deepseek_target(tmp_path_factory):
     out = tmp_path_factory.mktemp("learnable-deepseek")
-    info = learnable.make_target(out, steps=6, batch=2, seq_len=64, n_conversations=40, device="cpu", arch="deepseek",
-                                 lr=3e-3)
+    info = learnable.make_target(
+        out, steps=6, batch=2, seq_len=64, n_conversations=40, device="cpu", arch="deepseek", lr=3e-3
+    )
     return out, info
 
 
@@ -29,7 +30,12 @@ def test_the_deepseek_target_is_kimi_s_architecture_at_a_trainable_size(deepseek
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["model_type"] == "deepseek_v3"
     # MLA in Kimi's latent layout (what vLLM's MLA backends are built for), MoE top-2 of 8 + a shared expert, the
     # first layer dense
-    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]) == (512, 64, 128, 128)
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]) == (
+        512,
+        64,
+        128,
+        128,
+    )
     assert cfg["q_lora_rank"] and cfg["n_routed_experts"] == 8 and cfg["num_experts_per_tok"] == 2
     assert cfg["n_shared_experts"] == 1 and cfg["first_k_dense_replace"] == 1
     assert info["arch"] == "deepseek" and info["steps"] == 6
@@ -45,13 +51,45 @@ def test_the_deepseek_target_extracts_and_a_draft_trains_on_it(deepseek_target, 
 
     out, _ = deepseek_target
     store = tmp_path / "store"
-    assert cli.main(["extract", "--model", str(out), "--data", str(small_data), "--out", str(store), "--max-samples",
-                     "8", "--max-len", "64"]) == 0
+    assert (
+        cli.main(
+            [
+                "extract",
+                "--model",
+                str(out),
+                "--data",
+                str(small_data),
+                "--out",
+                str(store),
+                "--max-samples",
+                "8",
+                "--max-len",
+                "64",
+            ]
+        )
+        == 0
+    )
     said = capsys.readouterr().out
     assert "final-state self-check PASS" in said, said
     assert verify.verify(store).ok
-    assert cli.main(["train", "--store", str(store), "--out", str(tmp_path / "t"), "--steps", "1", "--batch", "4",
-                     "--draft-vocab", "128"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--store",
+                str(store),
+                "--out",
+                str(tmp_path / "t"),
+                "--steps",
+                "1",
+                "--batch",
+                "4",
+                "--draft-vocab",
+                "128",
+            ]
+        )
+        == 0
+    )
     got = vllm_reads.reads(tmp_path / "t" / "draft")
     assert got["aux_layer_ids"] == [2, 4, 5] and got["num_aux_hidden_states"] == 3 and got["target_hidden_size"] == 256
     assert vllm_reads.problems(tmp_path / "t" / "draft") == []
@@ -69,19 +107,34 @@ def test_make_target_takes_the_arch_and_refuses_another():
 
 # Kimi-K2.5's published config.json, as vLLM 0.26's KimiK25Config reads it (the text model's shapes as in
 # eagle3.targets.presets.KIMI_K25_TEXT), with its INT4 experts' quantization_config at the top or in text_config.
-QUANT = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
-                                                                          "group_size": 32, "symmetric": True,
-                                                                          "strategy": "group"}}},
-         "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]}
+QUANT = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "group_size": 32, "symmetric": True, "strategy": "group"},
+        }
+    },
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
+}
 
 
 def kimi_k25_config(quant_in_text: bool) -> dict:
     text = dict(presets.KIMI_K25_TEXT)
-    cfg = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-           "text_config": text, "vision_config": {"model_type": "kimi_k25_vision", "hidden_size": 1152,
-                                                 "num_hidden_layers": 27, "patch_size": 14},
-           "media_placeholder_token_id": 163605, "torch_dtype": "bfloat16"}
+    cfg = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": {
+            "model_type": "kimi_k25_vision",
+            "hidden_size": 1152,
+            "num_hidden_layers": 27,
+            "patch_size": 14,
+        },
+        "media_placeholder_token_id": 163605,
+        "torch_dtype": "bfloat16",
+    }
     if quant_in_text:
         text["quantization_config"] = QUANT
     else:
@@ -100,21 +153,43 @@ def test_every_config_reader_takes_kimi_k25_s_config_as_it_is(tmp_path, small_da
     (folder / "tokenizer_config.json").write_text("{}")
     prof = presets.profile_from_config(json.loads((folder / "config.json").read_text()))
     assert (prof.architecture, prof.hidden_size, prof.num_hidden_layers, prof.vocab_size) == (
-        "KimiK25ForConditionalGeneration", 7168, 61, 163840)
+        "KimiK25ForConditionalGeneration",
+        7168,
+        61,
+        163840,
+    )
     assert prof.layer_ids == (2, 30, 58, 61)
     spec = extract.store_spec(folder, None, "bfloat16")
     assert spec.layer_ids == (2, 30, 58, 61) and spec.hidden_size == 7168 and spec.bytes_per_token == 57344
     assert spec.target["architecture"] == "KimiK25ForConditionalGeneration" and spec.target["vocab_size"] == 163840
     shape = DraftShape.for_target(json.loads((folder / "config.json").read_text()))
-    assert (shape.hidden_size, shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim,
-            shape.intermediate_size) == (7168, 64, 8, 128, 18432)
+    assert (
+        shape.hidden_size,
+        shape.num_attention_heads,
+        shape.num_key_value_heads,
+        shape.head_dim,
+        shape.intermediate_size,
+    ) == (7168, 64, 8, 128, 18432)
     check_servable(shape, (8,))
     # the identity a store records is the text model's: the wrapper's vision tower and bookkeeping do not enter it
     plain = {"architectures": ["DeepseekV3ForCausalLM"], **kimi_k25_config(True)["text_config"]}
     assert presets.config_hash(kimi_k25_config(True)) == presets.config_hash({"text_config": plain})
     # the command line reads it too: --layer-ids checked against its 61 layers, before anything is made
-    code = cli.main(["extract", "--model", str(folder), "--data", str(small_data), "--out", str(tmp_path / "s"),
-                     "--backend", "vllm", "--layer-ids", "2,30,58,62"])
+    code = cli.main(
+        [
+            "extract",
+            "--model",
+            str(folder),
+            "--data",
+            str(small_data),
+            "--out",
+            str(tmp_path / "s"),
+            "--backend",
+            "vllm",
+            "--layer-ids",
+            "2,30,58,62",
+        ]
+    )
     assert code == 2 and "a target with 61 layers has ids 0..61" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
 
@@ -132,29 +207,40 @@ def test_held_out_prompts_are_kimi_traffic_for_deepseek_and_unchanged_for_llama(
     rows = learnable.eval_prompts(tok, 12, arch="deepseek")
     assert [t for t, _ in rows] == ["chat", "thinking", "tool"] * 4
     gen = tok.encode("<|im_assistant|>assistant<|im_middle|>", add_special_tokens=False)
-    assert all(ids[-len(gen):] == gen for _, ids in rows)
+    assert all(ids[-len(gen) :] == gen for _, ids in rows)
     tool_turns = [tok.decode(ids).count("## Return of") for t, ids in rows if t == "tool"]
     assert tool_turns == [0, 1, 0, 1]
     old = []
     for c in corpus.generate(5, seed=learnable.HELD_OUT_SEED):
         last = max(i for i, m in enumerate(c["messages"]) if m["role"] == "assistant")
-        old.append(tokenizer(tokenizer.apply_chat_template(c["messages"][:last], tokenize=False,
-                                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+        old.append(
+            tokenizer(
+                tokenizer.apply_chat_template(c["messages"][:last], tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False,
+            )["input_ids"]
+        )
     assert [ids for _, ids in learnable.eval_prompts(tokenizer, 5)] == old
 
 
 def test_the_deepseek_target_trains_at_every_position_its_traffic_reaches(deepseek_target):
     """A target trained on shorter windows than its conversations never learns the positions their answers are at
     (the 103a15f run: tool prompts of ~420-490 tokens on a target of 256-token windows accepted 1.60 against chat's
-    3.57). The deepseek target's windows hold the longest conversation of its traffic whole, and make_target uses them."""
+    3.57). The deepseek target's windows hold the longest conversation of its traffic whole, and make_target uses
+    them."""
     from transformers import AutoTokenizer
 
     from eagle3.data import kimi_traffic
 
     out, info = deepseek_target
     tok = AutoTokenizer.from_pretrained(out)
-    longest = max(len(tok(tok.apply_chat_template(c["messages"], tools=c.get("tools"), tokenize=False),
-                          add_special_tokens=False)["input_ids"]) for c in kimi_traffic.generate(300, seed=4))
+    longest = max(
+        len(
+            tok(tok.apply_chat_template(c["messages"], tools=c.get("tools"), tokenize=False), add_special_tokens=False)[
+                "input_ids"
+            ]
+        )
+        for c in kimi_traffic.generate(300, seed=4)
+    )
     assert longest <= learnable.LEARNABLE_DEEPSEEK.seq_len, longest
     assert learnable.LEARNABLE.seq_len == 256  # the Llama's dialogues are short: unchanged
     assert info["seq_len"] == 64  # the fixture's own, given
@@ -176,11 +262,14 @@ def test_long_context_prompts_put_earlier_conversations_before_the_held_out_prom
     assert [t for t, _ in long] == [t for t, _ in short]
     contexts = []
     for (_, s_ids), (_, l_ids) in zip(short, long):
-        assert l_ids[-len(s_ids):] == s_ids
+        assert l_ids[-len(s_ids) :] == s_ids
         context = l_ids[: -len(s_ids)]
         assert len(l_ids) == learnable.LONG_CONTEXT == 4096 and len(context) > 3000
-        assert len(l_ids) + 64 <= learnable.LEARNABLE_DEEPSEEK.seq_len <= \
-            learnable.LEARNABLE_DEEPSEEK.hf_config["max_position_embeddings"]
+        assert (
+            len(l_ids) + 64
+            <= learnable.LEARNABLE_DEEPSEEK.seq_len
+            <= learnable.LEARNABLE_DEEPSEEK.hf_config["max_position_embeddings"]
+        )
         contexts.append(context)
     assert len({tuple(c[:64]) for c in contexts}) == len(contexts)
     whole = tok.decode(long[0][1])
@@ -192,7 +281,6 @@ def test_long_context_prompts_put_earlier_conversations_before_the_held_out_prom
     prompts, groups = evaluate.load_prompts(cfg, tok)
     assert prompts == [ids for _, ids in long] and groups == {"chat": [0, 3], "thinking": [1, 4], "tool": [2, 5]}
     assert cfg.max_model_len >= learnable.LONG_CONTEXT + cfg.max_tokens  # the engine takes them
-
 
 
 def test_long_prompts_are_served_by_the_short_prompts_engine_and_counted_apart(deepseek_target, monkeypatch):
@@ -228,18 +316,35 @@ def test_long_prompts_are_served_by_the_short_prompts_engine_and_counted_apart(d
                 assert n <= made[-1]["max_model_len"] - params["max_tokens"]
                 served.append(n)
                 full = n == long_context
-                self.c = {"drafts": self.c["drafts"] + 4, "draft_tokens": self.c["draft_tokens"] + 4 * k,
-                          "accepted": self.c["accepted"] + (4 * k if full else 0),
-                          "per_pos": [x + (4 if full else 0) for x in self.c["per_pos"]]}
-            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5] * params["max_tokens"],
-                                                                         logprobs=None)]) for _ in prompts]
+                self.c = {
+                    "drafts": self.c["drafts"] + 4,
+                    "draft_tokens": self.c["draft_tokens"] + 4 * k,
+                    "accepted": self.c["accepted"] + (4 * k if full else 0),
+                    "per_pos": [x + (4 if full else 0) for x in self.c["per_pos"]],
+                }
+            return [
+                types.SimpleNamespace(
+                    outputs=[types.SimpleNamespace(token_ids=[5] * params["max_tokens"], logprobs=None)]
+                )
+                for _ in prompts
+            ]
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: kw))
     draft = out / "draft"
     draft.mkdir(exist_ok=True)
     (draft / "config.json").write_text('{"eagle_aux_hidden_state_layer_ids": [1, 4, 6]}')
-    cfg = evaluate.EvalConfig(target=str(out), draft=str(draft), out=str(out / "eval"), k=k, max_tokens=8,
-                              num_prompts=6, long_prompts=3, long_context=long_context, shifted=False, baseline=False)
+    cfg = evaluate.EvalConfig(
+        target=str(out),
+        draft=str(draft),
+        out=str(out / "eval"),
+        k=k,
+        max_tokens=8,
+        num_prompts=6,
+        long_prompts=3,
+        long_context=long_context,
+        shifted=False,
+        baseline=False,
+    )
     assert cfg.max_model_len == 2048  # the short prompts' floor covers 1024 + 8
     r = evaluate.run(cfg)
     assert len(made) == 1

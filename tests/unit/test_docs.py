@@ -64,13 +64,18 @@ def test_no_tracked_file_outside_the_changelog_names_a_session_by_number():
             found.append(f)
     assert found == [], found[:20]
     word = "sess" + "ion"  # spelled apart, so this file passes its own check
-    assert SESSION.search(f"in {word.title()} 12 we") and SESSION.search(f"baselines-{word}16") and not SESSION.search(
-        f"a {word}'s time")
+    assert (
+        SESSION.search(f"in {word.title()} 12 we")
+        and SESSION.search(f"baselines-{word}16")
+        and not SESSION.search(f"a {word}'s time")
+    )
 
 
 def test_ci_runs_exactly_the_readme_s_test_command():
     readme = (ROOT / "README.md").read_text()
-    commands = re.findall(r"^(scripts/setup-env && \.venv/bin/\S+.*?)\s+#", readme, re.M)
-    assert len(commands) == 2 and "eagle3 demo" in commands[0] and "pytest" in commands[1], commands
+    commands = re.findall(r"^(scripts/setup-env && \S+.*?)\s+#", readme, re.M)
+    assert len(commands) == 2 and "eagle3 demo" in commands[0] and commands[1].endswith("scripts/test"), commands
+    script = (ROOT / "scripts/test").read_text()
+    assert "ruff check" in script and "ruff format --check" in script and "pytest" in script
     ci = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line.startswith("scripts/setup-env")]
     assert ci == [commands[1]]

@@ -1,6 +1,7 @@
 """The draft vLLM serves computes what the trainer trained: the trainer's weights under the training forward
 (speculators' Eagle3DraftModel) and the published folder under vLLM 0.26's drafter forward give the same logits and
-the same state for the next draft step (tests/unit/vllm_eagle3_ref.py, written from llama_eagle3.py), for EAGLE-3 and each EAGLE-3.1 toggle
+the same state for the next draft step (tests/unit/vllm_eagle3_ref.py, written from llama_eagle3.py), for EAGLE-3 and
+each EAGLE-3.1 toggle
 (fc_norm, norm_output). A weight layout or norm placement that differs between the two fails here, on CPU.
 
 Later draft steps are not compared position for position: training (TTT) runs step s at the positions of step 0,
@@ -23,8 +24,20 @@ def drafts(small_store, tmp_path_factory):
     out = {}
     for fc_norm, norm_output in ((False, False), (True, False), (False, True), (True, True)):
         tmp = tmp_path_factory.mktemp(f"draft-{int(fc_norm)}{int(norm_output)}")
-        res = train(TrainConfig(store=str(small_store), out=str(tmp), draft_vocab_size=256, batch_samples=4,
-                                max_steps=4, lr=2e-2, seed=0, fc_norm=fc_norm, norm_output=norm_output), progress=False)
+        res = train(
+            TrainConfig(
+                store=str(small_store),
+                out=str(tmp),
+                draft_vocab_size=256,
+                batch_samples=4,
+                max_steps=4,
+                lr=2e-2,
+                seed=0,
+                fc_norm=fc_norm,
+                norm_output=norm_output,
+            ),
+            progress=False,
+        )
         out[fc_norm, norm_output] = checkpoint.latest(tmp), res.draft
     return out
 

@@ -44,27 +44,47 @@ def test_every_hidden_size_gets_a_draft_vllm_loads_at_every_tp(hidden, inter):
     assert hidden <= shape.num_attention_heads * shape.head_dim <= 2 * hidden + 16 * shape.head_dim
 
 
-@given(heads=st.one_of(st.sampled_from([8, 16, 32, 56, 64, 128]), st.integers(1, 128)),
-       kv=st.one_of(st.sampled_from([1, 2, 4, 8, 14, 16]), st.integers(1, 64)),
-       inter=st.one_of(st.sampled_from([18432, 688, 2050, 344]), st.integers(1, 40000)), tp=st.sampled_from(TPS + (32,)))
+@given(
+    heads=st.one_of(st.sampled_from([8, 16, 32, 56, 64, 128]), st.integers(1, 128)),
+    kv=st.one_of(st.sampled_from([1, 2, 4, 8, 14, 16]), st.integers(1, 64)),
+    inter=st.one_of(st.sampled_from([18432, 688, 2050, 344]), st.integers(1, 40000)),
+    tp=st.sampled_from(TPS + (32,)),
+)
 def test_tp_problems_is_exactly_vllms_rule(heads, kv, inter, tp):
-    shape = DraftShape(hidden_size=heads * 64, vocab_size=100, num_attention_heads=heads, num_key_value_heads=kv,
-                       head_dim=64, intermediate_size=inter)
+    shape = DraftShape(
+        hidden_size=heads * 64,
+        vocab_size=100,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=64,
+        intermediate_size=inter,
+    )
     assert (tp_problems(shape, tp) == []) == vllm_accepts(shape, tp)
 
 
 def test_the_kimi_k25_preset_exports_a_draft_that_loads_at_tp_8():
     cfg = presets.from_name("kimi-k2.5").hf_config
     shape = DraftShape.for_target(cfg)
-    assert (shape.hidden_size, shape.head_dim, shape.num_attention_heads, shape.num_key_value_heads) == (7168, 128, 64, 8)
+    assert (shape.hidden_size, shape.head_dim, shape.num_attention_heads, shape.num_key_value_heads) == (
+        7168,
+        128,
+        64,
+        8,
+    )
     assert shape.vocab_size == 163840 and shape.max_position_embeddings == 262144
     check_servable(shape, [8])
     check_servable(shape, SERVE_TPS)
 
 
 def test_fourteen_kv_heads_are_refused_at_tp_8_naming_the_rule():
-    shape = DraftShape(hidden_size=7168, vocab_size=163840, num_attention_heads=56, num_key_value_heads=14,
-                       head_dim=128, intermediate_size=18432)
+    shape = DraftShape(
+        hidden_size=7168,
+        vocab_size=163840,
+        num_attention_heads=56,
+        num_key_value_heads=14,
+        head_dim=128,
+        intermediate_size=18432,
+    )
     assert tp_problems(shape, 2) == []
     with pytest.raises(DraftShapeError) as e:
         check_servable(shape, [8])
@@ -94,8 +114,11 @@ def test_speculators_rotary_is_plain_rope_with_the_exported_theta():
 
     from eagle3.train.draft import speculators_config
 
-    target = dict(presets.from_name("tiny-kimi").hf_config, rope_theta=12345.0,
-                  rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})
+    target = dict(
+        presets.from_name("tiny-kimi").hf_config,
+        rope_theta=12345.0,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+    )
     shape = DraftShape.for_target(target)
     config = speculators_config(shape, [2, 4, 5], 64, 3, "/nonexistent", ["DeepseekV3ForCausalLM"])
     model = Eagle3DraftModel(config)
@@ -129,8 +152,23 @@ def test_cli_refuses_a_shape_vllm_would_refuse_before_training(small_store, tmp_
     from eagle3 import cli
 
     out = tmp_path / "t"
-    code = cli.main(["train", "--store", str(small_store), "--out", str(out), "--steps", "1", "--batch", "4",
-                     "--serve-tp", "8", "--draft-kv-heads", "3"])
+    code = cli.main(
+        [
+            "train",
+            "--store",
+            str(small_store),
+            "--out",
+            str(out),
+            "--steps",
+            "1",
+            "--batch",
+            "4",
+            "--serve-tp",
+            "8",
+            "--draft-kv-heads",
+            "3",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "3 KV heads" in err and "TP 8" in err

@@ -58,10 +58,15 @@ def _stand_in_chain(served: list, fails: str | None = None) -> dict:
             raise RuntimeError("the engine died")
         acc = 2.0 + len(served) / 10
         cls = "Eagle3DeepseekV3ForCausalLM" if name.startswith("mla") else "Eagle3LlamaForCausalLM"
-        return evaluate.EvalReport({}, [1, 4, 6], run_of(acc), drafter={"draft_class": cls},
-                                   per_traffic={"chat": run_of(acc), "tool": run_of(acc - 0.2)},
-                                   long=run_of(acc - 0.5) if cfg.long_prompts else None,
-                                   long_per_traffic={"chat": run_of(acc - 0.5)} if cfg.long_prompts else {})
+        return evaluate.EvalReport(
+            {},
+            [1, 4, 6],
+            run_of(acc),
+            drafter={"draft_class": cls},
+            per_traffic={"chat": run_of(acc), "tool": run_of(acc - 0.2)},
+            long=run_of(acc - 0.5) if cfg.long_prompts else None,
+            long_per_traffic={"chat": run_of(acc - 0.5)} if cfg.long_prompts else {},
+        )
 
     fitted: list = []
 
@@ -76,8 +81,15 @@ def _stand_in_chain(served: list, fails: str | None = None) -> dict:
             seed1.append(serve("seed1", "d-seed1"))
         return seed1[0]
 
-    return {"seed0": serve("seed0", "d-seed0", long_prompts=e2e.LONG_PROMPTS), "seed0_draft": "d-seed0",
-            "seed1": seed1_run, "store": "store", "serve": serve, "fit": fit, "fitted": fitted}
+    return {
+        "seed0": serve("seed0", "d-seed0", long_prompts=e2e.LONG_PROMPTS),
+        "seed0_draft": "d-seed0",
+        "seed1": seed1_run,
+        "store": "store",
+        "serve": serve,
+        "fit": fit,
+        "fitted": fitted,
+    }
 
 
 @pytest.mark.parametrize("after_the_table", [True, False])
@@ -114,11 +126,10 @@ def test_a_variant_that_fails_its_seed_spread_loses_no_other():
     assert all("spread" in spreads[n] for n in ("llama", "llama + 3.1", "mla + 3.1")), spreads
 
 
-def test_one_pass_on_kimi_style_traffic(fake, kimi_format_target, tmp_path, monkeypatch):  # noqa: F811
+def test_one_pass_on_kimi_style_traffic(fake, kimi_format_target, tmp_path, monkeypatch):
     """The GPU run's own case: Kimi-style conversations (chat, thinking, tool use) in Kimi-K2's chat format."""
     monkeypatch.setattr(e2e, "ARCH", "deepseek")
-    got = e2e.one_pass_against_prefill(tmp_path, str(kimi_format_target), 3, max_tokens=6, batch_size=2,
-                                       device="cpu")
+    got = e2e.one_pass_against_prefill(tmp_path, str(kimi_format_target), 3, max_tokens=6, batch_size=2, device="cpu")
     assert got["samples"] == got["prefill_samples"] == 3, got
     assert _rows_agree(got) and got["neighbour_row_rel_err_median_min"] > 0.12, got
     assert got["two_step_tokens"] > 0 and got["one_pass_tokens"] > 0, got
@@ -131,9 +142,12 @@ def _rows_agree(got: dict) -> bool:
     kinds = {"prompt", "generated", "last"}
     if set(got["rows_vs_prefill"]) != kinds or set(got["rows_vs_fp32"]) != kinds:
         return False
-    worst = [got["per_sample_rel_err_worst"]] + [r["worst"] for r in got["rows_vs_prefill"].values()] + [
-        r[w]["worst"] for r in got["rows_vs_fp32"].values() for w in ("one_pass", "prefill")]
-    return max(worst) <= 2 ** -7 and all(r["rows"] > 0 for r in got["rows_vs_prefill"].values())
+    worst = (
+        [got["per_sample_rel_err_worst"]]
+        + [r["worst"] for r in got["rows_vs_prefill"].values()]
+        + [r[w]["worst"] for r in got["rows_vs_fp32"].values() for w in ("one_pass", "prefill")]
+    )
+    return max(worst) <= 2**-7 and all(r["rows"] > 0 for r in got["rows_vs_prefill"].values())
 
 
 def _the_cut_turns_learn_no_end_token(store, target, at_least: int) -> None:
@@ -143,10 +157,10 @@ def _the_cut_turns_learn_no_end_token(store, target, at_least: int) -> None:
         mask, ids = s["loss_mask"].tolist(), s["input_ids"].tolist()
         end = max(t for t, m in enumerate(mask) if m) + 1
         start = max((t + 1 for t in range(end) if not mask[t]), default=0)
-        assert end - start >= at_least and not set(ids[start:end]) & stops, (s["sample_id"], ids[start:end + 1])
+        assert end - start >= at_least and not set(ids[start:end]) & stops, (s["sample_id"], ids[start : end + 1])
 
 
-def test_one_pass_against_a_prefill_and_regenerate_then_extract(fake, tiny_kimi, tmp_path):  # noqa: F811
+def test_one_pass_against_a_prefill_and_regenerate_then_extract(fake, tiny_kimi, tmp_path):
     got = e2e.one_pass_against_prefill(tmp_path, str(tiny_kimi), 3, max_tokens=6, batch_size=2, device="cpu")
     assert got["samples"] == got["prefill_samples"] == 3, got
     assert _rows_agree(got), got
@@ -164,7 +178,7 @@ def test_one_pass_against_a_prefill_and_regenerate_then_extract(fake, tiny_kimi,
     json.dumps(got)  # what report() writes
 
 
-def test_regenerate_with_vllm_over_held_out_conversations(fake, tiny_kimi, tmp_path):  # noqa: F811
+def test_regenerate_with_vllm_over_held_out_conversations(fake, tiny_kimi, tmp_path):
     got = e2e.regenerate_held_out(tmp_path, tiny_kimi, 3, max_tokens=6)
     assert got["line"].startswith("regenerated 3 conversations (18 tokens"), got
     assert 0 <= got["same_as_data"] <= 1 and set(got["same_per_traffic"]) == {"chat"}, got
@@ -174,8 +188,9 @@ def test_regenerate_with_vllm_over_held_out_conversations(fake, tiny_kimi, tmp_p
 
 # tests/gpu/test_online_kimi_depth.online_beside_the_engine at tiny-kimi's size on the CPU (a quarter of the store:
 # two extraction batches)
-SMALL_ONLINE = dict(n_samples=32, seq=64, device="cpu", draft_vocab=128, batch_samples=4, pack_tokens=0,
-                    extract_batch=2)
+SMALL_ONLINE = dict(
+    n_samples=32, seq=64, device="cpu", draft_vocab=128, batch_samples=4, pack_tokens=0, extract_batch=2
+)
 
 
 def _recorded_train_configs(monkeypatch) -> list:
@@ -193,7 +208,7 @@ def _recorded_train_configs(monkeypatch) -> list:
     return configs
 
 
-def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, monkeypatch):  # noqa: F811
+def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, monkeypatch):
     """tests/gpu/test_online_kimi_depth.py's measurement (issue 42) with tiny-kimi for kimi-depth and a small draft on
     the CPU: the engine's unit norms and head, extraction alone, then two trainers (sdpa, varlen) each trained alone
     and online through a spool a quarter of the store, beside one engine started once (here in this process, as
@@ -207,16 +222,27 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
     shutil.copytree(tiny_kimi, folder)
     reported, starts, configs = Reported(), [], _recorded_train_configs(monkeypatch)
     init = vllm_backend.VLLMBackend.__init__
-    monkeypatch.setattr(vllm_backend.VLLMBackend, "__init__", lambda self, *a, **kw: starts.append(1) or init(
-        self, *a, **kw))
-    summaries = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, reported,
-                                            attns=("sdpa", "varlen"), engine="in-process", **SMALL_ONLINE)
+    monkeypatch.setattr(
+        vllm_backend.VLLMBackend, "__init__", lambda self, *a, **kw: starts.append(1) or init(self, *a, **kw)
+    )
+    summaries = kd.online_beside_the_engine(
+        folder,
+        presets.from_name("tiny-kimi"),
+        tmp_path,
+        reported,
+        attns=("sdpa", "varlen"),
+        engine="in-process",
+        **SMALL_ONLINE,
+    )
     assert list(summaries) == ["sdpa", "varlen"] and len(starts) == 1, (list(summaries), starts)
     assert fake.last.multiprocessing == "0" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     assert reported["online_kd_summary"] == json.loads(json.dumps(summaries))
     seconds = reported["online_kd_seconds"]
-    assert set(seconds) == {"engine", "engine_start", "extract_alone", "extract_alone_again", "trainers"} and list(
-        seconds["trainers"]) == ["sdpa", "varlen"] and seconds["engine"] == "in-process", seconds
+    assert (
+        set(seconds) == {"engine", "engine_start", "extract_alone", "extract_alone_again", "trainers"}
+        and list(seconds["trainers"]) == ["sdpa", "varlen"]
+        and seconds["engine"] == "in-process"
+    ), seconds
     # the extraction alone once more after the online runs: the spread of the goal's denominator
     twice, tokens = reported["online_kd_extraction_twice"], 32 * 64
     rates = [round(tokens / seconds[k]) for k in ("extract_alone", "extract_alone_again")]
@@ -224,8 +250,10 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
     assert twice["tok_per_s"] == rates and twice["spread"] == round(abs(rates[0] - rates[1]) / max(rates), 3), twice
     for name, by in twice["sustained_online_vs_min_alone"].items():
         steady = summaries[name]["sustained"]["tok_per_s"]
-        assert by == {"slower": round(steady["online"] / min(min(rates), steady["train_alone"]), 3),
-                      "faster": round(steady["online"] / min(max(rates), steady["train_alone"]), 3)}, (name, twice)
+        assert by == {
+            "slower": round(steady["online"] / min(min(rates), steady["train_alone"]), 3),
+            "faster": round(steady["online"] / min(max(rates), steady["train_alone"]), 3),
+        }, (name, twice)
     assert list(twice["sustained_online_vs_min_alone"]) == ["sdpa", "varlen"], twice
     # each extraction's rate without its first batch (ExtractSummary.sustained_tokens_per_s), the first the one the
     # summaries' against_the_extraction_s_sustained_rate holds
@@ -237,7 +265,8 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
         assert got["same_steps_and_samples"] and got["steps"] == 8 and got["losses_finite"], got
         assert 0 < got["spool"]["peak"] <= got["spool"]["capacity"], got
         assert set(got["tok_per_s"]) == {"extract_alone", "train_alone", "online"} | (
-            {"train_alone_reading_between_steps"} if first else set()), got
+            {"train_alone_reading_between_steps"} if first else set()
+        ), got
         assert got["tok_per_s"]["extract_alone"] == summaries["sdpa"]["tok_per_s"]["extract_alone"], got  # one
         assert got["online_vs_min_alone"] > 0 and got["read_ahead_same_losses"] is (True if first else None), got
         assert all(set(p) == {"setup", "reading", "steps", "checkpoints"} for p in got["phases_s"].values()), got
@@ -255,15 +284,22 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
         # sustained: no setup nor final checkpoint (TrainResult / OnlineResult.sustained_tokens_per_s)
         steady = got["sustained"]
         assert set(steady["tok_per_s"]) == {"extract_alone", "train_alone", "online"} and all(
-            v > 0 for v in steady["tok_per_s"].values()), got
+            v > 0 for v in steady["tok_per_s"].values()
+        ), got
         assert steady["tok_per_s"]["extract_alone"] == got["tok_per_s"]["extract_alone"], got
-        assert steady["online_vs_min_alone"] == round(steady["tok_per_s"]["online"] / min(
-            steady["tok_per_s"]["extract_alone"], steady["tok_per_s"]["train_alone"]), 3), got
+        assert steady["online_vs_min_alone"] == round(
+            steady["tok_per_s"]["online"]
+            / min(steady["tok_per_s"]["extract_alone"], steady["tok_per_s"]["train_alone"]),
+            3,
+        ), got
         # the ceiling of taking turns from the sustained rates (a first compiled run's steps hold its cold compile)
         e, t = steady["tok_per_s"]["extract_alone"], steady["tok_per_s"]["train_alone"]
         turns = e * t / (e + t)
-        assert steady["taking_turns"] == {"tok_per_s": round(turns), "vs_min_alone": round(turns / min(e, t), 3),
-                                          "online_vs_it": round(steady["tok_per_s"]["online"] / turns, 3)}, steady
+        assert steady["taking_turns"] == {
+            "tok_per_s": round(turns),
+            "vs_min_alone": round(turns / min(e, t), 3),
+            "online_vs_it": round(steady["tok_per_s"]["online"] / turns, 3),
+        }, steady
         # the control: the extraction's commits over the online trainer's later half, against the same min(alone)
         control = steady["committed_in_later_half"]
         assert control["tok_per_s"] >= 0 and control["vs_min_alone"] == round(control["tok_per_s"] / min(e, t), 3)
@@ -271,10 +307,13 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
         # the same two against the extraction alone without its first batch, the rate the online figure is set by
         es = twice["sustained_tok_per_s"][0]
         assert steady["against_the_extraction_s_sustained_rate"] == {
-            "extract_alone": es, "online_vs_min_alone": round(steady["tok_per_s"]["online"] / min(es, t), 3),
-            "committed_vs_min_alone": round(control["tok_per_s"] / min(es, t), 3)}, steady
+            "extract_alone": es,
+            "online_vs_min_alone": round(steady["tok_per_s"]["online"] / min(es, t), 3),
+            "committed_vs_min_alone": round(control["tok_per_s"] / min(es, t), 3),
+        }, steady
         assert set(seconds) == {"engine", "engine_start", "extract_alone", "train_alone", "online"} | (
-            {"train_alone_reading_between_steps"} if first else set()), seconds
+            {"train_alone_reading_between_steps"} if first else set()
+        ), seconds
         # each run trained with its own attention, and its folder (at Kimi's size ~14 GB) gone once its figures were
         runs = [(Path(c.out).name, c.attn_impl) for c in configs if Path(c.out).parent == tmp_path / name]
         assert runs == ([("between", name)] if first else []) + [("offline", name), ("online", name)], runs
@@ -288,29 +327,52 @@ def test_every_trainer_the_online_step_may_pick_is_a_trainer_configuration():
     from tests.gpu import pick_trainer
     from tests.gpu import test_online_kimi_depth as kd
 
-    report = {"bench_train_kimi_draft": [{}, {"tok_per_s": 1}], "bench_train_varlen": [{"seq": 8192, "tok_per_s": 2}],
-              "bench_train_compiled": [{"seq": 8192, "attn": "flex", "tok_per_s": 3},
-                                       {"seq": "run", "attn": "flex", "recompile_limit_hits": []}]}
+    report = {
+        "bench_train_kimi_draft": [{}, {"tok_per_s": 1}],
+        "bench_train_varlen": [{"seq": 8192, "tok_per_s": 2}],
+        "bench_train_compiled": [
+            {"seq": 8192, "attn": "flex", "tok_per_s": 3},
+            {"seq": "run", "attn": "flex", "recompile_limit_hits": []},
+        ],
+    }
     assert set(pick_trainer.candidates(report, True)) == {"sdpa", "varlen", "flex"} <= set(kd.TRAINERS)
     for kw in kd.TRAINERS.values():
         TrainConfig(store="s", out="o", **kw)
 
 
-@pytest.mark.parametrize("value,want", [(None, ("sdpa",)), ("varlen", ("varlen",)),
-                                        ("varlen,flex", ("varlen", "flex")), (" flex  varlen-compiled ", (
-                                            "flex", "varlen-compiled")),
-                                        ("varlen,falsh", None), ("varlen,varlen", None), (",", None)])
+@pytest.mark.parametrize(
+    "value,want",
+    [
+        (None, ("sdpa",)),
+        ("varlen", ("varlen",)),
+        ("varlen,flex", ("varlen", "flex")),
+        (" flex  varlen-compiled ", ("flex", "varlen-compiled")),
+        ("varlen,falsh", None),
+        ("varlen,varlen", None),
+        (",", None),
+    ],
+)
 def test_the_online_step_compares_the_trainers_it_is_told(monkeypatch, value, want):
     """EAGLE3_ONLINE_ATTN: one trainer or several, by comma or space, in that order; an unknown name, one named twice,
     or none at all refused with the names there are."""
     from tests.gpu import test_online_kimi_depth as kd
 
-    _read_env(monkeypatch, "EAGLE3_ONLINE_ATTN", value, kd.trainers_from_env, want,
-              "name each trainer once, of sdpa, varlen, flex, varlen-compiled")
+    _read_env(
+        monkeypatch,
+        "EAGLE3_ONLINE_ATTN",
+        value,
+        kd.trainers_from_env,
+        want,
+        "name each trainer once, of sdpa, varlen, flex, varlen-compiled",
+    )
 
 
-def test_the_online_step_without_its_control_run_trains_alone_then_online(fake, tiny_kimi, tmp_path,  # noqa: F811
-                                                                          monkeypatch):
+def test_the_online_step_without_its_control_run_trains_alone_then_online(
+    fake,
+    tiny_kimi,
+    tmp_path,
+    monkeypatch,
+):
     """EAGLE3_ONLINE_CONTROL=0 (a lease too short for it): no run reading between steps; the rest as with it."""
     from eagle3.targets import presets
     from tests.gpu import test_online_kimi_depth as kd
@@ -318,15 +380,17 @@ def test_the_online_step_without_its_control_run_trains_alone_then_online(fake, 
     folder = tmp_path / "target"
     shutil.copytree(tiny_kimi, folder)
     configs = _recorded_train_configs(monkeypatch)
-    got = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, Reported(), attns=("sdpa",),
-                                      control=False, **SMALL_ONLINE)["sdpa"]
+    got = kd.online_beside_the_engine(
+        folder, presets.from_name("tiny-kimi"), tmp_path, Reported(), attns=("sdpa",), control=False, **SMALL_ONLINE
+    )["sdpa"]
     outs = [Path(c.out).name for c in configs]
     assert outs == ["offline", "online"] and got["read_ahead_same_losses"] is None, (outs, got)
     assert "train_alone_reading_between_steps" not in got["seconds"] and got["same_steps_and_samples"], got
 
 
-@pytest.mark.parametrize("value,want", [(None, "process"), ("in-process", "in-process"), (" process ", "process"),
-                                        ("inprocess", None)])
+@pytest.mark.parametrize(
+    "value,want", [(None, "process"), ("in-process", "in-process"), (" process ", "process"), ("inprocess", None)]
+)
 def test_the_online_step_starts_the_engine_where_it_is_told(monkeypatch, value, want):
     """EAGLE3_ONLINE_ENGINE: process (vLLM's default) unless in-process is named; a misspelling refused."""
     from tests.gpu import test_online_kimi_depth as kd
@@ -334,9 +398,19 @@ def test_the_online_step_starts_the_engine_where_it_is_told(monkeypatch, value, 
     _read_env(monkeypatch, "EAGLE3_ONLINE_ENGINE", value, kd.engine_from_env, want, "one of process, in-process")
 
 
-@pytest.mark.parametrize("value,want", [(None, None), ("", None), ("25:4", (25.0, 4.0)), (" 0:0.5 ", (0.0, 0.5)),
-                                        ("25", "refused"), ("25:0", "refused"), ("-1:4", "refused"),
-                                        ("a:b", "refused")])
+@pytest.mark.parametrize(
+    "value,want",
+    [
+        (None, None),
+        ("", None),
+        ("25:4", (25.0, 4.0)),
+        (" 0:0.5 ", (0.0, 0.5)),
+        ("25", "refused"),
+        ("25:0", "refused"),
+        ("-1:4", "refused"),
+        ("a:b", "refused"),
+    ],
+)
 def test_the_online_step_profiles_the_window_it_is_told(monkeypatch, value, want):
     """EAGLE3_ONLINE_PROFILE="AFTER:SECONDS": each online run's kernels over that window; unset or empty: none; a
     window without a length, of no length or starting before the run refused with the form."""
@@ -346,11 +420,12 @@ def test_the_online_step_profiles_the_window_it_is_told(monkeypatch, value, want
         _read_env(monkeypatch, "EAGLE3_ONLINE_PROFILE", value, kd.window_from_env, None, "AFTER:SECONDS")
     else:
         monkeypatch.setenv("EAGLE3_ONLINE_PROFILE", value) if value is not None else monkeypatch.delenv(
-            "EAGLE3_ONLINE_PROFILE", raising=False)
+            "EAGLE3_ONLINE_PROFILE", raising=False
+        )
         assert kd.window_from_env() == want
 
 
-def test_a_profiled_online_run_carries_its_window_in_its_summary(fake, tiny_kimi, tmp_path):  # noqa: F811
+def test_a_profiled_online_run_carries_its_window_in_its_summary(fake, tiny_kimi, tmp_path):
     """window=(0, 60): the online run's profile (the CPU: no kernels; a GPU: its streams), ended with the run, in the
     summary; the runs alone are not profiled."""
     from eagle3.targets import presets
@@ -358,20 +433,39 @@ def test_a_profiled_online_run_carries_its_window_in_its_summary(fake, tiny_kimi
 
     folder = tmp_path / "target"
     shutil.copytree(tiny_kimi, folder)
-    got = kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path, Reported(), attns=("sdpa",),
-                                      control=False, again=False, window=(0, 60), stacks_dir=tmp_path,
-                                      stacks_every=0.05, **SMALL_ONLINE)["sdpa"]
+    got = kd.online_beside_the_engine(
+        folder,
+        presets.from_name("tiny-kimi"),
+        tmp_path,
+        Reported(),
+        attns=("sdpa",),
+        control=False,
+        again=False,
+        window=(0, 60),
+        stacks_dir=tmp_path,
+        stacks_every=0.05,
+        **SMALL_ONLINE,
+    )["sdpa"]
     window = got["gpu_window"]
     assert window["after_s"] == 0 and window["seconds"] == 60 and window["error"] is None, window
-    assert window["streams_busy"] == {"span_s": 0.0, "busy_s": 0.0, "idle_share": None, "overlap_s": 0.0,
-                                      "streams": {}}, window
+    assert window["streams_busy"] == {
+        "span_s": 0.0,
+        "busy_s": 0.0,
+        "idle_share": None,
+        "overlap_s": 0.0,
+        "streams": {},
+    }, window
     assert got["seconds"]["online"] < 60, got["seconds"]  # the window closed with the run, not after its length
     # every thread's stack each stacks_every seconds of the online run: the producer's among them
     assert "eagle3-producer" in (tmp_path / "online-stacks-sdpa.txt").read_text()
 
 
-def test_a_compiled_trainer_beside_an_engine_in_process_finds_vllm_s_helpers_compiled(fake, tiny_kimi, tmp_path,  # noqa: F811
-                                                                                       monkeypatch):
+def test_a_compiled_trainer_beside_an_engine_in_process_finds_vllm_s_helpers_compiled(
+    fake,
+    tiny_kimi,
+    tmp_path,
+    monkeypatch,
+):
     """dynamo's reset before each compiled run empties vLLM's torch.compile'd helpers too; beside an engine in this
     process they would compile again in the producer thread, next to the trainer's compile. So before the online
     run (not before training alone), one extraction batch of the online run's shape in this thread, its folder gone;
@@ -382,17 +476,36 @@ def test_a_compiled_trainer_beside_an_engine_in_process_finds_vllm_s_helpers_com
     folder = tmp_path / "target"
     shutil.copytree(tiny_kimi, folder)
     events, warm, run = [], kd.warm, kd.online.run
-    monkeypatch.setattr(kd, "warm", lambda ex, samples, backend, out: (
-        events.append(("warm", len(samples), Path(out).name)), warm(ex, samples, backend, out))[1])
-    monkeypatch.setattr(kd.online, "run", lambda cfg, *a, **k: (events.append(("online", cfg.attn_impl)),
-                                                                run(cfg, *a, **k))[1])
+    monkeypatch.setattr(
+        kd,
+        "warm",
+        lambda ex, samples, backend, out: (
+            events.append(("warm", len(samples), Path(out).name)),
+            warm(ex, samples, backend, out),
+        )[1],
+    )
+    monkeypatch.setattr(
+        kd.online, "run", lambda cfg, *a, **k: (events.append(("online", cfg.attn_impl)), run(cfg, *a, **k))[1]
+    )
     for engine, attn in (("in-process", "varlen-compiled"), ("in-process", "varlen"), ("process", "varlen-compiled")):
         events.clear()
         (tmp_path / engine / attn).mkdir(parents=True)
-        kd.online_beside_the_engine(folder, presets.from_name("tiny-kimi"), tmp_path / engine / attn, Reported(),
-                                    attns=(attn,), engine=engine, control=False, again=False, **SMALL_ONLINE)
-        want = ([("warm", SMALL_ONLINE["extract_batch"], "warm")] if (engine, attn) == ("in-process",
-                                                                                       "varlen-compiled") else [])
+        kd.online_beside_the_engine(
+            folder,
+            presets.from_name("tiny-kimi"),
+            tmp_path / engine / attn,
+            Reported(),
+            attns=(attn,),
+            engine=engine,
+            control=False,
+            again=False,
+            **SMALL_ONLINE,
+        )
+        want = (
+            [("warm", SMALL_ONLINE["extract_batch"], "warm")]
+            if (engine, attn) == ("in-process", "varlen-compiled")
+            else []
+        )
         assert events == want + [("online", "varlen")], (engine, attn, events)
         assert not (tmp_path / engine / attn / "warm").exists()
 
@@ -427,9 +540,13 @@ def test_the_variants_table_serves_each_draft_in_one_engine_and_one_failure_lose
     else:
         test(chain, reported)
     table, long = reported["e2e_variants"], e2e.LONG_PROMPTS
-    assert served == [("seed0", "d-seed0", long, False, 64), ("seed1", "d-seed1", 0, False, 64),
-                      ("llama-3.1", "d-llama-3.1", long, False, 64), ("mla", "d-mla", long, False, 64),
-                      ("mla-3.1", "d-mla-3.1", long, False, 64)]
+    assert served == [
+        ("seed0", "d-seed0", long, False, 64),
+        ("seed1", "d-seed1", 0, False, 64),
+        ("llama-3.1", "d-llama-3.1", long, False, 64),
+        ("mla", "d-mla", long, False, 64),
+        ("mla-3.1", "d-mla-3.1", long, False, 64),
+    ]
     served_ok = [n for n in ("llama", "llama + 3.1", "mla", "mla + 3.1") if n.replace(" + ", "-") != fails]
     for name in served_ok:
         row = table[name]
@@ -437,12 +554,17 @@ def test_the_variants_table_serves_each_draft_in_one_engine_and_one_failure_lose
         assert row["chat"] == row["short"] and row["tool"] < row["short"], (name, row)
     n_fitted = len(chain["fitted"])
     e2e.test_draft_variants_under_cuda_graphs(chain, reported)
-    assert served[-2:] == [("llama-graphs", "d-seed0", 0, True, e2e.GRAPH_PROMPTS),
-                           ("mla-graphs", "d-mla", 0, True, e2e.GRAPH_PROMPTS)]
+    assert served[-2:] == [
+        ("llama-graphs", "d-seed0", 0, True, e2e.GRAPH_PROMPTS),
+        ("mla-graphs", "d-mla", 0, True, e2e.GRAPH_PROMPTS),
+    ]
     assert len(chain["fitted"]) == n_fitted  # the table's drafts, none trained again
     graphs = reported["e2e_variants_cuda_graphs"]
     assert graphs["llama"]["cuda_graphs"] > 1 and graphs["mla"]["drafter"] == "Eagle3DeepseekV3ForCausalLM"
-    assert table["mla"]["drafter"] == "Eagle3DeepseekV3ForCausalLM" and table["llama"]["drafter"] == "Eagle3LlamaForCausalLM"
+    assert (
+        table["mla"]["drafter"] == "Eagle3DeepseekV3ForCausalLM"
+        and table["llama"]["drafter"] == "Eagle3LlamaForCausalLM"
+    )
     assert "long_4k" not in table["llama seed 1"] and table["spread_two_seeds"]["short"] > 0
     if fails:
         assert table["mla + 3.1"] == {"short_error": "RuntimeError: the engine died"}

@@ -16,16 +16,26 @@ from eagle3.store.format import StoreError, StoreMismatch
 
 
 def _extract_cfg(model, data, out, **kw):
-    return extract.ExtractConfig(model=str(model), out=str(out), data=DataConfig([str(data)], max_len=128),
-                                 batch_size=4, shard_samples=4, writer_threads=0, **kw)
+    return extract.ExtractConfig(
+        model=str(model),
+        out=str(out),
+        data=DataConfig([str(data)], max_len=128),
+        batch_size=4,
+        shard_samples=4,
+        writer_threads=0,
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("setup,match", [
-    (lambda p: p, "file not found"),
-    (lambda p: (p.mkdir(), p)[1], "is a directory"),
-    (lambda p: (p.write_text(""), p)[1], "no conversations: 0 lines, 0 blank. Give JSONL files"),
-    (lambda p: (p.write_text("\n\n  \n"), p)[1], "no conversations: 3 lines, 3 blank"),
-])
+@pytest.mark.parametrize(
+    "setup,match",
+    [
+        (lambda p: p, "file not found"),
+        (lambda p: (p.mkdir(), p)[1], "is a directory"),
+        (lambda p: (p.write_text(""), p)[1], "no conversations: 0 lines, 0 blank. Give JSONL files"),
+        (lambda p: (p.write_text("\n\n  \n"), p)[1], "no conversations: 3 lines, 3 blank"),
+    ],
+)
 def test_file_level_problems(tmp_path, tokenizer, setup, match):
     path = setup(tmp_path / "in.jsonl")
     with pytest.raises(DataError, match=match):
@@ -69,11 +79,14 @@ def test_tokenizer_without_chat_template(tmp_path, tokenizer, small_data):
         load_samples(DataConfig([str(small_data)]), bare, tokenizer_where=str(tmp_path / "tok"))
 
 
-@pytest.mark.parametrize("ids,msg", [("2,4,4,8", "repeat"), ("2,4,9", "out of range"), ("2,4,5", "last layer id must be 8")])
+@pytest.mark.parametrize(
+    "ids,msg", [("2,4,4,8", "repeat"), ("2,4,9", "out of range"), ("2,4,5", "last layer id must be 8")]
+)
 def test_cli_refuses_bad_layer_ids_before_writing(tiny_kimi, small_data, tmp_path, capsys, ids, msg):
     out = tmp_path / "s"
-    code = cli.main(["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(out),
-                     "--layer-ids", ids])
+    code = cli.main(
+        ["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(out), "--layer-ids", ids]
+    )
     assert code == 2
     assert msg in capsys.readouterr().err
     assert not (out / "manifest.json").exists()
@@ -108,18 +121,22 @@ def test_resume_with_other_options_is_refused(tiny_kimi, small_data, small_store
     with pytest.raises(StoreMismatch, match="layer_ids"):
         extract.run(_extract_cfg(tiny_kimi, small_data, out, layer_ids=(1, 4, 5, 8)), progress=False)
     with pytest.raises(StoreError, match="different sample list"):
-        extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(out),
-                                          data=DataConfig([str(small_data)], max_len=128, max_samples=10)),
-                    progress=False)
+        extract.run(
+            extract.ExtractConfig(
+                model=str(tiny_kimi), out=str(out), data=DataConfig([str(small_data)], max_len=128, max_samples=10)
+            ),
+            progress=False,
+        )
     other = tmp_path / "other.jsonl"  # as many samples, under other ids
     shutil.copy(small_data, other)
     with pytest.raises(StoreError, match="different sample list"):
-        extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(out),
-                                          data=DataConfig([str(other)], max_len=192)), progress=False)
+        extract.run(
+            extract.ExtractConfig(model=str(tiny_kimi), out=str(out), data=DataConfig([str(other)], max_len=192)),
+            progress=False,
+        )
 
 
-def test_a_backend_that_returns_fewer_states_than_samples_fails_the_run(tiny_kimi, small_data, tmp_path,
-                                                                        monkeypatch):
+def test_a_backend_that_returns_fewer_states_than_samples_fails_the_run(tiny_kimi, small_data, tmp_path, monkeypatch):
     """A capture that silently loses a sample (fewer states than prompts) cannot end in a store that says done."""
     from eagle3.extract.hf_backend import HFBackend
 

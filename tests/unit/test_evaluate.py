@@ -10,8 +10,11 @@ from eagle3.serve.evaluate import divergences, unexplained
 def test_divergence_is_located_with_the_plain_runs_margin():
     base = [[5, 6, 7], [1, 2, 3], [9, 9]]
     spec = [[5, 6, 7], [1, 4, 3], [9, 9, 9]]
-    top2 = [[{5: -0.1, 8: -3.0}] * 3, [{1: -0.2, 2: -2.0}, {2: -0.50, 4: -0.51}, {3: -0.1, 0: -5.0}],
-            [{9: -0.1, 1: -4.0}] * 2]
+    top2 = [
+        [{5: -0.1, 8: -3.0}] * 3,
+        [{1: -0.2, 2: -2.0}, {2: -0.50, 4: -0.51}, {3: -0.1, 0: -5.0}],
+        [{9: -0.1, 1: -4.0}] * 2,
+    ]
     got = divergences(spec, base, top2)
     assert [(d["prompt"], d["position"]) for d in got] == [(1, 1), (2, 2)]
     assert math.isclose(got[0]["margin"], 0.01) and math.isnan(got[1]["margin"])
@@ -74,8 +77,9 @@ def test_eval_serves_eager_by_default_and_under_cuda_graphs_when_asked(monkeypat
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
     (tmp_path / "config.json").write_text('{"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}')
     with pytest.raises(Started):
-        evaluate.run(evaluate.EvalConfig(target=str(tmp_path), draft=str(tmp_path), prompt_ids=[[1, 2, 3]],
-                                         cuda_graphs=graphs))
+        evaluate.run(
+            evaluate.EvalConfig(target=str(tmp_path), draft=str(tmp_path), prompt_ids=[[1, 2, 3]], cuda_graphs=graphs)
+        )
     assert seen["enforce_eager"] is (not graphs)
     argv = ["eval", "--target", str(tmp_path), "--draft", str(tmp_path), "--out", str(tmp_path / "e")]
     assert cli._eval_config(cli.build_parser().parse_args(argv + ["--cuda-graphs"] * graphs)).cuda_graphs is graphs
@@ -87,8 +91,9 @@ def _run_of(accepted: list[int], k: int = 3):
     from eagle3.serve.evaluate import SpecRun
 
     n = len(accepted)
-    return SpecRun(1 + sum(accepted) / n, [sum(a > p for a in accepted) / n for p in range(k)], n, n * k,
-                   sum(accepted), 0, 1.0)
+    return SpecRun(
+        1 + sum(accepted) / n, [sum(a > p for a in accepted) / n for p in range(k)], n, n * k, sum(accepted), 0, 1.0
+    )
 
 
 def test_acceptance_standard_error_is_that_of_the_mean_over_drafts():
@@ -142,10 +147,12 @@ class CountingEngine:
         import types
 
         c, m = self.c, types.SimpleNamespace
-        return [m(name="vllm:spec_decode_num_drafts", value=c["drafts"]),
-                m(name="vllm:spec_decode_num_draft_tokens", value=c["draft_tokens"]),
-                m(name="vllm:spec_decode_num_accepted_tokens", value=c["accepted"]),
-                m(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=c["per_pos"])]
+        return [
+            m(name="vllm:spec_decode_num_drafts", value=c["drafts"]),
+            m(name="vllm:spec_decode_num_draft_tokens", value=c["draft_tokens"]),
+            m(name="vllm:spec_decode_num_accepted_tokens", value=c["accepted"]),
+            m(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=c["per_pos"]),
+        ]
 
 
 def test_a_run_s_acceptance_counts_only_its_own_drafts(monkeypatch):
@@ -188,17 +195,25 @@ def test_acceptance_is_reported_per_traffic_type_from_each_type_s_own_drafts(mon
         def generate(self, prompts, params, use_tqdm=False):
             for p in prompts:
                 full = p["prompt_token_ids"][0] == 1
-                self.c = {"drafts": self.c["drafts"] + 4, "draft_tokens": self.c["draft_tokens"] + 12,
-                          "accepted": self.c["accepted"] + (12 if full else 0),
-                          "per_pos": [x + (4 if full else 0) for x in self.c["per_pos"]]}
-            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=list(p["prompt_token_ids"]),
-                                                                         logprobs=None)]) for p in prompts]
+                self.c = {
+                    "drafts": self.c["drafts"] + 4,
+                    "draft_tokens": self.c["draft_tokens"] + 12,
+                    "accepted": self.c["accepted"] + (12 if full else 0),
+                    "per_pos": [x + (4 if full else 0) for x in self.c["per_pos"]],
+                }
+            return [
+                types.SimpleNamespace(
+                    outputs=[types.SimpleNamespace(token_ids=list(p["prompt_token_ids"]), logprobs=None)]
+                )
+                for p in prompts
+            ]
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
     llm = LLM()
     prompts = [[1, 10], [2, 11], [1, 12], [2, 13]]
-    tokens, run, _, per = evaluate._run_by_traffic(llm, prompts, {"chat": [0, 2], "tool": [1, 3]}, 3,
-                                                   evaluate.spec_counters(llm))
+    tokens, run, _, per = evaluate._run_by_traffic(
+        llm, prompts, {"chat": [0, 2], "tool": [1, 3]}, 3, evaluate.spec_counters(llm)
+    )
     assert tokens == prompts
     assert per["chat"].acceptance_length == 4.0 and per["tool"].acceptance_length == 1.0
     assert (run.drafts, run.acceptance_length) == (16, 2.5)
@@ -210,8 +225,10 @@ def test_a_divergence_says_whether_the_target_chose_the_speculative_token():
     base = [[1, 2, 3], [1, 2, 3]]
     spec = [[1, 5, 3], [1, 6, 3]]
     base_top2 = [[{1: -0.1, 0: -4.0}, {2: -0.1, 5: -2.0}, {3: -0.1, 0: -4.0}]] * 2
-    spec_top2 = [[{1: -0.1, 0: -4.0}, {5: -0.3, 2: -0.4}, {3: -0.1, 0: -4.0}],   # the target chose 5 there
-                 [{1: -0.1, 0: -4.0}, {2: -0.1, 9: -3.0, 6: -5.0}, {3: -0.1, 0: -4.0}]]  # 6 was not its choice
+    spec_top2 = [
+        [{1: -0.1, 0: -4.0}, {5: -0.3, 2: -0.4}, {3: -0.1, 0: -4.0}],  # the target chose 5 there
+        [{1: -0.1, 0: -4.0}, {2: -0.1, 9: -3.0, 6: -5.0}, {3: -0.1, 0: -4.0}],
+    ]  # 6 was not its choice
     got = divergences(spec, base, base_top2, spec_top2)
     assert [(d["prompt"], d["position"], d["spec_top1"]) for d in got] == [(0, 1, True), (1, 1, False)]
     assert math.isclose(got[0]["margin"], 1.9) and math.isclose(got[0]["spec_margin"], 0.1)
@@ -224,10 +241,12 @@ def test_a_divergence_is_the_target_s_own_at_a_near_tie_or_where_it_chose_the_to
     (0.625, 0.75 nats) and the verification forward itself chose the speculative token at a near-tie of its own:
     explained. A token the target did not choose there, or one with no speculative top-2 to tell, at a decided
     position: unexplained. A near-tie of the plain run: explained either way."""
-    h100 = [{"prompt": 10, "position": 7, "margin": 0.625, "spec_top1": True, "spec_margin": 0.0},
-            {"prompt": 18, "position": 15, "margin": 0.75, "spec_top1": True, "spec_margin": 0.09375},
-            {"prompt": 3, "position": 15, "margin": 0.0, "spec_top1": True, "spec_margin": 0.03125},
-            {"prompt": 0, "position": 6, "margin": 0.0625}]
+    h100 = [
+        {"prompt": 10, "position": 7, "margin": 0.625, "spec_top1": True, "spec_margin": 0.0},
+        {"prompt": 18, "position": 15, "margin": 0.75, "spec_top1": True, "spec_margin": 0.09375},
+        {"prompt": 3, "position": 15, "margin": 0.0, "spec_top1": True, "spec_margin": 0.03125},
+        {"prompt": 0, "position": 6, "margin": 0.0625},
+    ]
     assert unexplained(h100) == []
     wrong = {"prompt": 1, "position": 2, "margin": 0.625, "spec_top1": False, "spec_margin": 0.5}
     unknown = {"prompt": 2, "position": 3, "margin": 0.75}
@@ -249,10 +268,12 @@ def test_divergences_are_judged_on_the_repeat_whose_every_output_has_its_top_2()
     base_top2 = [[{1: -0.1, 0: -4.0}, {2: -0.1, 5: -0.225}, {3: -0.1, 0: -4.0}]] * 4  # margin 0.125 at position 1
     timed = [[1, 5, 3], [1, 2, 3], [1, 2, 3], [1, 5, 3]]
     again = [[1, 5, 4], [1, 5, 3], [1, 2, 3], [1, 5, 3]]  # prompt 0 went on otherwise; 1 diverged only here
-    again_top2 = [[{1: -0.1, 0: -4.0}, {5: -0.1, 2: -0.15}, {4: -0.1, 3: -0.2}],
-                  [{1: -0.1, 0: -4.0}, {5: -0.1, 2: -0.12}, {3: -0.1, 0: -4.0}],
-                  [{1: -0.1, 0: -4.0}, {2: -0.1, 5: -0.2}, {3: -0.1, 0: -4.0}],
-                  [{1: -0.1, 0: -4.0}, {5: -0.1, 2: -0.12}, {3: -0.1, 0: -4.0}]]
+    again_top2 = [
+        [{1: -0.1, 0: -4.0}, {5: -0.1, 2: -0.15}, {4: -0.1, 3: -0.2}],
+        [{1: -0.1, 0: -4.0}, {5: -0.1, 2: -0.12}, {3: -0.1, 0: -4.0}],
+        [{1: -0.1, 0: -4.0}, {2: -0.1, 5: -0.2}, {3: -0.1, 0: -4.0}],
+        [{1: -0.1, 0: -4.0}, {5: -0.1, 2: -0.12}, {3: -0.1, 0: -4.0}],
+    ]
     got, repeated = judged_divergences(timed, base, lambda: base_top2, (again, again_top2))
     assert [(d["prompt"], d["position"], d["spec_top1"]) for d in got] == [(0, 1, True), (1, 1, True), (3, 1, True)]
     assert unexplained(got) == [] and repeated == 2 / 4

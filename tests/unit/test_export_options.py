@@ -15,25 +15,67 @@ import pytest
 from eagle3 import cli
 from eagle3.train import vllm_reads
 
-DEFAULTS = {"aux_layer_ids": [2, 4, 5], "num_aux_hidden_states": 3, "num_speculative_tokens": 3,
-            "draft_vocab_size": 256, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 32,
-            "dtype": "bfloat16", "fc_input_size": 384, "fc_norm": False, "norm_output": False}
+DEFAULTS = {
+    "aux_layer_ids": [2, 4, 5],
+    "num_aux_hidden_states": 3,
+    "num_speculative_tokens": 3,
+    "draft_vocab_size": 256,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 32,
+    "dtype": "bfloat16",
+    "fc_input_size": 384,
+    "fc_norm": False,
+    "norm_output": False,
+}
 
 # (layer ids at extraction, train options, what vLLM must read)
 CASES = {
     "two aux layers, fp16, 2 TTT steps": (
-        "1,3,8", ["--ttt-steps", "2", "--export-dtype", "float16", "--draft-vocab", "100"],
-        {"aux_layer_ids": [1, 3], "num_aux_hidden_states": 2, "fc_input_size": 256, "num_speculative_tokens": 2,
-         "dtype": "float16", "draft_vocab_size": 100}),
+        "1,3,8",
+        ["--ttt-steps", "2", "--export-dtype", "float16", "--draft-vocab", "100"],
+        {
+            "aux_layer_ids": [1, 3],
+            "num_aux_hidden_states": 2,
+            "fc_input_size": 256,
+            "num_speculative_tokens": 2,
+            "dtype": "float16",
+            "draft_vocab_size": 100,
+        },
+    ),
     "four aux layers, other heads, fp32, 4 TTT steps": (
-        "1,3,5,6,8", ["--ttt-steps", "4", "--export-dtype", "float32", "--draft-heads", "8", "--draft-kv-heads", "2",
-                      "--draft-head-dim", "16", "--serve-tp", "1,2,4,8"],
-        {"aux_layer_ids": [1, 3, 5, 6], "num_aux_hidden_states": 4, "fc_input_size": 512,
-         "num_speculative_tokens": 4, "dtype": "float32", "num_attention_heads": 8, "num_key_value_heads": 2,
-         "head_dim": 16}),
+        "1,3,5,6,8",
+        [
+            "--ttt-steps",
+            "4",
+            "--export-dtype",
+            "float32",
+            "--draft-heads",
+            "8",
+            "--draft-kv-heads",
+            "2",
+            "--draft-head-dim",
+            "16",
+            "--serve-tp",
+            "1,2,4,8",
+        ],
+        {
+            "aux_layer_ids": [1, 3, 5, 6],
+            "num_aux_hidden_states": 4,
+            "fc_input_size": 512,
+            "num_speculative_tokens": 4,
+            "dtype": "float32",
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+        },
+    ),
     "EAGLE-3.1 (fc_norm and norm_output)": ("", ["--eagle-3.1"], {"fc_norm": True, "norm_output": True}),
-    "fc_norm alone, two aux layers": ("2,6,8", ["--fc-norm"], {"fc_norm": True, "aux_layer_ids": [2, 6],
-                                                               "num_aux_hidden_states": 2, "fc_input_size": 256}),
+    "fc_norm alone, two aux layers": (
+        "2,6,8",
+        ["--fc-norm"],
+        {"fc_norm": True, "aux_layer_ids": [2, 6], "num_aux_hidden_states": 2, "fc_input_size": 256},
+    ),
     "norm_output alone": ("", ["--norm-output"], {"norm_output": True}),
     "the target's whole vocabulary (no vocabulary map)": ("", ["--draft-vocab", "100000"], {"draft_vocab_size": 1024}),
 }
@@ -47,8 +89,20 @@ def store_at(tiny_kimi, small_data, tmp_path_factory):
     def make(ids: str) -> Path:
         if ids not in made:
             out = tmp_path_factory.mktemp("export") / f"store-{ids.replace(',', '-')}"
-            argv = ["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(out), "--max-samples",
-                    "8", "--max-len", "64", "--no-selfcheck"] + (["--layer-ids", ids] if ids else [])
+            argv = [
+                "extract",
+                "--model",
+                str(tiny_kimi),
+                "--data",
+                str(small_data),
+                "--out",
+                str(out),
+                "--max-samples",
+                "8",
+                "--max-len",
+                "64",
+                "--no-selfcheck",
+            ] + (["--layer-ids", ids] if ids else [])
             assert cli.main(argv) == 0
             made[ids] = out
         return made[ids]
@@ -57,8 +111,21 @@ def store_at(tiny_kimi, small_data, tmp_path_factory):
 
 
 def _train(store: Path, out: Path, more: list[str]) -> Path:
-    argv = ["train", "--store", str(store), "--out", str(out), "--steps", "1", "--batch", "4", "--draft-vocab", "256",
-            "--checkpoint-minutes", "0"] + more
+    argv = [
+        "train",
+        "--store",
+        str(store),
+        "--out",
+        str(out),
+        "--steps",
+        "1",
+        "--batch",
+        "4",
+        "--draft-vocab",
+        "256",
+        "--checkpoint-minutes",
+        "0",
+    ] + more
     assert cli.main(argv) == 0
     return out / "draft"
 
@@ -82,7 +149,8 @@ def test_each_option_reaches_what_vllm_reads(store_at, tmp_path, name):
     assert {dt for name, (_, dt) in shapes.items() if name not in ("d2t", "t2d")} == {TORCH_DTYPE[full["dtype"]]}
     assert shapes["fc.weight"][0] == (128, full["fc_input_size"])
     assert sorted(k for k in shapes if k.startswith("fc_norm.")) == (
-        [f"fc_norm.{i}.weight" for i in range(full["num_aux_hidden_states"])] if full["fc_norm"] else [])
+        [f"fc_norm.{i}.weight" for i in range(full["num_aux_hidden_states"])] if full["fc_norm"] else []
+    )
     assert ("d2t" in shapes) == (full["draft_vocab_size"] < got["vocab_size"])  # a map only for a smaller vocabulary
     assert shapes["lm_head.weight"][0] == (full["draft_vocab_size"], 128)
 
@@ -126,8 +194,17 @@ def test_vllm_s_own_parser_reads_what_vllm_reads_says(store_at, tmp_path, name):
     assert pre["draft_vocab_size"] == r["draft_vocab_size"]
     assert pre.get("num_aux_hidden_states") == r["num_aux_hidden_states"]  # no eagle_config: this or 3
     assert pre.get("target_hidden_size", pre["hidden_size"]) == r["target_hidden_size"]
-    for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "intermediate_size", "hidden_size"):
+    for k in (
+        "norm_before_residual",
+        "norm_before_fc",
+        "fc_norm",
+        "norm_output",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "hidden_size",
+    ):
         assert pre[k] == r[k], k
 
 

@@ -1,6 +1,7 @@
 """ExtractSummary.sustained_tokens_per_s: the extraction alone's rate over the window that
 online.OnlineResult.sustained_tokens_per_s takes of the extraction beside a trainer (each batch's end, the first
-batch's warm-up left out), so that issue 42's online figure is set against a like one (tests/gpu/test_online_kimi_depth)."""
+batch's warm-up left out), so that issue 42's online figure is set against a like one
+(tests/gpu/test_online_kimi_depth)."""
 
 import time
 
@@ -21,13 +22,19 @@ def backend(tiny_kimi):
 
 
 def _cfg(tiny_kimi, small_data, out, samples):
-    return extract.ExtractConfig(model=str(tiny_kimi), out=str(out), batch_size=4, shard_samples=2,
-                                 writer_threads=0, selfcheck=0, fsync=False,
-                                 data=DataConfig([str(small_data)], max_len=64, max_samples=samples))
+    return extract.ExtractConfig(
+        model=str(tiny_kimi),
+        out=str(out),
+        batch_size=4,
+        shard_samples=2,
+        writer_threads=0,
+        selfcheck=0,
+        fsync=False,
+        data=DataConfig([str(small_data)], max_len=64, max_samples=samples),
+    )
 
 
-def test_the_sustained_rate_leaves_out_the_first_batch_s_warm_up(tiny_kimi, small_data, backend, tmp_path,
-                                                                monkeypatch):
+def test_the_sustained_rate_leaves_out_the_first_batch_s_warm_up(tiny_kimi, small_data, backend, tmp_path, monkeypatch):
     """Three batches of 4, the first 0.6 s slower (a first prefill's warm-up): one (end time, tokens) a batch, in
     order, summing to the tokens written; the sustained rate is the later two batches' tokens over the time from
     the first's end to the last's, well above the whole run's rate."""
@@ -55,8 +62,12 @@ def test_one_batch_has_no_window_and_gives_the_whole_run_s_rate(tiny_kimi, small
 
 
 @settings(max_examples=100, deadline=None)
-@given(points=st.lists(st.tuples(st.floats(0, 100, allow_nan=False), st.integers(0, 10**6)), max_size=6).map(
-    lambda ps: sorted(ps)), less=st.floats(0, 50, allow_nan=False))
+@given(
+    points=st.lists(st.tuples(st.floats(0, 100, allow_nan=False), st.integers(0, 10**6)), max_size=6).map(
+        lambda ps: sorted(ps)
+    ),
+    less=st.floats(0, 50, allow_nan=False),
+)
 def test_rate_past_first_is_its_definition_and_none_where_it_has_none(points, less):
     """The tokens of the points after the first over the span from the first to the last less the waits; None with
     fewer than two points, no span, or no time left once the waits are taken out."""

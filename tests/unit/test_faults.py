@@ -27,9 +27,16 @@ def setup(tiny_kimi, small_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
 
     def cfg(out, fault=None):
-        return extract.ExtractConfig(model=str(tiny_kimi), out=str(out), batch_size=4, shard_samples=3,
-                                     writer_threads=0, fault=fault, selfcheck=0,  # storage only here
-                                     data=DataConfig([str(small_data)], max_len=96, max_samples=24))
+        return extract.ExtractConfig(
+            model=str(tiny_kimi),
+            out=str(out),
+            batch_size=4,
+            shard_samples=3,
+            writer_threads=0,
+            fault=fault,
+            selfcheck=0,  # storage only here
+            data=DataConfig([str(small_data)], max_len=96, max_samples=24),
+        )
 
     counts = {}
 
@@ -42,8 +49,15 @@ def setup(tiny_kimi, small_data, tmp_path_factory):
 
 
 def _contents(path):
-    return [(s["sample_id"], s["input_ids"].tolist(), s["loss_mask"].tolist(),
-             {k: v.clone() for k, v in s["states"].items()}) for s in Store.open(path).iter_samples()]
+    return [
+        (
+            s["sample_id"],
+            s["input_ids"].tolist(),
+            s["loss_mask"].tolist(),
+            {k: v.clone() for k, v in s["states"].items()},
+        )
+        for s in Store.open(path).iter_samples()
+    ]
 
 
 def test_kill_points_cover_every_stage(setup):
@@ -71,8 +85,9 @@ def test_killed_extractions_resume_to_the_uninterrupted_result(setup, part):
         out = root / f"killed-{n}"
         point, k = kills[0]
         for p, kk in kills:
-            killed, code = run_forked(lambda: extract.run(cfg(out, faults.killer(p, kk)), backend=backend,
-                                                          progress=False))
+            killed, code = run_forked(
+                lambda out=out, p=p, kk=kk: extract.run(cfg(out, faults.killer(p, kk)), backend=backend, progress=False)
+            )
             assert killed or code == 0, (p, kk, code)
         extract.run(cfg(out), backend=backend, progress=False)
         got = _contents(out)

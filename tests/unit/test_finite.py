@@ -13,9 +13,13 @@ from eagle3.store.finite import all_finite, nonfinite_layers
 SPECIALS = (float("nan"), float("inf"), -float("inf"))
 
 
-@given(n=st.integers(1, 5000), dtype=st.sampled_from((torch.bfloat16, torch.float16, torch.float32)),
-       bad=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(SPECIALS)), max_size=3),
-       scale=st.sampled_from((1.0, 1e4, 6e4)), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 5000),
+    dtype=st.sampled_from((torch.bfloat16, torch.float16, torch.float32)),
+    bad=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(SPECIALS)), max_size=3),
+    scale=st.sampled_from((1.0, 1e4, 6e4)),
+    seed=st.integers(0, 2**16),
+)
 def test_all_finite_agrees_with_isfinite(n, dtype, bad, scale, seed):
     x = (torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)  # fp16 * 6e4: some inf
     for pos, v in bad:

@@ -44,9 +44,16 @@ def test_flex_over_a_padded_pack_computes_the_loss_sdpa_computes_unpadded(length
     flex, sdpa = gb._model(SMALL, attn="flex"), gb._model(SMALL)
     sdpa.load_state_dict(flex.state_dict())
     g, h = torch.Generator().manual_seed(0), SMALL.shape.hidden_size
-    xs = [{"sample_id": f"s{s}", "input_ids": torch.randint(0, SMALL.draft_vocab, (n,), generator=g),
-           "loss_mask": torch.rand(n, generator=g) > 0.2, "aux": torch.randn(n, 3 * h, generator=g),
-           "last": torch.randn(n, h, generator=g)} for s, n in enumerate(lengths)]
+    xs = [
+        {
+            "sample_id": f"s{s}",
+            "input_ids": torch.randint(0, SMALL.draft_vocab, (n,), generator=g),
+            "loss_mask": torch.rand(n, generator=g) > 0.2,
+            "aux": torch.randn(n, 3 * h, generator=g),
+            "last": torch.randn(n, h, generator=g),
+        }
+        for s, n in enumerate(lengths)
+    ]
     cfg = loss_config("kl_div", "eager")
     with torch.no_grad():
         _, loss_pad, m_pad = flex(**pack_inputs(xs, 2, multiple=FLEX_BLOCK), ttt_steps=3, loss_config=cfg)

@@ -28,10 +28,12 @@ def rel(a, b):
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, 6), hidden=st.sampled_from([8, 64, 7168]), log_scale=st.floats(-12, 12), seed=st.integers(0, 99))
+@given(
+    rows=st.integers(1, 6), hidden=st.sampled_from([8, 64, 7168]), log_scale=st.floats(-12, 12), seed=st.integers(0, 99)
+)
 def test_each_row_keeps_its_shape_to_e4m3_precision_at_any_magnitude(rows, hidden, log_scale, seed):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, 3, hidden, generator=g) * (2.0 ** log_scale)
+    x = torch.randn(rows, 3, hidden, generator=g) * (2.0**log_scale)
     q, scale = quantize_fp8(x)
     assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and tuple(scale.shape) == (rows, 3)
     assert torch.allclose(q.float().abs().amax(-1), torch.full((rows, 3), FP8_MAX))  # each row uses the full range
@@ -48,9 +50,19 @@ def stores(tiny_kimi, small_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     out = {}
     for name, dtype in (("bf16", "bfloat16"), ("fp8", FP8)):
-        extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(root / name), dtype=dtype, layer_ids=IDS,
-                                          data=DataConfig([str(small_data)], max_len=128), batch_size=8,
-                                          shard_samples=8, writer_threads=0), progress=False)
+        extract.run(
+            extract.ExtractConfig(
+                model=str(tiny_kimi),
+                out=str(root / name),
+                dtype=dtype,
+                layer_ids=IDS,
+                data=DataConfig([str(small_data)], max_len=128),
+                batch_size=8,
+                shard_samples=8,
+                writer_threads=0,
+            ),
+            progress=False,
+        )
         out[name] = root / name
     return out
 
@@ -65,10 +77,18 @@ def test_an_fp8_store_is_half_the_bytes_and_within_e4m3_error_of_bf16(stores):
     state_bytes = {}
     for name, store in (("bf16", bf), ("fp8", f8)):
         state_bytes[name] = sum(
-            (lambda f: sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] * (
-                f.get_slice(k).get_shape()[2] if k == "hidden_states" else 1) * {"BF16": 2, "F8_E4M3": 1, "F32": 4}[
-                f.get_slice(k).get_dtype()] for k in ("hidden_states", "scales") if k in f.keys()))(
-                safe_open(str(store.root / s["file"]), framework="pt")) for s in store.shards)
+            (
+                lambda f: sum(
+                    f.get_slice(k).get_shape()[0]
+                    * f.get_slice(k).get_shape()[1]
+                    * (f.get_slice(k).get_shape()[2] if k == "hidden_states" else 1)
+                    * {"BF16": 2, "F8_E4M3": 1, "F32": 4}[f.get_slice(k).get_dtype()]
+                    for k in ("hidden_states", "scales")
+                    if k in f.keys()
+                )
+            )(safe_open(str(store.root / s["file"]), framework="pt"))
+            for s in store.shards
+        )
     assert state_bytes["fp8"] / state_bytes["bf16"] == pytest.approx((128 + 4) / 256)  # 7168 hidden: 0.5003
     ref = {s["sample_id"]: s for s in bf.iter_samples()}
     errs = []
@@ -108,8 +128,19 @@ def test_verify_finds_nan_codes_and_a_missing_scales_tensor_in_fp8_shards(stores
 
 def test_the_trainer_reads_fp8_and_follows_the_bf16_curve(stores, tmp_path):
     def fit(name):
-        return train(TrainConfig(store=str(stores[name]), out=str(tmp_path / name), batch_samples=8, epochs=2, seed=1,
-                                 draft_vocab_size=256, checkpoint_minutes=0, lr=3e-3), progress=False)
+        return train(
+            TrainConfig(
+                store=str(stores[name]),
+                out=str(tmp_path / name),
+                batch_samples=8,
+                epochs=2,
+                seed=1,
+                draft_vocab_size=256,
+                checkpoint_minutes=0,
+                lr=3e-3,
+            ),
+            progress=False,
+        )
 
     bf, f8 = fit("bf16"), fit("fp8")
     gap = max(abs(a - b) / b for a, b in zip(f8.losses, bf.losses))
@@ -129,22 +160,40 @@ def _install_fake(monkeypatch, tiny_kimi):
     def logits(ids):
         return ref.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
 
-    fake_vllm.install(monkeypatch, n_layers=8, hidden=128, reference=lambda ids: layerwise_states(ref.model, ids),
-                      reference_logits=logits)
+    fake_vllm.install(
+        monkeypatch,
+        n_layers=8,
+        hidden=128,
+        reference=lambda ids: layerwise_states(ref.model, ids),
+        reference_logits=logits,
+    )
 
 
 @pytest.mark.parametrize("capture", ["aux", "direct"])
-def test_fp8_through_the_vllm_capture_path_and_resume(tiny_kimi, small_data, tmp_path, monkeypatch, stores, capsys,
-                                                      capture):
+def test_fp8_through_the_vllm_capture_path_and_resume(
+    tiny_kimi, small_data, tmp_path, monkeypatch, stores, capsys, capture
+):
     """The fake vLLM at TP 2 (aux capture, and direct: the default): the worker quantizes on the device side; the
     owner writes e4m3 + scales. Its states equal the hf fp8 store's within one e4m3 step (the fake replays float32
     states, the hf path quantizes its bf16 output). Then the CLI's --state-dtype fp8 is recorded and kept by
     --resume."""
     _install_fake(monkeypatch, tiny_kimi)
     out = tmp_path / "v"
-    extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(out), backend="vllm", capture=capture, tp=2,
-                                      dtype=FP8, layer_ids=IDS, selfcheck=0, batch_size=8,
-                                      data=DataConfig([str(small_data)], max_len=128, max_samples=16)), progress=False)
+    extract.run(
+        extract.ExtractConfig(
+            model=str(tiny_kimi),
+            out=str(out),
+            backend="vllm",
+            capture=capture,
+            tp=2,
+            dtype=FP8,
+            layer_ids=IDS,
+            selfcheck=0,
+            batch_size=8,
+            data=DataConfig([str(small_data)], max_len=128, max_samples=16),
+        ),
+        progress=False,
+    )
     assert verify.verify(out).ok
     hf = {s["sample_id"]: s for s in Store.open(stores["fp8"]).iter_samples()}
     for s in Store.open(out).iter_samples():
@@ -152,8 +201,25 @@ def test_fp8_through_the_vllm_capture_path_and_resume(tiny_kimi, small_data, tmp
             assert rel(s["states"][i], hf[s["sample_id"]]["states"][i]) < 0.05, (s["sample_id"], i)
 
     cli_out = tmp_path / "c"
-    assert cli.main(["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(cli_out),
-                     "--max-samples", "6", "--no-selfcheck", "--state-dtype", "fp8"]) == 0
+    assert (
+        cli.main(
+            [
+                "extract",
+                "--model",
+                str(tiny_kimi),
+                "--data",
+                str(small_data),
+                "--out",
+                str(cli_out),
+                "--max-samples",
+                "6",
+                "--no-selfcheck",
+                "--state-dtype",
+                "fp8",
+            ]
+        )
+        == 0
+    )
     assert json.loads((cli_out / "plan.json").read_text())["recipe"]["state_dtype"] == "fp8"
     assert Store.open(cli_out).spec.dtype == FP8
     assert cli.main(["extract", "--resume", str(cli_out)]) == 0  # the recorded dtype: the store's spec agrees
@@ -170,8 +236,13 @@ def test_one_engine_stores_bf16_then_fp8_then_bf16(tiny_kimi, small_data, tmp_pa
     data = DataConfig([str(small_data)], max_len=96, max_samples=8)
     for n, dtype in enumerate(("bfloat16", FP8, "bfloat16")):
         out = tmp_path / f"s{n}"
-        extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(out), backend="vllm", dtype=dtype,
-                                          layer_ids=IDS, selfcheck=0, data=data), backend=backend, progress=False)
+        extract.run(
+            extract.ExtractConfig(
+                model=str(tiny_kimi), out=str(out), backend="vllm", dtype=dtype, layer_ids=IDS, selfcheck=0, data=data
+            ),
+            backend=backend,
+            progress=False,
+        )
         assert verify.verify(out).ok and Store.open(out).spec.dtype == dtype
         with safe_open(str(next((out / "shards").iterdir())), framework="pt") as f:
             assert f.get_slice("hidden_states").get_dtype() == {"bfloat16": "BF16", FP8: "F8_E4M3"}[dtype]

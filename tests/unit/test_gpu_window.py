@@ -19,11 +19,16 @@ def kernel(stream, ts, dur, name="k"):
 
 def test_two_streams_overlapping_one_second_in_a_four_second_span():
     # stream 7: [0, 2) s and [3, 4) s; stream 13: [1.5, 2.5) s, two kernels overlapping each other in it
-    trace = {"traceEvents": [
-        kernel(7, 0, 2e6, "gemm"), kernel(7, 3e6, 1e6, "gemm"),
-        kernel(13, 1.5e6, 1e6, "moe"), kernel(13, 1.6e6, 0.4e6, "copy"),
-        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9e6},  # not a kernel: not counted
-        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 5e6}]}
+    trace = {
+        "traceEvents": [
+            kernel(7, 0, 2e6, "gemm"),
+            kernel(7, 3e6, 1e6, "gemm"),
+            kernel(13, 1.5e6, 1e6, "moe"),
+            kernel(13, 1.6e6, 0.4e6, "copy"),
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9e6},  # not a kernel: not counted
+            {"ph": "i", "cat": "kernel", "name": "marker", "ts": 5e6},
+        ]
+    }
     got = gpu_window.streams_busy(trace)
     assert got["span_s"] == 4.0 and got["busy_s"] == 3.5 and got["idle_share"] == 0.125, got
     assert got["overlap_s"] == 0.5, got  # [1.5, 2) s: both streams

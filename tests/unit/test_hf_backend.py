@@ -14,8 +14,13 @@ from eagle3.targets import presets, tiny
 @pytest.fixture(scope="module")
 def llama2(tmp_path_factory):
     """A 2-layer Llama with random weights (float32)."""
-    return tiny.build_model(presets.from_name("tiny-llama"), tmp_path_factory.mktemp("llama2"), seed=3,
-                            with_tokenizer=False, overrides={"num_hidden_layers": 2})
+    return tiny.build_model(
+        presets.from_name("tiny-llama"),
+        tmp_path_factory.mktemp("llama2"),
+        seed=3,
+        with_tokenizer=False,
+        overrides={"num_hidden_layers": 2},
+    )
 
 
 def manual_llama_states(path, ids):
@@ -39,11 +44,11 @@ def manual_llama_states(path, ids):
         return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * w
 
     def rope(v):  # [T, heads, hd]
-        return v * cos + torch.cat([-v[..., hd // 2:], v[..., : hd // 2]], -1) * sin
+        return v * cos + torch.cat([-v[..., hd // 2 :], v[..., : hd // 2]], -1) * sin
 
     states = [x]
     for i in range(cfg["num_hidden_layers"]):
-        w = {k[len(f"model.layers.{i}."):]: v for k, v in sd.items() if k.startswith(f"model.layers.{i}.")}
+        w = {k[len(f"model.layers.{i}.") :]: v for k, v in sd.items() if k.startswith(f"model.layers.{i}.")}
         h = rms(x, w["input_layernorm.weight"])
         q = rope((h @ w["self_attn.q_proj.weight"].T).view(t, nh, hd))
         k = rope((h @ w["self_attn.k_proj.weight"].T).view(t, nkv, hd)).repeat_interleave(nh // nkv, 1)
@@ -53,8 +58,11 @@ def manual_llama_states(path, ids):
         att = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, nh * hd)
         x = x + att @ w["self_attn.o_proj.weight"].T
         h = rms(x, w["post_attention_layernorm.weight"])
-        x = x + (torch.nn.functional.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)) \
+        x = (
+            x
+            + (torch.nn.functional.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T))
             @ w["mlp.down_proj.weight"].T
+        )
         states.append(x)
     return states, rms(x, sd["model.norm.weight"])
 

@@ -33,10 +33,17 @@ def test_defaults_are_valid_for_any_deep_enough_target(n):
     assert len(set(ids)) == 4 and ids[-1] == n and list(ids) == sorted(ids)
 
 
-@pytest.mark.parametrize("ids,msg", [
-    ((2, 2, 8), "repeat"), ((2, 9), "out of range"), ((-1, 8), "out of range"), ((5, 2, 8), "ascend"), ((2, 4), "last layer id"),
-    ((8,), "at least one aux"),
-])
+@pytest.mark.parametrize(
+    "ids,msg",
+    [
+        ((2, 2, 8), "repeat"),
+        ((2, 9), "out of range"),
+        ((-1, 8), "out of range"),
+        ((5, 2, 8), "ascend"),
+        ((2, 4), "last layer id"),
+        ((8,), "at least one aux"),
+    ],
+)
 def test_bad_layer_ids_are_refused_with_the_reason(ids, msg):
     with pytest.raises(LayerIdError, match=msg):
         validate_layer_ids(ids, 8)
@@ -60,8 +67,19 @@ def test_presets_are_data_with_consistent_shapes():
     depth = from_name("kimi-depth")
     assert depth.layer_ids == (2, 30, 58, 61) and depth.build == "config" and not from_name("kimi-k2.5").buildable
     kimi = from_name("kimi-k2.5").hf_config
-    for k in ("hidden_size", "num_hidden_layers", "vocab_size", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
-              "qk_nope_head_dim", "v_head_dim", "num_attention_heads", "intermediate_size", "moe_intermediate_size"):
+    for k in (
+        "hidden_size",
+        "num_hidden_layers",
+        "vocab_size",
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "num_attention_heads",
+        "intermediate_size",
+        "moe_intermediate_size",
+    ):
         assert depth.hf_config[k] == kimi[k], k
     assert (depth.hf_config["n_routed_experts"], depth.hf_config["num_experts_per_tok"]) == (8, 8)
     with pytest.raises(KeyError, match="known"):

@@ -19,7 +19,6 @@ from eagle3.train.train import TrainConfig, train
 from . import vllm_mla_ref as ref
 from .served_step import assert_served_step_is_the_trained_one
 
-
 TOGGLES = ((False, False), (True, False), (False, True), (True, True))  # (fc_norm, norm_output): each alone, both
 
 
@@ -31,9 +30,21 @@ def mla_drafts(small_store, tmp_path_factory):
     out = {}
     for toggles in TOGGLES:
         tmp = tmp_path_factory.mktemp(f"mla-{int(toggles[0])}")
-        res = train(TrainConfig(store=str(small_store), out=str(tmp), draft_vocab_size=256, batch_samples=4,
-                                max_steps=4, lr=2e-2, seed=0, draft_arch="mla", fc_norm=toggles[0],
-                                norm_output=toggles[1]), progress=False)
+        res = train(
+            TrainConfig(
+                store=str(small_store),
+                out=str(tmp),
+                draft_vocab_size=256,
+                batch_samples=4,
+                max_steps=4,
+                lr=2e-2,
+                seed=0,
+                draft_arch="mla",
+                fc_norm=toggles[0],
+                norm_output=toggles[1],
+            ),
+            progress=False,
+        )
         out[toggles] = checkpoint.latest(tmp), Path(res.draft), res
     return out
 
@@ -45,28 +56,41 @@ def test_the_mla_draft_computes_in_vllm_what_it_computed_in_training(mla_drafts,
     assert cfg["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and vllm_reads.problems(published) == []
     assert (cfg["fc_norm"], cfg["norm_output"]) == toggles and cfg["num_attention_heads"] == 4  # tiny-kimi's own
     assert math.isfinite(res.losses[-1]) and res.losses[-1] < res.losses[0]
-    assert_served_step_is_the_trained_one(ckpt, ref, cfg, w, cfg["num_aux_hidden_states"] * cfg["target_hidden_size"],
-                                          20)
+    assert_served_step_is_the_trained_one(
+        ckpt, ref, cfg, w, cfg["num_aux_hidden_states"] * cfg["target_hidden_size"], 20
+    )
 
 
 def test_rope_at_kimi_s_yarn_is_vllm_s_deepseek_yarn():
     shape = mla_draft.MLAShape.for_target(KIMI_K25_TEXT)
     inv, mult, scale = mla_draft.rope_tables(shape)
-    want_inv, want_mult, want_scale = ref.rope_cache({**{k: getattr(shape, k) for k in (
-        "qk_rope_head_dim", "qk_nope_head_dim", "rope_theta")}, "rope_scaling": mla_draft.served_rope_scaling(shape)})
+    want_inv, want_mult, want_scale = ref.rope_cache(
+        {
+            **{k: getattr(shape, k) for k in ("qk_rope_head_dim", "qk_nope_head_dim", "rope_theta")},
+            "rope_scaling": mla_draft.served_rope_scaling(shape),
+        }
+    )
     torch.testing.assert_close(inv, want_inv)
     assert (mult, scale) == pytest.approx((want_mult, want_scale))
-    assert scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(64) + 1) ** 2)  # mscale_all_dim 1, factor 64
+    assert scale == pytest.approx(192**-0.5 * (0.1 * math.log(64) + 1) ** 2)  # mscale_all_dim 1, factor 64
     x = torch.randn(1, 2, 5, 64)
     pos = torch.tensor([[0, 1, 100, 4096, 200000]])
-    torch.testing.assert_close(mla_draft.rope_gptj(x, pos, inv, mult)[0].transpose(0, 1),
-                               ref.rope(x[0].transpose(0, 1), pos[0], want_inv, want_mult), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        mla_draft.rope_gptj(x, pos, inv, mult)[0].transpose(0, 1),
+        ref.rope(x[0].transpose(0, 1), pos[0], want_inv, want_mult),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_kimi_s_mla_draft_is_servable_at_tp_1_to_16_and_its_size():
     shape = mla_draft.MLAShape.for_target(KIMI_K25_TEXT)
-    assert (shape.num_attention_heads, shape.q_lora_rank, shape.kv_lora_rank, shape.qk_rope_head_dim) == (64, 1536, 512,
-                                                                                                           64)
+    assert (shape.num_attention_heads, shape.q_lora_rank, shape.kv_lora_rank, shape.qk_rope_head_dim) == (
+        64,
+        1536,
+        512,
+        64,
+    )
     shape.check_servable((1, 2, 4, 8, 16))
     assert shape.params(3, 32000) == 896_169_984  # 1.79 GB in bf16
     with pytest.raises(DraftShapeError, match=r"24 heads do not split over TP \[16\]"):
@@ -89,7 +113,9 @@ def test_the_mla_draft_has_its_target_s_heads_as_vllm_s_attention_metadata_needs
     shutil.copytree(published, bad)
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps(dict(cfg, num_attention_heads=16)))
-    assert any("num_attention_heads 16, the target's 4" in p for p in vllm_reads.problems(bad)), vllm_reads.problems(bad)
+    assert any("num_attention_heads 16, the target's 4" in p for p in vllm_reads.problems(bad)), vllm_reads.problems(
+        bad
+    )
     shape = mla_draft.MLAShape.for_target(dict(KIMI_K25_TEXT, num_attention_heads=4))
     assert mla_draft.serve_tps(shape, None) == (1, 2, 4)
     with pytest.raises(DraftShapeError, match=r"the target's own 4 heads do not split over TP \[8\] either"):
@@ -98,10 +124,45 @@ def test_the_mla_draft_has_its_target_s_heads_as_vllm_s_attention_metadata_needs
 
 def test_mla_on_a_target_without_mla_is_refused_with_the_reason(tmp_path, tiny_llama, small_data, capsys):
     store = tmp_path / "s"
-    assert cli.main(["extract", "--model", str(tiny_llama), "--data", str(small_data), "--out", str(store),
-                     "--max-samples", "4", "--max-len", "64", "--no-selfcheck"]) == 0
-    assert cli.main(["train", "--store", str(store), "--out", str(tmp_path / "t"), "--steps", "1", "--batch", "4",
-                     "--draft-vocab", "128", "--draft-arch", "mla"]) == 2
+    assert (
+        cli.main(
+            [
+                "extract",
+                "--model",
+                str(tiny_llama),
+                "--data",
+                str(small_data),
+                "--out",
+                str(store),
+                "--max-samples",
+                "4",
+                "--max-len",
+                "64",
+                "--no-selfcheck",
+            ]
+        )
+        == 0
+    )
+    assert (
+        cli.main(
+            [
+                "train",
+                "--store",
+                str(store),
+                "--out",
+                str(tmp_path / "t"),
+                "--steps",
+                "1",
+                "--batch",
+                "4",
+                "--draft-vocab",
+                "128",
+                "--draft-arch",
+                "mla",
+            ]
+        )
+        == 2
+    )
     assert "--draft-arch mla needs an MLA target" in capsys.readouterr().err
 
 
@@ -116,13 +177,23 @@ def test_the_export_always_gives_vllm_a_yarn_it_can_build_with_the_target_s_thet
     served = mla_draft.served_rope_scaling(plain)
     assert served["factor"] == 1.0 and served["rope_theta"] == 50000.0
     inv, mult, scale = mla_draft.rope_tables(plain)
-    want_inv, want_mult, want_scale = ref.rope_cache({"qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
-                                                      "rope_theta": 50000.0, "rope_scaling": served})
+    want_inv, want_mult, want_scale = ref.rope_cache(
+        {"qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "rope_theta": 50000.0, "rope_scaling": served}
+    )
     torch.testing.assert_close(inv, want_inv)
     assert (mult, scale) == pytest.approx((want_mult, want_scale))
     kimi = mla_draft.MLAShape.for_target(KIMI_K25_TEXT)
     assert mla_draft.served_rope_scaling(kimi) == dict(KIMI_K25_TEXT["rope_scaling"], rope_theta=50000.0)
-    assert mla_draft.hf_config(kimi, {"transformer_layer_config": {"vocab_size": 163840}, "draft_vocab_size": 32000,
-                                      "eagle_aux_hidden_state_layer_ids": [2, 30, 58],
-                                      "speculators_config": {"proposal_methods": [{"speculative_tokens": 3}]}},
-                               "bfloat16")["model_type"] == "deepseek_v2"  # deepseek_v3 is taken for an MTP model
+    assert (
+        mla_draft.hf_config(
+            kimi,
+            {
+                "transformer_layer_config": {"vocab_size": 163840},
+                "draft_vocab_size": 32000,
+                "eagle_aux_hidden_state_layer_ids": [2, 30, 58],
+                "speculators_config": {"proposal_methods": [{"speculative_tokens": 3}]},
+            },
+            "bfloat16",
+        )["model_type"]
+        == "deepseek_v2"
+    )  # deepseek_v3 is taken for an MTP model

@@ -34,14 +34,31 @@ def _tree(root: Path) -> dict[str, bytes | None]:
 
 
 def _extract_argv(model, data, out, *more):
-    return ["extract", "--model", str(model), "--data", str(data), "--out", str(out), "--max-samples", "12",
-            "--max-len", "96", "--batch-size", "4", "--shard-samples", "4", *more]
+    return [
+        "extract",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--max-samples",
+        "12",
+        "--max-len",
+        "96",
+        "--batch-size",
+        "4",
+        "--shard-samples",
+        "4",
+        *more,
+    ]
 
 
 # -- the user's files -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["file at the top", "file in shards/"])
-def test_extract_into_a_folder_that_is_not_a_store_is_refused_and_nothing_is_touched(tiny_kimi, small_data,
-                                                                                     tmp_path, capsys, layout):
+def test_extract_into_a_folder_that_is_not_a_store_is_refused_and_nothing_is_touched(
+    tiny_kimi, small_data, tmp_path, capsys, layout
+):
     """At 9c6575d the store's files were mixed into the user's folder, and a user's file in shards/ deleted."""
     user = tmp_path / "mine"
     (user / "shards").mkdir(parents=True)
@@ -90,7 +107,7 @@ def test_opening_a_store_removes_only_names_the_store_writes(small_store, tmp_pa
     (store / "shards" / "README").write_text("the user's")
     (store / "notes.txt").write_text("the user's")
     (store / ".tmp-mywork").write_text("the user's")  # a temp name the store never writes (at 962a6d4: deleted)
-    (store / ".tmp-plan.json").write_text("half")      # one it does: an interrupted plan write
+    (store / ".tmp-plan.json").write_text("half")  # one it does: an interrupted plan write
     Store.open(store)
     left = {p.name for p in (store / "shards").iterdir()}
     assert "README" in left and (store / "notes.txt").exists() and (store / ".tmp-mywork").exists()
@@ -116,17 +133,19 @@ def test_a_user_s_file_in_the_run_s_draft_folder_stops_train_before_its_first_st
 def _hold_lock(root: Path):
     """A separate process that holds ``root``'s write lock until killed (a store's folder: claimed first, as a writer
     claims it before it locks it)."""
-    code = (f"import time, sys; from eagle3.store.folder import claim; from eagle3.store.lock import WriteLock; "
-            f"claim({str(root)!r}); l = WriteLock({str(root)!r}); "
-            "print('held', flush=True); time.sleep(600)")
+    code = (
+        f"import time, sys; from eagle3.store.folder import claim; from eagle3.store.lock import WriteLock; "
+        f"claim({str(root)!r}); l = WriteLock({str(root)!r}); "
+        "print('held', flush=True); time.sleep(600)"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert p.stdout.readline().strip() == "held"
     return p
 
 
-def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_holder_frees_the_store(small_store, tmp_path,
-                                                                                          small_data, tiny_kimi,
-                                                                                          capsys):
+def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_holder_frees_the_store(
+    small_store, tmp_path, small_data, tiny_kimi, capsys
+):
     store = tmp_path / "s"
     shutil.copytree(small_store, store)
     from eagle3.store import lock as store_lock
@@ -134,8 +153,9 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_holder_frees_
     holder = _hold_lock(store)
     try:
         before = _tree(store / "shards")
-        code = cli.main(["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(store),
-                         "--max-len", "192"])
+        code = cli.main(
+            ["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(store), "--max-len", "192"]
+        )
         err = capsys.readouterr().err
         assert code == 2, err
         assert f"is being written by pid {holder.pid} (" in err and "-c import time" in err, err
@@ -159,8 +179,12 @@ def test_two_extractions_starting_into_one_new_folder_get_one_writer(tiny_kimi, 
     out.mkdir()
     holder = _hold_lock(out)
     try:
-        cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(out), selfcheck=0,
-                                    data=DataConfig([str(small_data)], max_len=96, max_samples=4))
+        cfg = extract.ExtractConfig(
+            model=str(tiny_kimi),
+            out=str(out),
+            selfcheck=0,
+            data=DataConfig([str(small_data)], max_len=96, max_samples=4),
+        )
         with pytest.raises(store_lock.StoreBusy, match=f"pid {holder.pid}"):
             extract.run(cfg, progress=False)
         assert not (out / "manifest.json").exists() and not (out / "shards").exists()
@@ -180,8 +204,7 @@ def test_train_on_a_store_being_written_is_refused_naming_the_writer(small_store
         err = capsys.readouterr().err
         assert code == 2 and f"being written by pid {holder.pid}" in err, err
         with pytest.raises(StoreError, match=f"being written by pid {holder.pid}"):
-            train(TrainConfig(store=str(store), out=str(tmp_path / "t2"), max_steps=1, batch_samples=4),
-                  progress=False)
+            train(TrainConfig(store=str(store), out=str(tmp_path / "t2"), max_steps=1, batch_samples=4), progress=False)
         rep = verify.verify(store)
         assert any(f"being written by pid {holder.pid}" in line for line in rep.lines())
     finally:
@@ -211,7 +234,7 @@ def test_train_on_an_incomplete_store_is_refused_naming_the_count_and_the_comman
     code = cli.main(["train", "--store", str(partial_store), "--out", str(out), "--steps", "1"])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert f"holds 32 of the 48 samples its plan names (16 missing)" in err, err
+    assert "holds 32 of the 48 samples its plan names (16 missing)" in err, err
     assert f"eagle3 extract --resume {partial_store}" in err and "--allow-incomplete" in err, err
     assert not out.exists()
     with pytest.raises(StoreError, match="16 missing"):
@@ -220,8 +243,22 @@ def test_train_on_an_incomplete_store_is_refused_naming_the_count_and_the_comman
 
 
 def test_allow_incomplete_trains_and_says_on_how_many(partial_store, tmp_path, capsys):
-    code = cli.main(["train", "--store", str(partial_store), "--out", str(tmp_path / "t"), "--steps", "1",
-                     "--batch", "4", "--draft-vocab", "64", "--allow-incomplete"])
+    code = cli.main(
+        [
+            "train",
+            "--store",
+            str(partial_store),
+            "--out",
+            str(tmp_path / "t"),
+            "--steps",
+            "1",
+            "--batch",
+            "4",
+            "--draft-vocab",
+            "64",
+            "--allow-incomplete",
+        ]
+    )
     cap = capsys.readouterr()
     assert code == 0, cap.err
     assert "training on 32 of the 48 planned samples (--allow-incomplete)" in cap.out + cap.err
@@ -244,27 +281,57 @@ OUT_OF_RANGE = [
     ("train --lr nan", "train --store {store} --out {tmp}/t --lr nan", r"--lr: nan is not a positive finite"),
     ("train --ttt-steps 0", "train --store {store} --out {tmp}/t --ttt-steps 0", r"--ttt-steps: 0 is not"),
     ("train --draft-vocab 0", "train --store {store} --out {tmp}/t --draft-vocab 0", r"--draft-vocab: 0 is not"),
-    ("train --pack-tokens -1", "train --store {store} --out {tmp}/t --pack-tokens -1",
-     r"--pack-tokens: -1 is not a non-negative integer"),
-    ("train --keep-checkpoints -1", "train --store {store} --out {tmp}/t --keep-checkpoints -1",
-     r"--keep-checkpoints: -1 is not a non-negative"),
-    ("train --checkpoint-minutes -1", "train --store {store} --out {tmp}/t --checkpoint-minutes -1",
-     r"--checkpoint-minutes: -1 is not a non-negative"),
-    ("train --spool-mb 0", "train --online --target {model} --data {data} --out {tmp}/t --spool-mb 0",
-     r"--spool-mb: 0 is not a positive"),
-    ("train --gpu-mem 1.5", "train --online --target {model} --data {data} --out {tmp}/t --gpu-mem 1.5",
-     r"--gpu-mem: 1.5 is not a fraction in \(0, 1\]"),
-    ("extract --batch-size 0", "extract --model {model} --data {data} --out {tmp}/o --batch-size 0",
-     r"--batch-size: 0 is not a positive"),
-    ("extract --max-len 1", "extract --model {model} --data {data} --out {tmp}/o --max-len 1",
-     r"--max-len: 1 is below 2"),
-    ("extract --max-samples 0", "extract --model {model} --data {data} --out {tmp}/o --max-samples 0",
-     r"--max-samples: 0 is not a positive"),
+    (
+        "train --pack-tokens -1",
+        "train --store {store} --out {tmp}/t --pack-tokens -1",
+        r"--pack-tokens: -1 is not a non-negative integer",
+    ),
+    (
+        "train --keep-checkpoints -1",
+        "train --store {store} --out {tmp}/t --keep-checkpoints -1",
+        r"--keep-checkpoints: -1 is not a non-negative",
+    ),
+    (
+        "train --checkpoint-minutes -1",
+        "train --store {store} --out {tmp}/t --checkpoint-minutes -1",
+        r"--checkpoint-minutes: -1 is not a non-negative",
+    ),
+    (
+        "train --spool-mb 0",
+        "train --online --target {model} --data {data} --out {tmp}/t --spool-mb 0",
+        r"--spool-mb: 0 is not a positive",
+    ),
+    (
+        "train --gpu-mem 1.5",
+        "train --online --target {model} --data {data} --out {tmp}/t --gpu-mem 1.5",
+        r"--gpu-mem: 1.5 is not a fraction in \(0, 1\]",
+    ),
+    (
+        "extract --batch-size 0",
+        "extract --model {model} --data {data} --out {tmp}/o --batch-size 0",
+        r"--batch-size: 0 is not a positive",
+    ),
+    (
+        "extract --max-len 1",
+        "extract --model {model} --data {data} --out {tmp}/o --max-len 1",
+        r"--max-len: 1 is below 2",
+    ),
+    (
+        "extract --max-samples 0",
+        "extract --model {model} --data {data} --out {tmp}/o --max-samples 0",
+        r"--max-samples: 0 is not a positive",
+    ),
     ("extract --tp 0", "extract --model {model} --data {data} --out {tmp}/o --tp 0", r"--tp: 0 is not a positive"),
-    ("extract --gpu-mem 0", "extract --model {model} --data {data} --out {tmp}/o --gpu-mem 0",
-     r"--gpu-mem: 0 is not a fraction"),
-    ("extract --selfcheck-prompts -1", "extract --model {model} --data {data} --out {tmp}/o --selfcheck-prompts -1",
-     r"--selfcheck-prompts: -1 is not a non-negative"),
+    (
+        "extract --gpu-mem 0",
+        "extract --model {model} --data {data} --out {tmp}/o --gpu-mem 0",
+        r"--gpu-mem: 0 is not a fraction",
+    ),
+    (
+        "extract --selfcheck-prompts -1",
+        "extract --model {model} --data {data} --out {tmp}/o --selfcheck-prompts -1",
+        r"--selfcheck-prompts: -1 is not a non-negative",
+    ),
     ("demo --samples 0", "demo --out {tmp}/d --samples 0", r"--samples: 0 is not a positive"),
     ("eval --k 0", "eval --target {model} --draft {model} --out {tmp}/e --k 0", r"--k: 0 is not a positive"),
     ("make-target --steps 0", "make-target --out {tmp}/m --steps 0", r"--steps: 0 is not a positive"),
@@ -286,8 +353,9 @@ def test_numbers_out_of_range_are_refused_naming_the_option(world, capsys, name,
     assert _tree(world["tmp"]) == before
 
 
-def test_a_store_smaller_than_one_batch_trains_with_the_batch_it_has_and_says_so(tiny_kimi, small_data, tmp_path,
-                                                                                  capsys):
+def test_a_store_smaller_than_one_batch_trains_with_the_batch_it_has_and_says_so(
+    tiny_kimi, small_data, tmp_path, capsys
+):
     """At 962a6d4 a store of 6 samples with the default --batch 8 ended in a ValueError traceback."""
     store = tmp_path / "six"
     assert cli.main(_extract_argv(tiny_kimi, small_data, store, "--no-selfcheck", "--max-samples", "6")) == 0
@@ -296,8 +364,20 @@ def test_a_store_smaller_than_one_batch_trains_with_the_batch_it_has_and_says_so
     out = capsys.readouterr().out
     assert "note       --batch 8: the store holds 6 samples, so each step trains on 6 (as --batch 6)" in out, out
     assert re.search(r"steps\s+1 \(6 samples", out), out
-    online = ["train", "--online", "--target", str(tiny_kimi), "--data", str(small_data), "--out", str(tmp_path / "o"),
-              "--batch", "64", "--max-len", "96"]
+    online = [
+        "train",
+        "--online",
+        "--target",
+        str(tiny_kimi),
+        "--data",
+        str(small_data),
+        "--out",
+        str(tmp_path / "o"),
+        "--batch",
+        "64",
+        "--max-len",
+        "96",
+    ]
     assert cli.main(online) == 2
     err = capsys.readouterr().err
     assert "--data holds 48 samples, fewer than one batch (--batch 64); give --batch 48 or fewer" in err, err
@@ -305,13 +385,28 @@ def test_a_store_smaller_than_one_batch_trains_with_the_batch_it_has_and_says_so
 
 def test_when_epochs_stop_the_run_before_steps_the_run_says_so(small_store, tmp_path, capsys):
     """At 9c6575d `--steps 5` on an 11-sample store ran 1 step without saying why."""
-    code = cli.main(["train", "--store", str(small_store), "--out", str(tmp_path / "t"), "--steps", "5", "--batch",
-                     "16", "--draft-vocab", "64"])
+    code = cli.main(
+        [
+            "train",
+            "--store",
+            str(small_store),
+            "--out",
+            str(tmp_path / "t"),
+            "--steps",
+            "5",
+            "--batch",
+            "16",
+            "--draft-vocab",
+            "64",
+        ]
+    )
     cap = capsys.readouterr()
     assert code == 0, cap.err
     said = cap.out + cap.err
-    assert ("--steps 5: stopping at 3 steps: --epochs 1 over 48 samples in batches of 16 is 3 steps "
-            "(raise --epochs for more)") in said, said
+    assert (
+        "--steps 5: stopping at 3 steps: --epochs 1 over 48 samples in batches of 16 is 3 steps "
+        "(raise --epochs for more)"
+    ) in said, said
     assert re.search(r"steps\s+3 \(48 samples", cap.out), cap.out
 
 
@@ -335,8 +430,22 @@ def test_a_lock_held_in_the_test_process_does_not_reach_the_command(small_store,
     t.start()
     held.wait(10)
     try:
-        done, _ = _command(["train", "--store", str(small_store), "--out", str(tmp_path / "t"), "--steps", "1",
-                            "--batch", "4", "--draft-vocab", "64"], timeout=60)
+        done, _ = _command(
+            [
+                "train",
+                "--store",
+                str(small_store),
+                "--out",
+                str(tmp_path / "t"),
+                "--steps",
+                "1",
+                "--batch",
+                "4",
+                "--draft-vocab",
+                "64",
+            ],
+            timeout=60,
+        )
     finally:
         release.set()
     assert done.returncode == 0, done.stderr[-2000:]
@@ -352,15 +461,17 @@ def _run(argv, fault=None, timeout=240):
     if fault:
         env["EAGLE3_FAULT"] = fault
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "eagle3.cli", *argv], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "eagle3.cli", *argv], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT
+    )
     return done, time.perf_counter() - t0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,point", [("SIGINT", "after_commit:1"), ("SIGTERM", "mid_write:2")])  # committer, writer
-def test_a_signal_during_extraction_ends_in_one_line_and_the_rerun_says_where_it_resumes(tiny_kimi, small_data,
-                                                                                         tmp_path, sig, point):
+def test_a_signal_during_extraction_ends_in_one_line_and_the_rerun_says_where_it_resumes(
+    tiny_kimi, small_data, tmp_path, sig, point
+):
     out = tmp_path / "s"
     argv = _extract_argv(tiny_kimi, small_data, out, "--no-selfcheck", "--max-samples", "24")  # 6 batches, 6 shards
     name, k = point.split(":")
@@ -371,7 +482,8 @@ def test_a_signal_during_extraction_ends_in_one_line_and_the_rerun_says_where_it
     stored = len(Store(out, json.loads((out / "manifest.json").read_text())).done_ids)
     assert 0 < stored < 24
     assert done.stderr.strip().splitlines()[-1] == (
-        f"interrupted: {stored} of 24 samples stored in {out}; rerun the same command to resume"), done.stderr
+        f"interrupted: {stored} of 24 samples stored in {out}; rerun the same command to resume"
+    ), done.stderr
     # consistent: what the manifest names is whole; a shard written but not committed waits for the rerun to remove it
     assert {f.kind for f in verify.verify(out).findings} <= {"missing_sample", "uncommitted_file"}
     if sig == "SIGTERM":
@@ -386,16 +498,32 @@ def test_a_signal_during_extraction_ends_in_one_line_and_the_rerun_says_where_it
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_signal_during_training_ends_in_one_line_and_the_rerun_says_where_it_resumes(small_store, tmp_path, sig):
     out = tmp_path / "t"
-    argv = ["train", "--store", str(small_store), "--out", str(out), "--steps", "8", "--batch", "4",
-            "--draft-vocab", "64", "--checkpoint-every", "2"]
-    if sig == "SIGTERM":  # the other checkpoints written in a thread, as on CUDA; the interrupt's is written before exit
+    argv = [
+        "train",
+        "--store",
+        str(small_store),
+        "--out",
+        str(out),
+        "--steps",
+        "8",
+        "--batch",
+        "4",
+        "--draft-vocab",
+        "64",
+        "--checkpoint-every",
+        "2",
+    ]
+    if (
+        sig == "SIGTERM"
+    ):  # the other checkpoints written in a thread, as on CUDA; the interrupt's is written before exit
         argv += ["--checkpoint-background", "on"]
     done, _ = _command(argv, fault=f"after_step:5:{sig}")
     assert done.returncode == 128 + getattr(signal, sig), done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"interrupted: saved a checkpoint of step 5 in {out} (the step in progress finished first); rerun the same "
-        "command to resume from it"), done.stderr
+        "command to resume from it"
+    ), done.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002", "step-0000004", "step-0000005"]
     if sig == "SIGTERM":
         return  # the rerun is the same after either signal: once is enough
@@ -412,7 +540,8 @@ def _losses(out: Path, step: int) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3])
 def test_ctrl_c_before_the_first_checkpoint_saves_the_finished_step_and_the_rerun_follows_the_same_curve(
-        small_store, tmp_path, k):
+    small_store, tmp_path, k
+):
     """At 962a6d4 a Ctrl-C before the first timed checkpoint (every 10 minutes by default) lost every step, and the
     rerun started from step 0 while the message said "rerun the same command to resume"."""
     argv = ["train", "--store", str(small_store), "--steps", "6", "--batch", "4", "--draft-vocab", "64"]
@@ -452,14 +581,18 @@ def test_every_refusal_comes_in_under_a_second(world, tmp_path, partial_store):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "blank.jsonl").write_text("\n  \n\n")
     world = dict(world, no_weights=str(tmp_path / "nope"), no_tok=str(tmp_path / "nope"), partial=str(partial_store))
-    cases = [(n, a) for n, a, _ in MISTAKES if "{no_" not in a] + [(n, a) for n, a, _ in OUT_OF_RANGE] + [
-        ("extract into a foreign folder", "extract --model {model} --data {data} --out {tmp}/mine"),
-        ("train into a folder of the user's files", "train --store {store} --out {tmp}/mine"),
-        ("make-target into a folder of the user's files", "make-target --out {tmp}/mine"),
-        ("demo into a folder of the user's files", "demo --out {tmp}/mine"),
-        ("regenerate over a user's file", "regenerate --target {model} --data {data} --out {tmp}/mine/notes.txt"),
-        ("train on an incomplete store", f"train --store {partial_store} --out {{tmp}}/t"),
-    ]
+    cases = (
+        [(n, a) for n, a, _ in MISTAKES if "{no_" not in a]
+        + [(n, a) for n, a, _ in OUT_OF_RANGE]
+        + [
+            ("extract into a foreign folder", "extract --model {model} --data {data} --out {tmp}/mine"),
+            ("train into a folder of the user's files", "train --store {store} --out {tmp}/mine"),
+            ("make-target into a folder of the user's files", "make-target --out {tmp}/mine"),
+            ("demo into a folder of the user's files", "demo --out {tmp}/mine"),
+            ("regenerate over a user's file", "regenerate --target {model} --data {data} --out {tmp}/mine/notes.txt"),
+            ("train on an incomplete store", f"train --store {partial_store} --out {{tmp}}/t"),
+        ]
+    )
     timings = {}
     for name, argv in cases:
         for _ in range(2):
@@ -472,22 +605,28 @@ def test_every_refusal_comes_in_under_a_second(world, tmp_path, partial_store):
     assert max(timings.values()) < 1.0, timings
 
 
-@pytest.mark.parametrize("command", ["extract --model {model} --data {data} --out {tmp}/o",
-                                     "train --online --target {model} --data {data} --out {tmp}/o",
-                                     "regenerate --target {model} --data {data} --out {tmp}/o.jsonl"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        "extract --model {model} --data {data} --out {tmp}/o",
+        "train --online --target {model} --data {data} --out {tmp}/o",
+        "regenerate --target {model} --data {data} --out {tmp}/o.jsonl",
+    ],
+)
 def test_an_empty_data_file_is_refused_before_any_model_library_is_imported(world, tmp_path, command):
     """At 962a6d4 an empty data file was refused after 4.3 s (the tokenizer loaded first). Refused in preflight, it
     costs the interpreter's start: the timing is printed (-s), the import check holds however loaded the machine."""
     (tmp_path / "empty.jsonl").write_text("")
     argv = command.format(**dict(world, data=tmp_path / "empty.jsonl")).split()
-    code = ("import sys, time; t = time.perf_counter(); from eagle3 import cli; rc = cli.main(sys.argv[1:]); "
-            "print(round(time.perf_counter() - t, 3), sorted(m for m in ('torch', 'transformers', 'vllm') "
-            "if m in sys.modules)); sys.exit(rc)")
+    code = (
+        "import sys, time; t = time.perf_counter(); from eagle3 import cli; rc = cli.main(sys.argv[1:]); "
+        "print(round(time.perf_counter() - t, 3), sorted(m for m in ('torch', 'transformers', 'vllm') "
+        "if m in sys.modules)); sys.exit(rc)"
+    )
     best = None
     for _ in range(3):
         t0 = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT,
-                              timeout=60)
+        done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT, timeout=60)
         best = min(best or 1e9, time.perf_counter() - t0)
     assert done.returncode == 2 and "the file is empty" in done.stderr, done.stderr
     assert done.stdout.split(" ", 1)[1].strip() == "[]", done.stdout  # no model library imported
@@ -512,25 +651,35 @@ def test_an_interrupted_extraction_leaves_no_writer_thread_running(tiny_kimi, sm
 
     monkeypatch.setattr(HFBackend, "capture", capture)
     before = set(threading.enumerate())  # another test's threads are not this run's
-    cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(tmp_path / "s"), batch_size=4, shard_samples=4,
-                                writer_threads=2, selfcheck=0,
-                                data=DataConfig([str(small_data)], max_len=96, max_samples=16))
+    cfg = extract.ExtractConfig(
+        model=str(tiny_kimi),
+        out=str(tmp_path / "s"),
+        batch_size=4,
+        shard_samples=4,
+        writer_threads=2,
+        selfcheck=0,
+        data=DataConfig([str(small_data)], max_len=96, max_samples=16),
+    )
     with pytest.raises(KeyboardInterrupt):
         extract.run(cfg, progress=False)
     assert [t.name for t in set(threading.enumerate()) - before if t.name.startswith("eagle3-shard")] == []
 
 
 @pytest.mark.parametrize("command", ["extract", "train"])
-def test_a_store_being_written_is_refused_in_preflight_before_any_model_is_read(small_store, tmp_path, tiny_kimi,
-                                                                             small_data, command):
+def test_a_store_being_written_is_refused_in_preflight_before_any_model_is_read(
+    small_store, tmp_path, tiny_kimi, small_data, command
+):
     """The refusal comes from the CLI's preflight (well under a second), not from the library once the model and data
     are loaded (the library refuses too: a second writer never gets in)."""
     store = tmp_path / "s"
     shutil.copytree(small_store, store)
     holder = _hold_lock(store)
     try:
-        argv = (_extract_argv(tiny_kimi, small_data, store) if command == "extract"
-                else ["train", "--store", str(store), "--out", str(tmp_path / "t")])
+        argv = (
+            _extract_argv(tiny_kimi, small_data, store)
+            if command == "extract"
+            else ["train", "--store", str(store), "--out", str(tmp_path / "t")]
+        )
         with pytest.raises(cli_preflight.UsageError, match=f"being written by pid {holder.pid}"):
             cli.preflight(cli.build_parser().parse_args(argv))
     finally:

@@ -89,14 +89,32 @@ def test_vllm_internal_ids_map_to_the_callers():
 
 
 CONVS = [
-    {"messages": [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4."},
-                  {"role": "user", "content": "And times 3?"}, {"role": "assistant", "content": "12."}]},
+    {
+        "messages": [
+            {"role": "user", "content": "What is 2 plus 2?"},
+            {"role": "assistant", "content": "4."},
+            {"role": "user", "content": "And times 3?"},
+            {"role": "assistant", "content": "12."},
+        ]
+    },
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]},
-    {"messages": [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1, 2, 3."},
-                  {"role": "user", "content": "Again."}, {"role": "assistant", "content": "1, 2, 3.", "weight": 0}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Count to 3."},
+            {"role": "assistant", "content": "1, 2, 3."},
+            {"role": "user", "content": "Again."},
+            {"role": "assistant", "content": "1, 2, 3.", "weight": 0},
+        ]
+    },
     {"messages": [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]},
-    {"messages": [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4."},
-                  {"role": "user", "content": "And times 3?"}, {"role": "assistant", "content": "12."}]},
+    {
+        "messages": [
+            {"role": "user", "content": "What is 2 plus 2?"},
+            {"role": "assistant", "content": "4."},
+            {"role": "user", "content": "And times 3?"},
+            {"role": "assistant", "content": "12."},
+        ]
+    },
 ]
 
 
@@ -105,14 +123,20 @@ def test_the_prompt_is_the_conversation_up_to_its_last_learned_turn(tokenizer, t
     next turn of a prompt-only conversation; a prompt with no room under max_len is rejected with its reason."""
     data = corpus.write_jsonl(tmp_path / "c.jsonl", CONVS)
     gen = one_pass.Generation(max_tokens=64, seed=5)
-    prompts, report = one_pass.load_prompts(DataConfig([str(data)], max_len=256, rejects_path=str(tmp_path / "r.jsonl")),
-                                            tokenizer, gen)
+    prompts, report = one_pass.load_prompts(
+        DataConfig([str(data)], max_len=256, rejects_path=str(tmp_path / "r.jsonl")), tokenizer, gen
+    )
 
     def enc(msgs):
         return tuple(tokenizer(masks.chat(tokenizer, msgs, None, gen=True), add_special_tokens=False)["input_ids"])
 
     m = [c["messages"] for c in CONVS]
-    assert [p.sample_id for p in prompts] == ["c.jsonl:1~regen", "c.jsonl:2~regen", "c.jsonl:3~regen", "c.jsonl:5~regen"]
+    assert [p.sample_id for p in prompts] == [
+        "c.jsonl:1~regen",
+        "c.jsonl:2~regen",
+        "c.jsonl:3~regen",
+        "c.jsonl:5~regen",
+    ]
     assert prompts[0].ids == enc(m[0][:3]) and prompts[1].ids == enc(m[1]) and prompts[2].ids == enc(m[2][:1])
     assert [p.seed for p in prompts] == [5 * regenerate.SEED_STRIDE + n for n in (1, 2, 3, 5)]
     assert all(p.max_tokens == min(64, 256 - len(p)) for p in prompts)
@@ -132,9 +156,14 @@ def test_the_sample_is_the_prompt_and_the_turn_with_the_loss_on_the_turn():
 
 
 def _regen_cfg(model, data, out, **kw):
-    return extract.ExtractConfig(model=str(model), out=str(out), data=DataConfig([str(data)], max_len=160),
-                                 batch_size=kw.pop("batch_size", 3),
-                                 regenerate=kw.pop("gen", one_pass.Generation(max_tokens=12)), **kw)
+    return extract.ExtractConfig(
+        model=str(model),
+        out=str(out),
+        data=DataConfig([str(data)], max_len=160),
+        batch_size=kw.pop("batch_size", 3),
+        regenerate=kw.pop("gen", one_pass.Generation(max_tokens=12)),
+        **kw,
+    )
 
 
 def _stored(out):
@@ -151,20 +180,29 @@ def _reserved_bytes() -> int:
 
 
 @pytest.mark.parametrize("capture,tp", [("direct", 1), ("hooks", 2)])
-def test_one_pass_stores_every_row_of_the_final_tokens(fake, tiny_kimi, tmp_path, reference_states, capture, tp,  # noqa: F811
-                                                       monkeypatch):
+def test_one_pass_stores_every_row_of_the_final_tokens(
+    fake,
+    tiny_kimi,
+    tmp_path,
+    reference_states,
+    capture,
+    tp,
+    monkeypatch,
+):
     """With vLLM (the fake): every stored row of every layer id, the last one included, equals a prefill of the
     sample's final tokens; the ids are the prompt and the turn; the loss mask is exactly the turn. One turn ends on
     a stop token (its last row: the tail request's, over async scheduling's NaN row), the others at max_tokens."""
     data = corpus.write_jsonl(tmp_path / "c.jsonl", [c for c in CONVS if len(json.dumps(c)) < 400][:4])
-    first = extract.run(_regen_cfg(tiny_kimi, data, tmp_path / "a", backend="vllm", capture="direct", selfcheck=0),
-                        progress=False)
+    first = extract.run(
+        _regen_cfg(tiny_kimi, data, tmp_path / "a", backend="vllm", capture="direct", selfcheck=0), progress=False
+    )
     turns = {sid: s["input_ids"][s["loss_mask"].bool()].tolist() for sid, s in _stored(tmp_path / "a").items()}
     stop = turns["c.jsonl:1~regen"][4]  # a stop token the target draws 5th in line 1's turn
     monkeypatch.setattr(masks, "stop_ids", lambda tok: {stop})
     before = _reserved_bytes()
-    s = extract.run(_regen_cfg(tiny_kimi, data, tmp_path / "b", backend="vllm", capture=capture, tp=tp, selfcheck=2),
-                    progress=False)
+    s = extract.run(
+        _regen_cfg(tiny_kimi, data, tmp_path / "b", backend="vllm", capture=capture, tp=tp, selfcheck=2), progress=False
+    )
     # the engine shut down gives its buffers back, as vLLM's ends its workers: the self-check's prefill fills
     # store-mode shard buffers on every rank (3.4 GB reserved a rank here); kept, they added up in one test process
     # until a later test's fork failed with ENOMEM
@@ -181,45 +219,79 @@ def test_one_pass_stores_every_row_of_the_final_tokens(fake, tiny_kimi, tmp_path
         ref = reference_states(ids)  # a prefill of the final tokens, float32; the tail request's rows come from a
         # forward one token longer, equal in float32 up to rounding: within one bf16 step here
         for layer in IDS:
-            torch.testing.assert_close(sample["states"][layer].float(), ref[layer].bfloat16().float(), rtol=2 ** -7,
-                                       atol=1e-5, msg=lambda m, sid=sid, layer=layer: f"{sid} id {layer}: {m}")
+            torch.testing.assert_close(
+                sample["states"][layer].float(),
+                ref[layer].bfloat16().float(),
+                rtol=2**-7,
+                atol=1e-5,
+                msg=lambda m, sid=sid, layer=layer: f"{sid} id {layer}: {m}",
+            )
     assert got["c.jsonl:1~regen"]["input_ids"].tolist()[-1] == stop
     stopped = sum(stop in t for t in turns.values())  # line 4 repeats line 1: the same greedy turn
     assert f"(length {4 - stopped}, stop {stopped})" in s.generation and s.generation.startswith(
-        f"{sum(int(x['loss_mask'].sum()) for x in got.values()):,} tokens generated")
+        f"{sum(int(x['loss_mask'].sum()) for x in got.values()):,} tokens generated"
+    )
 
 
-def test_a_first_request_that_reads_the_prefix_cache_loses_rows_and_is_caught(fake, tiny_kimi, tmp_path,  # noqa: F811
-                                                                              monkeypatch):
+def test_a_first_request_that_reads_the_prefix_cache_loses_rows_and_is_caught(
+    fake,
+    tiny_kimi,
+    tmp_path,
+    monkeypatch,
+):
     """Prompts sharing their first block, one a batch: were the turn's request to read the cache, the second
     prompt's first rows would never be computed."""
-    data = corpus.write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "Shared opening words of the "
-                                                      f"prompt for every line here, then {k}"}]} for k in range(3)])
+    data = corpus.write_jsonl(
+        tmp_path / "c.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": f"Shared opening words of the prompt for every line here, then {k}"}
+                ]
+            }
+            for k in range(3)
+        ],
+    )
     real = one_pass.sampling_params
-    monkeypatch.setattr(one_pass, "sampling_params", lambda *a: __import__("dataclasses").replace(
-        real(*a), skip_reading_prefix_cache=False))
+    monkeypatch.setattr(
+        one_pass,
+        "sampling_params",
+        lambda *a: __import__("dataclasses").replace(real(*a), skip_reading_prefix_cache=False),
+    )
     with pytest.raises(StoreError, match="no row for"):
-        extract.run(_regen_cfg(tiny_kimi, data, tmp_path / "s", backend="vllm", selfcheck=0, batch_size=1),
-                    progress=False)
+        extract.run(
+            _regen_cfg(tiny_kimi, data, tmp_path / "s", backend="vllm", selfcheck=0, batch_size=1), progress=False
+        )
     monkeypatch.setattr(one_pass, "sampling_params", real)
-    s = extract.run(_regen_cfg(tiny_kimi, data, tmp_path / "t", backend="vllm", selfcheck=0, batch_size=1),
-                    progress=False)
+    s = extract.run(
+        _regen_cfg(tiny_kimi, data, tmp_path / "t", backend="vllm", selfcheck=0, batch_size=1), progress=False
+    )
     assert s.samples_written == 3
 
 
-def test_the_aux_capture_is_refused_for_one_pass(fake, tiny_kimi, tmp_path):  # noqa: F811
+def test_the_aux_capture_is_refused_for_one_pass(fake, tiny_kimi, tmp_path):
     data = corpus.write_jsonl(tmp_path / "c.jsonl", CONVS[:1])
     with pytest.raises(StoreError, match="needs the direct or hooks capture"):
-        extract.run(_regen_cfg(tiny_kimi, data, tmp_path / "s", backend="vllm", capture="aux", selfcheck=0),
-                    progress=False)
+        extract.run(
+            _regen_cfg(tiny_kimi, data, tmp_path / "s", backend="vllm", capture="aux", selfcheck=0), progress=False
+        )
 
 
-def test_the_turn_is_drawn_with_the_lines_seed(fake, tiny_kimi, tmp_path):  # noqa: F811
+def test_the_turn_is_drawn_with_the_lines_seed(fake, tiny_kimi, tmp_path):
     data = corpus.write_jsonl(tmp_path / "c.jsonl", CONVS[:2])
     turns = []
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
-        extract.run(_regen_cfg(tiny_kimi, data, tmp_path / name, backend="vllm", selfcheck=0,
-                               gen=one_pass.Generation(temperature=1.0, max_tokens=12, seed=seed)), progress=False)
+        extract.run(
+            _regen_cfg(
+                tiny_kimi,
+                data,
+                tmp_path / name,
+                backend="vllm",
+                selfcheck=0,
+                gen=one_pass.Generation(temperature=1.0, max_tokens=12, seed=seed),
+            ),
+            progress=False,
+        )
         turns.append({k: v["input_ids"].tolist() for k, v in _stored(tmp_path / name).items()})
     assert turns[0] == turns[1] and turns[0] != turns[2]
 
@@ -233,9 +305,16 @@ def test_hf_one_pass_resumes_after_a_crash_as_an_uninterrupted_run(tiny_kimi, sm
     from eagle3.extract.hf_backend import HFBackend
 
     def cfg(out, fault=None):
-        return extract.ExtractConfig(model=str(tiny_kimi), out=str(out), batch_size=2, selfcheck=0, writer_threads=0,
-                                     data=DataConfig([str(small_data)], max_len=512, max_samples=5),
-                                     regenerate=one_pass.Generation(max_tokens=6), fault=fault)
+        return extract.ExtractConfig(
+            model=str(tiny_kimi),
+            out=str(out),
+            batch_size=2,
+            selfcheck=0,
+            writer_threads=0,
+            data=DataConfig([str(small_data)], max_len=512, max_samples=5),
+            regenerate=one_pass.Generation(max_tokens=6),
+            fault=fault,
+        )
 
     whole = extract.run(cfg(tmp_path / "whole"), progress=False)
     calls = []
@@ -262,15 +341,23 @@ def test_hf_one_pass_resumes_after_a_crash_as_an_uninterrupted_run(tiny_kimi, sm
 
 def test_a_store_of_the_datas_turns_is_not_continued_with_regenerated_ones(tiny_kimi, small_data, tmp_path):
     data = DataConfig([str(small_data)], max_len=512, max_samples=2)
-    extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(tmp_path / "s"), data=data, selfcheck=0),
-                progress=False)
+    extract.run(
+        extract.ExtractConfig(model=str(tiny_kimi), out=str(tmp_path / "s"), data=data, selfcheck=0), progress=False
+    )
     with pytest.raises(StoreError, match="planned for a different sample list"):
-        extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(tmp_path / "s"), selfcheck=0,
-                                          data=DataConfig([str(small_data)], max_len=512, max_samples=2),
-                                          regenerate=one_pass.Generation(max_tokens=4)), progress=False)
+        extract.run(
+            extract.ExtractConfig(
+                model=str(tiny_kimi),
+                out=str(tmp_path / "s"),
+                selfcheck=0,
+                data=DataConfig([str(small_data)], max_len=512, max_samples=2),
+                regenerate=one_pass.Generation(max_tokens=4),
+            ),
+            progress=False,
+        )
 
 
-def test_the_self_check_computes_every_row_on_an_engine_whose_cache_holds_its_prompts(fake, tiny_kimi, tmp_path):  # noqa: F811
+def test_the_self_check_computes_every_row_on_an_engine_whose_cache_holds_its_prompts(fake, tiny_kimi, tmp_path):
     """The one-pass engine caches prefixes; the self-check's prefill (the regular capture) must not read them. Here
     one engine serves two runs: the second's self-check prompts are in the cache the first left."""
     data = corpus.write_jsonl(tmp_path / "c.jsonl", CONVS[:2])
@@ -278,8 +365,9 @@ def test_the_self_check_computes_every_row_on_an_engine_whose_cache_holds_its_pr
     backend = extract.make_backend(cfg, extract.store_spec(cfg.model, cfg.layer_ids, cfg.dtype))
     try:
         extract.run(cfg, backend=backend, progress=False)
-        s = extract.run(_regen_cfg(tiny_kimi, data, tmp_path / "b", backend="vllm", selfcheck=2), backend=backend,
-                        progress=False)
+        s = extract.run(
+            _regen_cfg(tiny_kimi, data, tmp_path / "b", backend="vllm", selfcheck=2), backend=backend, progress=False
+        )
     finally:
         backend.close()
     assert "self-check PASS" in s.selfcheck and s.samples_written == 2
@@ -292,9 +380,29 @@ def test_the_command_line_regenerates_records_its_settings_and_resumes(tiny_kimi
     from eagle3.store import recipe
 
     out = tmp_path / "s"
-    args = ["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(out), "--regenerate",
-            "--max-tokens", "5", "--temperature", "0.7", "--seed", "3", "--max-samples", "2", "--batch-size", "1",
-            "--no-selfcheck", "--max-len", "512"]
+    args = [
+        "extract",
+        "--model",
+        str(tiny_kimi),
+        "--data",
+        str(small_data),
+        "--out",
+        str(out),
+        "--regenerate",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.7",
+        "--seed",
+        "3",
+        "--max-samples",
+        "2",
+        "--batch-size",
+        "1",
+        "--no-selfcheck",
+        "--max-len",
+        "512",
+    ]
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
     assert "generated  " in printed and "tokens generated" in printed
@@ -302,14 +410,31 @@ def test_the_command_line_regenerates_records_its_settings_and_resumes(tiny_kimi
     assert "-> 2 prompts, " in data_line and "assistant" not in data_line, data_line  # the target writes the turns
     rec = recipe.load(out)
     assert (rec["regenerate"], rec["temperature"], rec["max_tokens"], rec["seed"]) == (True, 0.7, 5, 3)
-    assert all(s["sample_id"].endswith("~regen") and 0 < int(s["loss_mask"].sum()) <= 5 for s in
-               Store.open(out).iter_samples())
+    assert all(
+        s["sample_id"].endswith("~regen") and 0 < int(s["loss_mask"].sum()) <= 5 for s in Store.open(out).iter_samples()
+    )
     assert cli.main(["extract", "--resume", str(out)]) == 0
     assert "0 written now, 2 already there" in capsys.readouterr().out
-    assert cli.main(["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(tmp_path / "x"),
-                     "--regenerate", "--backend", "vllm", "--capture", "aux"]) == 2
+    assert (
+        cli.main(
+            [
+                "extract",
+                "--model",
+                str(tiny_kimi),
+                "--data",
+                str(small_data),
+                "--out",
+                str(tmp_path / "x"),
+                "--regenerate",
+                "--backend",
+                "vllm",
+                "--capture",
+                "aux",
+            ]
+        )
+        == 2
+    )
     assert "--capture direct or hooks" in capsys.readouterr().err and not (tmp_path / "x").exists()
-
 
 
 @pytest.mark.parametrize("room", [-1, 0, 1, 2])
@@ -318,7 +443,9 @@ def test_a_prompt_at_the_edge_of_max_len_gets_the_room_left_or_is_rejected(token
     sample then reaches max_len); none, the prompt is rejected (too_long), never asked for 0 or fewer tokens."""
     conv = {"messages": [{"role": "user", "content": "Say something long."}, {"role": "assistant", "content": "x"}]}
     data = corpus.write_jsonl(tmp_path / "c.jsonl", [conv])
-    n = len(tokenizer(masks.chat(tokenizer, conv["messages"][:1], None, gen=True), add_special_tokens=False)["input_ids"])
+    n = len(
+        tokenizer(masks.chat(tokenizer, conv["messages"][:1], None, gen=True), add_special_tokens=False)["input_ids"]
+    )
     cfg = DataConfig([str(data)], max_len=n + room, rejects_path=str(tmp_path / "r.jsonl"))
     if room >= 1:
         prompts, report = one_pass.load_prompts(cfg, tokenizer, one_pass.Generation(max_tokens=64))
@@ -342,23 +469,27 @@ def test_the_engine_s_row_count_is_checked_batch_by_batch():
 
     class LLM:
         def generate(self, prompts, params, use_tqdm=False):
-            return [SimpleNamespace(request_id=f"r{next(calls)}", outputs=[SimpleNamespace(token_ids=[4, 5, eos])])
-                    for _ in prompts]
+            return [
+                SimpleNamespace(request_id=f"r{next(calls)}", outputs=[SimpleNamespace(token_ids=[4, 5, eos])])
+                for _ in prompts
+            ]
 
     def call(method, args=None, keys=None):
         if method != "eagle3_regen_write":
             return [{"rank": r, "owner": r == 0} for r in (0, 1)]
         counted[0] += sum(len(np.frombuffer(ids, dtype=np.int32)) for _, _, ids, _ in args) + extra.pop(0)
-        return [{"rank": r, "owner": r == 0, "steps": 7, "rows": counted[0], "shards": [], "errors": []}
-                for r in (0, 1)]
+        return [
+            {"rank": r, "owner": r == 0, "steps": 7, "rows": counted[0], "shards": [], "errors": []} for r in (0, 1)
+        ]
 
     backend = SimpleNamespace(vllm=SimpleNamespace(SamplingParams=lambda **kw: kw), llm=LLM(), call=call)
     from eagle3.store.format import StoreSpec
 
     spec = StoreSpec(target={"name_or_path": "t"}, layer_ids=(1, 2), hidden_size=4, dtype="bfloat16")
     store = SimpleNamespace(root="s", spec=spec, next_shard_index=0)
-    session = VLLMOnePass(backend, store, SimpleNamespace(shard_tokens=None, fsync=False, writer_threads=0),
-                          Generation(), {eos})
+    session = VLLMOnePass(
+        backend, store, SimpleNamespace(shard_tokens=None, fsync=False, writer_threads=0), Generation(), {eos}
+    )
     batch = [Prompt(f"a:{i}", (1, 2), 0, 8) for i in range(4)]  # 4 samples of 5 tokens
     assert session.submit(batch).recomputed == 3
     assert session.submit(batch).recomputed == 1

@@ -83,9 +83,20 @@ class FolderWatch:
 def offline(setup, tiny_kimi, tmp_path_factory):
     samples, backend, _ = setup
     root = tmp_path_factory.mktemp("offline")
-    extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(root / "store"), batch_size=8, layer_ids=IDS,
-                                      selfcheck=0, writer_threads=0, shard_samples=8),
-                samples=samples, backend=backend, progress=False)
+    extract.run(
+        extract.ExtractConfig(
+            model=str(tiny_kimi),
+            out=str(root / "store"),
+            batch_size=8,
+            layer_ids=IDS,
+            selfcheck=0,
+            writer_threads=0,
+            shard_samples=8,
+        ),
+        samples=samples,
+        backend=backend,
+        progress=False,
+    )
     return train(_cfg(root / "store", root / "run"), progress=False)
 
 
@@ -96,8 +107,15 @@ def test_online_follows_the_offline_loss_curve_within_its_bound(setup, offline, 
     claim(tmp_path / "spool")  # the spool's folder, as the run makes it, before its shards/ is watched
     (tmp_path / "spool" / "shards").mkdir(parents=True)
     with FolderWatch(tmp_path / "spool" / "shards") as fs:
-        res = online.run(_cfg(tmp_path / "spool", tmp_path / "run"), ex, samples, cap, backend=backend,
-                         extract_batch=batch, progress=False)
+        res = online.run(
+            _cfg(tmp_path / "spool", tmp_path / "run"),
+            ex,
+            samples,
+            cap,
+            backend=backend,
+            extract_batch=batch,
+            progress=False,
+        )
     assert res.train.losses == offline.losses  # step by step, exactly
     assert res.train.steps == offline.steps == 12 and res.train.samples_seen == 96
     # one shard per extraction batch: cutting shards at the longest sample's tokens gave ~1 sample per shard, each
@@ -107,7 +125,10 @@ def test_online_follows_the_offline_loss_curve_within_its_bound(setup, offline, 
     assert res.producer_wait_s > 0, "the capacity never bound: the test shows nothing"
     assert res.peak_bytes > cap // 2
     assert not (tmp_path / "spool" / "shards").exists()  # all learned from: the spool is emptied
-    a, b = load_file(str(tmp_path / "run" / "draft" / "model.safetensors")), load_file(f"{offline.draft}/model.safetensors")
+    a, b = (
+        load_file(str(tmp_path / "run" / "draft" / "model.safetensors")),
+        load_file(f"{offline.draft}/model.safetensors"),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     text = "\n".join(res.lines())
     assert "extraction waited" in text and "training waited" in text and "tok/s" in text
@@ -115,8 +136,15 @@ def test_online_follows_the_offline_loss_curve_within_its_bound(setup, offline, 
 
 def test_the_progress_bar_shows_both_sides(setup, tiny_kimi, tmp_path, capsys):
     samples, backend, ex = setup
-    online.run(_cfg(tmp_path / "spool", tmp_path / "run", max_steps=3), ex, samples, _capacity(tiny_kimi, 4),
-               backend=backend, extract_batch=4, progress=True)
+    online.run(
+        _cfg(tmp_path / "spool", tmp_path / "run", max_steps=3),
+        ex,
+        samples,
+        _capacity(tiny_kimi, 4),
+        backend=backend,
+        extract_batch=4,
+        progress=True,
+    )
     err = capsys.readouterr().err
     assert "loss=" in err and "extract=" in err and "tok/s" in err and "spool=" in err and "MiB" in err, err[-500:]
 
@@ -128,15 +156,30 @@ def test_a_spool_too_small_for_two_extraction_batches_is_refused(setup, tiny_kim
         online.run(_cfg(tmp_path / "spool", tmp_path / "run"), ex, samples, 1 << 30, backend=backend, progress=False)
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(ValueError, match="cannot hold two extraction batches of 4 samples"):
-        online.run(_cfg(tmp_path / "spool", tmp_path / "run"), ex, samples, _capacity(tiny_kimi, 4, 1),
-                   backend=backend, extract_batch=4, progress=False)
+        online.run(
+            _cfg(tmp_path / "spool", tmp_path / "run"),
+            ex,
+            samples,
+            _capacity(tiny_kimi, 4, 1),
+            backend=backend,
+            extract_batch=4,
+            progress=False,
+        )
     assert not (tmp_path / "spool").exists()
 
 
-POINTS = [("after_batch", 3), ("mid_write", 5), ("before_rename", 2), ("after_step", 5), ("mid_checkpoint", 2),
-          ("after_step", 9), ("after_batch", 11)]
+POINTS = [
+    ("after_batch", 3),
+    ("mid_write", 5),
+    ("before_rename", 2),
+    ("after_step", 5),
+    ("mid_checkpoint", 2),
+    ("after_step", 9),
+    ("after_batch", 11),
+]
 KILL_SAMPLES, KILL_BATCH = 24, 4  # 2 epochs: 48 samples, 12 steps, 24 extraction batches of 2 (every point reached;
-# half the samples of the other tests' runs, since each point runs the chain about twice and its reference once a worker)
+# half the samples of the other tests' runs, since each point runs the chain about twice and its reference once a
+# worker)
 
 
 def _kill_cfg(root):
@@ -148,8 +191,15 @@ def uninterrupted(setup, tiny_kimi, tmp_path_factory):
     samples, backend, ex = setup
 
     def build(root):
-        res = online.run(_kill_cfg(root), ex, samples[:KILL_SAMPLES], _capacity(tiny_kimi, 2), backend=backend,
-                         extract_batch=2, progress=False)
+        res = online.run(
+            _kill_cfg(root),
+            ex,
+            samples[:KILL_SAMPLES],
+            _capacity(tiny_kimi, 2),
+            backend=backend,
+            extract_batch=2,
+            progress=False,
+        )
         return res, load_file(str(root / "run" / "draft" / "model.safetensors"))
 
     return once_per_run(tmp_path_factory, "online-uninterrupted", build)  # one reference for every worker's kills
@@ -176,8 +226,9 @@ def _killed_at(setup, tiny_kimi, root, fault: str):
 
 
 @pytest.mark.parametrize("point,k", POINTS)
-def test_kill_9_anywhere_then_the_same_command_gives_the_uninterrupted_run(setup, uninterrupted, tiny_kimi, tmp_path,
-                                                                          point, k):
+def test_kill_9_anywhere_then_the_same_command_gives_the_uninterrupted_run(
+    setup, uninterrupted, tiny_kimi, tmp_path, point, k
+):
     ref, ref_draft = uninterrupted
     go, samples, cap = _killed_at(setup, tiny_kimi, tmp_path, f"{point}:{k}")
     spool = Store.open(tmp_path / "spool")
@@ -226,7 +277,8 @@ def _damage(root, how: str) -> list[str]:
 
 @pytest.mark.parametrize("how", ["missing", "truncated", "manifest_empty", "stamp_empty"])
 def test_a_power_loss_that_took_the_spool_s_unflushed_writes_then_the_same_command_gives_the_uninterrupted_run(
-        setup, uninterrupted, tiny_kimi, tmp_path, how):
+    setup, uninterrupted, tiny_kimi, tmp_path, how
+):
     """The spool is never fsynced (a cache of states the target makes again): a power loss may take any of its
     writes. Killed after step 5 (the newest checkpoint at step 4), the spool then damaged as a power loss may leave
     it; the rerun drops what it cannot trust, extracts again from the checkpoint's position, and gives the
@@ -257,8 +309,15 @@ def test_the_spool_is_never_fsynced(setup, tiny_kimi, tmp_path, monkeypatch):
         return real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    res = online.run(_cfg(tmp_path / "spool", tmp_path / "run", max_steps=3), ex, samples,
-                     _capacity(tiny_kimi, 4), backend=backend, extract_batch=4, progress=False)
+    res = online.run(
+        _cfg(tmp_path / "spool", tmp_path / "run", max_steps=3),
+        ex,
+        samples,
+        _capacity(tiny_kimi, 4),
+        backend=backend,
+        extract_batch=4,
+        progress=False,
+    )
     assert res.train.steps == 3 and res.shards >= 3
     assert any(p.startswith(str(tmp_path / "run")) for p in synced), synced  # the checkpoint's
     assert not [p for p in synced if p.startswith(str(tmp_path / "spool"))]
@@ -267,9 +326,30 @@ def test_the_spool_is_never_fsynced(setup, tiny_kimi, tmp_path, monkeypatch):
 def test_cli_train_online(tiny_kimi, small_data, tmp_path, capsys):
     from eagle3 import cli
 
-    code = cli.main(["train", "--online", "--target", str(tiny_kimi), "--data", str(small_data), "--out",
-                     str(tmp_path / "run"), "--spool-mb", "2", "--extract-batch", "4", "--max-len", "96", "--steps",
-                     "3", "--batch", "8", "--draft-vocab", "256"])
+    code = cli.main(
+        [
+            "train",
+            "--online",
+            "--target",
+            str(tiny_kimi),
+            "--data",
+            str(small_data),
+            "--out",
+            str(tmp_path / "run"),
+            "--spool-mb",
+            "2",
+            "--extract-batch",
+            "4",
+            "--max-len",
+            "96",
+            "--steps",
+            "3",
+            "--batch",
+            "8",
+            "--draft-vocab",
+            "256",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "online     extracted" in out and "check      final-state self-check PASS" in out
@@ -287,11 +367,14 @@ def _spool_of(setup, tiny_kimi, root, starts) -> online.Spool:
 
     samples, backend, ex = setup
     spool = online.Spool(root, extract.store_spec(tiny_kimi, IDS, "bfloat16"), 10**9)
-    session = extract.open_session(backend, spool.store, dataclasses.replace(
-        ex, out=str(root), shard_samples=2, writer_threads=0))
+    session = extract.open_session(
+        backend, spool.store, dataclasses.replace(ex, out=str(root), shard_samples=2, writer_threads=0)
+    )
     for a in starts:
-        batch = [Sample(online.position_id(p, samples[p].sample_id), samples[p].input_ids, samples[p].loss_mask)
-                 for p in (a, a + 1)]
+        batch = [
+            Sample(online.position_id(p, samples[p].sample_id), samples[p].input_ids, samples[p].loss_mask)
+            for p in (a, a + 1)
+        ]
         spool.commit(session.submit(batch), 0)
     spool.commit(session.finish(), 0)
     spool.store.release()
@@ -306,7 +389,8 @@ def test_resume_keeps_the_shards_that_continue_the_checkpoint_and_frees_the_rest
     held = sorted(online.position_of(sid) for sh in again.store.shards for sid in sh["sample_ids"])
     assert held == [2, 3, 4, 5, 6, 7]  # 0-1 learned from; 10-11 after the gap are extracted again, in order
     assert sorted(p.name for p in (tmp_path / "spool" / "shards").iterdir()) == sorted(
-        sh["file"].split("/")[1] for sh in again.store.shards)
+        sh["file"].split("/")[1] for sh in again.store.shards
+    )
     assert again.committed == sum(sh["bytes"] for sh in again.store.shards)
     first = next(sh["file"] for sh in again.store.shards if "0000000002|" in sh["sample_ids"][0])
     assert again.unread[first] == {3}  # position 2 was learned from: reading 3 frees the shard
@@ -315,8 +399,9 @@ def test_resume_keeps_the_shards_that_continue_the_checkpoint_and_frees_the_rest
 
 
 @pytest.mark.parametrize("how", ["altered", "truncated", "missing"])
-def test_resume_keeps_only_the_shards_that_continue_the_checkpoint_and_match_their_checksum(setup, tiny_kimi,
-                                                                                           tmp_path, how):
+def test_resume_keeps_only_the_shards_that_continue_the_checkpoint_and_match_their_checksum(
+    setup, tiny_kimi, tmp_path, how
+):
     """As above, and a power loss took part of the shard of positions 4-5 (never fsynced): it holds other bytes, is
     cut short or is gone. The rerun keeps 2-3 only and extracts from 4 again; the damaged shard leaves the manifest
     and the folder (kept, it stopped training at its first read as a changed file)."""
@@ -337,7 +422,8 @@ def test_resume_keeps_only_the_shards_that_continue_the_checkpoint_and_match_the
     held = sorted(online.position_of(sid) for sh in again.store.shards for sid in sh["sample_ids"])
     assert held == [2, 3]
     assert sorted(p.name for p in (tmp_path / "spool" / "shards").iterdir()) == sorted(
-        sh["file"].split("/")[1] for sh in again.store.shards)
+        sh["file"].split("/")[1] for sh in again.store.shards
+    )
     assert again.committed == sum(sh["bytes"] for sh in again.store.shards)
 
 
@@ -445,8 +531,9 @@ def test_a_reservation_that_fills_the_spool_exactly_does_not_wait(tiny_kimi, tmp
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_each_reservation_covers_its_shard_file_by_exactly_the_margin_the_header_needs(setup, tiny_kimi, tmp_path,
-                                                                                       monkeypatch, batch):
+def test_each_reservation_covers_its_shard_file_by_exactly_the_margin_the_header_needs(
+    setup, tiny_kimi, tmp_path, monkeypatch, batch
+):
     """The bound, exactly, from file sizes: a shard file is its samples' bytes (sample_bytes, exact) plus one
     offset, plus its safetensors header. The producer reserves the samples' bytes plus SHARD_MARGIN before the
     shard exists, since the header's size (sample ids) is known only then: that margin is the only slack, by
@@ -469,8 +556,15 @@ def test_each_reservation_covers_its_shard_file_by_exactly_the_margin_the_header
 
     monkeypatch.setattr(online.Spool, "reserve", reserve)
     monkeypatch.setattr(online.Spool, "commit", commit)
-    res = online.run(_cfg(tmp_path / "spool", tmp_path / "run", max_steps=4), ex, samples, _capacity(tiny_kimi, batch),
-                     backend=backend, extract_batch=batch, progress=False)
+    res = online.run(
+        _cfg(tmp_path / "spool", tmp_path / "run", max_steps=4),
+        ex,
+        samples,
+        _capacity(tiny_kimi, batch),
+        backend=backend,
+        extract_batch=batch,
+        progress=False,
+    )
     assert res.train.steps == 4 and len(shards) == len(reserved) > 1
     for nbytes, (info, size, header) in zip(reserved, shards):
         data = info.num_tokens * (spec.bytes_per_token + 5) + 8 * info.num_samples  # sum of sample_bytes
@@ -549,8 +643,15 @@ def test_a_fresh_run_extracts_while_the_draft_is_built(setup, tiny_kimi, tmp_pat
     spool's first shard, which only an extraction already running can bring."""
     samples, backend, ex = setup
     seen = _build_draft_once(monkeypatch, lambda spool: spool.entries, within=10)
-    res = online.run(_cfg(tmp_path / "spool", tmp_path / "run", max_steps=2), ex, samples, _capacity(tiny_kimi, 4),
-                     backend=backend, extract_batch=4, progress=False)
+    res = online.run(
+        _cfg(tmp_path / "spool", tmp_path / "run", max_steps=2),
+        ex,
+        samples,
+        _capacity(tiny_kimi, 4),
+        backend=backend,
+        extract_batch=4,
+        progress=False,
+    )
     assert seen == [True] and res.train.steps == 2
 
 
@@ -563,11 +664,32 @@ def test_the_control_counts_the_commits_over_the_trainer_s_later_half_not_the_sp
 
     def result(commits):
         line = [(float(e), 100) for e in (1, 2, 3, 4, 4.25, 4.5, 4.75, 5.0)]
-        train = TrainResult(out="", draft="", steps=8, samples_seen=8, tokens_seen=800, seconds=5.0, losses=[],
-                            accept={}, tokens_this_run=800, timeline=line, started_at=10.0)
-        return online.OnlineResult(train=train, spool="", capacity=0, peak_bytes=0, peak_files_bytes=0,
-                                   extracted_tokens=sum(n for _, n in commits), shards=len(commits),
-                                   extract_seconds=1.0, producer_wait_s=0.0, trainer_wait_s=0.0, commits=commits)
+        train = TrainResult(
+            out="",
+            draft="",
+            steps=8,
+            samples_seen=8,
+            tokens_seen=800,
+            seconds=5.0,
+            losses=[],
+            accept={},
+            tokens_this_run=800,
+            timeline=line,
+            started_at=10.0,
+        )
+        return online.OnlineResult(
+            train=train,
+            spool="",
+            capacity=0,
+            peak_bytes=0,
+            peak_files_bytes=0,
+            extracted_tokens=sum(n for _, n in commits),
+            shards=len(commits),
+            extract_seconds=1.0,
+            producer_wait_s=0.0,
+            trainer_wait_s=0.0,
+            commits=commits,
+        )
 
     head = [(8.0 + 0.3 * i, 100) for i in range(6)]
     assert result(head).train.sustained_tokens_per_s() == 400.0
@@ -578,8 +700,9 @@ def test_the_control_counts_the_commits_over_the_trainer_s_later_half_not_the_sp
 
 
 @pytest.mark.parametrize("slow", ["extraction", "training", "extraction, first step"])
-def test_the_sustained_online_rate_is_the_pipeline_s_not_the_head_start_s(setup, tiny_kimi, tmp_path, monkeypatch,
-                                                                          slow):
+def test_the_sustained_online_rate_is_the_pipeline_s_not_the_head_start_s(
+    setup, tiny_kimi, tmp_path, monkeypatch, slow
+):
     """OnlineResult.sustained_tokens_per_s(): the pipeline's rate once training has begun. Here the trainer starts
     late, not before the spool is full (three quarters of the plan), as a Kimi-size draft's build lets the engine run
     ahead; one side is made slow (0.15 s more an extraction batch of 4, or an optimizer step of 8 samples).

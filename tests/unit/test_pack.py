@@ -22,14 +22,20 @@ def _sample(s: int, n: int, dtype: torch.dtype) -> dict:
     t = torch.arange(n, dtype=torch.float32)
     hs = torch.stack([s * 1000 + t * 10 + k for k in range(N_AUX + 1)], 1)[:, :, None].expand(n, N_AUX + 1, H)
     hs = (hs + torch.arange(H) / 8).to(dtype)  # [T, layers, H]
-    return {"sample_id": f"s{s}", "input_ids": 7 + s * 100 + torch.arange(n),
-            "loss_mask": (torch.arange(n) + s) % 3 > 0, "aux": hs[:, :-1].reshape(n, -1), "last": hs[:, -1]}
+    return {
+        "sample_id": f"s{s}",
+        "input_ids": 7 + s * 100 + torch.arange(n),
+        "loss_mask": (torch.arange(n) + s) % 3 > 0,
+        "aux": hs[:, :-1].reshape(n, -1),
+        "last": hs[:, -1],
+    }
 
 
 def _reference(xs: list[dict], guard: int) -> dict:
     """The packing written out as concatenations: the pairing speculators expects (input_ids[1:], aux[:-1], last[1:],
     loss_mask[1:], positions 1..T-1), a document id a sample, the first ``guard`` targets of every later sample
     masked."""
+
     def cat(f):
         return torch.cat([f(d, x) for d, x in enumerate(xs)])[None]
 
@@ -39,15 +45,22 @@ def _reference(xs: list[dict], guard: int) -> dict:
         return m
 
     n = [x["input_ids"].shape[0] - 1 for x in xs]
-    return {"input_ids": cat(lambda d, x: x["input_ids"][1:]), "hidden_states": cat(lambda d, x: x["aux"][:-1]),
-            "verifier_last_hidden_states": cat(lambda d, x: x["last"][1:]), "loss_mask": cat(mask),
-            "position_ids": cat(lambda d, x: torch.arange(1, n[d] + 1)),
-            "document_ids": cat(lambda d, x: torch.full((n[d],), d, dtype=torch.long))}
+    return {
+        "input_ids": cat(lambda d, x: x["input_ids"][1:]),
+        "hidden_states": cat(lambda d, x: x["aux"][:-1]),
+        "verifier_last_hidden_states": cat(lambda d, x: x["last"][1:]),
+        "loss_mask": cat(mask),
+        "position_ids": cat(lambda d, x: torch.arange(1, n[d] + 1)),
+        "document_ids": cat(lambda d, x: torch.full((n[d],), d, dtype=torch.long)),
+    }
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5), guard=st.integers(0, 4),
-       dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
+    guard=st.integers(0, 4),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+)
 def test_a_pack_holds_what_the_concatenation_holds(lengths, guard, dtype):
     """Every key, dtype and value: samples of 1 token (nothing to pair) and guards longer than a sample included."""
     xs = [_sample(s, n, dtype) for s, n in enumerate(lengths)]

@@ -125,8 +125,9 @@ def test_the_sustained_rate_leaves_out_a_slow_start_and_the_final_checkpoint(sma
     assert ends[-1] <= r.seconds - 1.0, (ends, r.seconds)  # the last step ends before its checkpoint
     later = sum(tokens[2:]) / (ends[-1] - ends[1])  # steps 3-5 of 5: from step 2's end to step 5's
     assert r.sustained_tokens_per_s() == pytest.approx(later), (r.timeline, r.sustained_tokens_per_s())
-    assert any(line.startswith("time ") and f"sustained {r.sustained_tokens_per_s():,.0f} tok/s" in line
-               for line in r.lines()), r.lines()
+    assert any(
+        line.startswith("time ") and f"sustained {r.sustained_tokens_per_s():,.0f} tok/s" in line for line in r.lines()
+    ), r.lines()
 
 
 def test_a_step_out_of_order_gets_its_own_read_after_the_one_ahead_has_finished():

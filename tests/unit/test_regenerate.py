@@ -16,15 +16,26 @@ from eagle3.targets import tiny
 
 from .conftest import run_command
 
-KIMI_CALL = ('<think>Look it up.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
-             '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>')
+KIMI_CALL = (
+    "<think>Look it up.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>'
+)
 
 
 def test_the_target_s_kimi_text_becomes_structured_fields():
     got = parse_turn(KIMI_CALL, kimi=True)
-    assert got == {"role": "assistant", "reasoning_content": "Look it up.", "content": "",
-                   "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
-                                   "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+    assert got == {
+        "role": "assistant",
+        "reasoning_content": "Look it up.",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "functions.get_weather:0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            }
+        ],
+    }
     assert parse_turn("<think></think>Foggy.", kimi=True) == {"role": "assistant", "content": "Foggy."}
     assert parse_turn("<think>x</think>Foggy.", kimi=False)["content"] == "<think>x</think>Foggy."
 
@@ -32,8 +43,11 @@ def test_the_target_s_kimi_text_becomes_structured_fields():
 def test_a_turn_cut_inside_its_thinking_keeps_the_thinking_as_thinking():
     """max_tokens reached before </think>: the text so far is the reasoning (the template writes <think>...; as
     content it would render after an empty <think></think>, which the target never wrote)."""
-    assert parse_turn("<think>Let me th", kimi=True) == {"role": "assistant", "reasoning_content": "Let me th",
-                                                         "content": ""}
+    assert parse_turn("<think>Let me th", kimi=True) == {
+        "role": "assistant",
+        "reasoning_content": "Let me th",
+        "content": "",
+    }
 
 
 TEXT = st.text(st.sampled_from("abc XYZ019 .,:;!?_-\n{}\"'日本"), max_size=24)
@@ -50,8 +64,10 @@ def assistant_turns(draw):
         m["reasoning_content"] = reasoning
     calls = draw(st.lists(st.tuples(NAMES, st.dictionaries(st.sampled_from("abq"), st.integers(-9, 99))), max_size=3))
     if calls:
-        m["tool_calls"] = [{"id": f"functions.{n}:{i}", "type": "function",
-                            "function": {"name": n, "arguments": json.dumps(a)}} for i, (n, a) in enumerate(calls)]
+        m["tool_calls"] = [
+            {"id": f"functions.{n}:{i}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+            for i, (n, a) in enumerate(calls)
+        ]
     return m
 
 
@@ -65,7 +81,7 @@ def test_a_turn_the_template_renders_parses_back_to_itself(kimi_tokenizer, turn)
     from eagle3.data import masks
 
     msgs = [{"role": "user", "content": "q"}, turn]
-    text = masks.chat(kimi_tokenizer, msgs)[len(masks.chat(kimi_tokenizer, msgs[:1], gen=True)):]
+    text = masks.chat(kimi_tokenizer, msgs)[len(masks.chat(kimi_tokenizer, msgs[:1], gen=True)) :]
     assert text.endswith("<|im_end|>")
     assert parse_turn(text[: -len("<|im_end|>")], kimi=True) == turn
 
@@ -93,8 +109,10 @@ class Scripted:
 
     def __call__(self, prompts, seeds, cfg, stops):
         self.prompts += [self.tok.decode(p) for p in prompts]
-        return [self.tok(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
-                for _ in prompts]
+        return [
+            self.tok(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            for _ in prompts
+        ]
 
 
 def _data(tmp_path, lines):
@@ -103,26 +121,37 @@ def _data(tmp_path, lines):
     return p
 
 
-def test_each_turn_is_written_on_the_regenerated_history_and_a_same_call_keeps_the_tool_reply(tmp_path, kimi_target,
-                                                                                            kimi_tokenizer):
+def test_each_turn_is_written_on_the_regenerated_history_and_a_same_call_keeps_the_tool_reply(
+    tmp_path, kimi_target, kimi_tokenizer
+):
     tok = kimi_tokenizer
     conv = next(c for c in kimi_traffic.generate(3, seed=5) if c["traffic"] == "tool")
     call = conv["messages"][1]["tool_calls"][0]
     conv["messages"][1]["tool_calls"][0] = dict(call, id="call_7")  # the data's own id; its reply answers it
     conv["messages"][2]["tool_call_id"] = "call_7"
     args = call["function"]["arguments"]
-    said = ("<think>Need the tool.</think><|tool_calls_section_begin|><|tool_call_begin|>functions."
-            f"{call['function']['name']}:0<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>")
+    said = (
+        "<think>Need the tool.</think><|tool_calls_section_begin|><|tool_call_begin|>functions."
+        f"{call['function']['name']}:0<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>"
+    )
     gen = Scripted(tok, [said, "<think>Read it.</think>Done."])
     cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, [conv])), out=str(tmp_path / "out.jsonl"))
     s = regenerate.run(cfg, generator=gen)
     (row,) = [json.loads(x) for x in Path(cfg.out).read_text().splitlines()]
     m = row["messages"]
     assert m[1]["reasoning_content"] == "Need the tool." and m[1]["tool_calls"][0]["id"] == "call_7"
-    assert m[2] == conv["messages"][2] and m[3] == {"role": "assistant", "reasoning_content": "Read it.",
-                                                    "content": "Done."}
-    assert row["regenerated"] == {"line": 1, "turns": [1, 3], "tokens": row["regenerated"]["tokens"],
-                                  "finish": ["stop", "stop"], "cut_after": None}
+    assert m[2] == conv["messages"][2] and m[3] == {
+        "role": "assistant",
+        "reasoning_content": "Read it.",
+        "content": "Done.",
+    }
+    assert row["regenerated"] == {
+        "line": 1,
+        "turns": [1, 3],
+        "tokens": row["regenerated"]["tokens"],
+        "finish": ["stop", "stop"],
+        "cut_after": None,
+    }
     assert row["tools"] == conv["tools"] and row["traffic"] == "tool"
     assert "Need the tool." in gen.prompts[1]  # the second turn saw the regenerated first
     assert s.written == 1 and s.cut == 0
@@ -134,8 +163,9 @@ def test_each_turn_is_written_on_the_regenerated_history_and_a_same_call_keeps_t
     assert not rep.rejected
 
 
-def test_another_call_ends_the_conversation_and_last_mode_writes_only_the_last_turn(tmp_path, kimi_target,
-                                                                                   kimi_tokenizer):
+def test_another_call_ends_the_conversation_and_last_mode_writes_only_the_last_turn(
+    tmp_path, kimi_target, kimi_tokenizer
+):
     tok = kimi_tokenizer
     conv = next(c for c in kimi_traffic.generate(3, seed=5) if c["traffic"] == "tool")
     other = KIMI_CALL  # get_weather for Oslo, which the data did not ask
@@ -144,14 +174,16 @@ def test_another_call_ends_the_conversation_and_last_mode_writes_only_the_last_t
     row = json.loads(Path(cfg.out).read_text())
     assert row["regenerated"]["cut_after"] == 1 and len(row["messages"]) == 2
     chat = kimi_traffic.generate(1, seed=9)[0]
-    cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, [chat])), out=str(tmp_path / "b.jsonl"),
-                      mode="last")
+    cfg = RegenConfig(
+        target=str(kimi_target), data=str(_data(tmp_path, [chat])), out=str(tmp_path / "b.jsonl"), mode="last"
+    )
     regenerate.run(cfg, generator=Scripted(tok, ["Fine."]))
     row = json.loads(Path(cfg.out).read_text())
     turns = [i for i, m in enumerate(chat["messages"]) if m["role"] == "assistant"]
     assert row["regenerated"]["turns"] == turns[-1:] and row["messages"][turns[-1]]["content"] == "Fine."
     assert [m for i, m in enumerate(row["messages"]) if i != turns[-1]] == [
-        dict(m, weight=0) if i in turns else m for i, m in enumerate(chat["messages"]) if i != turns[-1]]
+        dict(m, weight=0) if i in turns else m for i, m in enumerate(chat["messages"]) if i != turns[-1]
+    ]
 
 
 def _learned(tok, path):
@@ -184,8 +216,9 @@ def test_last_mode_keeps_the_datas_earlier_turns_as_context_only(tmp_path, kimi_
     tok = kimi_tokenizer
     chat = kimi_traffic.generate(1, seed=0)[0]
     turns = [i for i, m in enumerate(chat["messages"]) if m["role"] == "assistant"]
-    cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, [chat])), out=str(tmp_path / "o.jsonl"),
-                      mode="last")
+    cfg = RegenConfig(
+        target=str(kimi_target), data=str(_data(tmp_path, [chat])), out=str(tmp_path / "o.jsonl"), mode="last"
+    )
     regenerate.run(cfg, generator=Scripted(tok, ["Only mine."]))
     row = json.loads(Path(cfg.out).read_text())
     assert [row["messages"][i].get("weight", 1) for i in turns] == [0] * (len(turns) - 1) + [1]
@@ -205,8 +238,9 @@ def test_a_turn_cut_inside_a_character_keeps_only_the_whole_characters(tmp_path,
         return [list(ids) for _ in prompts]
 
     chat = kimi_traffic.generate(3, seed=2)[0]  # one assistant turn
-    cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, [chat])), out=str(tmp_path / "o.jsonl"),
-                      max_tokens=len(ids))
+    cfg = RegenConfig(
+        target=str(kimi_target), data=str(_data(tmp_path, [chat])), out=str(tmp_path / "o.jsonl"), max_tokens=len(ids)
+    )
     regenerate.run(cfg, generator=cut)
     row = json.loads(Path(cfg.out).read_text())
     (i,) = row["regenerated"]["turns"]
@@ -248,8 +282,10 @@ def _cli(args, env=None):
     return run_command(args, env, timeout=300)[0]
 
 
-LINES = [{"messages": [{"role": "user", "content": f"Count from {i} to {i + 3}."}, {"role": "assistant", "content": "x"}]}
-         for i in range(5)]
+LINES = [
+    {"messages": [{"role": "user", "content": f"Count from {i} to {i + 3}."}, {"role": "assistant", "content": "x"}]}
+    for i in range(5)
+]
 
 
 @pytest.fixture(scope="module")
@@ -258,10 +294,26 @@ def regen_args(tiny_llama, tmp_path_factory):
     the file an uninterrupted run writes."""
     tmp = tmp_path_factory.mktemp("regen")
     data = tmp / "in.jsonl"
-    data.write_text(json.dumps(LINES[0]) + "\n" + json.dumps(LINES[1]) + "\n{broken\n\n" +
-                    "".join(json.dumps(x) + "\n" for x in LINES[2:]))
-    args = ["regenerate", "--target", str(tiny_llama), "--data", str(data), "--temperature", "0.9", "--seed", "4",
-            "--max-tokens", "12"]
+    data.write_text(
+        json.dumps(LINES[0])
+        + "\n"
+        + json.dumps(LINES[1])
+        + "\n{broken\n\n"
+        + "".join(json.dumps(x) + "\n" for x in LINES[2:])
+    )
+    args = [
+        "regenerate",
+        "--target",
+        str(tiny_llama),
+        "--data",
+        str(data),
+        "--temperature",
+        "0.9",
+        "--seed",
+        "4",
+        "--max-tokens",
+        "12",
+    ]
     whole = _cli(args + ["--out", str(tmp / "whole.jsonl")])
     assert whole.returncode == 0, whole.stderr
     assert "regenerated 5 conversations" in whole.stdout and "skipped 1 bad line," in whole.stdout, whole.stdout
@@ -274,7 +326,10 @@ def test_kill_9_then_the_same_command_completes_the_file_with_no_line_lost_or_tw
     """hf backend on tiny-llama, sampled (each line's seed is its own, so a resumed run draws what an uninterrupted one
     does): killed mid-line (a torn line) or between lines, then rerun."""
     args, whole = regen_args
-    args = args + ["--batch-size", "2"]  # the uninterrupted run took them in one batch: the output does not depend on it
+    args = args + [
+        "--batch-size",
+        "2",
+    ]  # the uninterrupted run took them in one batch: the output does not depend on it
     killed = _cli(args + ["--out", str(tmp_path / "cut.jsonl")], env={"EAGLE3_FAULT": fault})
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-2000:])
     again = _cli(args + ["--out", str(tmp_path / "cut.jsonl")])
@@ -285,8 +340,9 @@ def test_kill_9_then_the_same_command_completes_the_file_with_no_line_lost_or_tw
     assert all(r["messages"][1]["content"] != "x" for r in rows)
 
 
-def test_the_vllm_backend_batches_conversations_with_a_seed_and_the_end_tokens_per_request(tmp_path, kimi_target,
-                                                                                          kimi_tokenizer, monkeypatch):
+def test_the_vllm_backend_batches_conversations_with_a_seed_and_the_end_tokens_per_request(
+    tmp_path, kimi_target, kimi_tokenizer, monkeypatch
+):
     """No GPU here: a stand-in for vllm.LLM records what the backend asks. One generate per turn round over the batch,
     each request with its line's seed, the target's end-of-turn tokens as stops, the sampling settings."""
     import sys
@@ -314,8 +370,17 @@ def test_the_vllm_backend_batches_conversations_with_a_seed_and_the_end_tokens_p
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
     chats = [c for c in kimi_traffic.generate(9, seed=2) if c["traffic"] == "chat"]  # 3 chats of 1-6 turns
-    cfg = RegenConfig(target=str(kimi_target), data=str(_data(tmp_path, chats)), out=str(tmp_path / "o.jsonl"),
-                      backend="vllm", temperature=0.6, top_p=0.9, max_tokens=40, seed=3, gpu_memory_utilization=0.3)
+    cfg = RegenConfig(
+        target=str(kimi_target),
+        data=str(_data(tmp_path, chats)),
+        out=str(tmp_path / "o.jsonl"),
+        backend="vllm",
+        temperature=0.6,
+        top_p=0.9,
+        max_tokens=40,
+        seed=3,
+        gpu_memory_utilization=0.3,
+    )
     s = regenerate.run(cfg)
     assert engines[0]["gpu_memory_utilization"] == 0.3 and shut == [1]  # its share, and given back at the end
     turns = [sum(m["role"] == "assistant" for m in c["messages"]) for c in chats]
@@ -324,14 +389,18 @@ def test_the_vllm_backend_batches_conversations_with_a_seed_and_the_end_tokens_p
     assert [p["seed"] for p in first] == [3 * regenerate.SEED_STRIDE + n for n in (1, 2, 3)]
     assert {(p["temperature"], p["top_p"], p["max_tokens"]) for p in first} == {(0.6, 0.9, 40)}
     assert all(tok.eos_token_id in p["stop_token_ids"] for p in first)
-    assert s.written == 3 and s.tokens == sum(turns) * len(tok("<think></think>Fine.", add_special_tokens=False)[
-        "input_ids"]) + sum(turns)
+    assert s.written == 3 and s.tokens == sum(turns) * len(
+        tok("<think></think>Fine.", add_special_tokens=False)["input_ids"]
+    ) + sum(turns)
 
 
 # -- round three of what the suite missed (issue 70) -----------------------------------------------------------------
 @settings(max_examples=200, deadline=None)
-@given(seed=st.integers(0, 10**6), a=st.tuples(st.integers(1, 10**8), st.integers(0, 255)),
-       b=st.tuples(st.integers(1, 10**8), st.integers(0, 255)))
+@given(
+    seed=st.integers(0, 10**6),
+    a=st.tuples(st.integers(1, 10**8), st.integers(0, 255)),
+    b=st.tuples(st.integers(1, 10**8), st.integers(0, 255)),
+)
 def test_every_line_and_turn_draws_its_own_seed(seed, a, b):
     """At 962a6d4 line 7920's first turn drew line 1's second turn's seed (line + 7919 k): two conversations of a long
     file sampled alike. Turn 0 keeps seed * 1000003 + line (extract --regenerate draws it too)."""
@@ -345,12 +414,14 @@ def test_every_line_and_turn_draws_its_own_seed(seed, a, b):
 def test_max_samples_counts_the_conversations_written_across_a_resume(tmp_path, kimi_target, kimi_tokenizer):
     """--max-samples is the conversations OUT holds. At 962a6d4 a resumed run counted from the last input line written,
     so the blank and bad lines before it were taken for conversations: 3 written of 5."""
-    one = [{"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": "x"}]}
-           for i in range(8)]
+    one = [
+        {"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": "x"}]} for i in range(8)
+    ]
     data = tmp_path / "in.jsonl"
     data.write_text(json.dumps(one[0]) + "\n\n{broken\n" + "".join(json.dumps(x) + "\n" for x in one[1:]))
-    cfg = RegenConfig(target=str(kimi_target), data=str(data), out=str(tmp_path / "out.jsonl"), max_samples=5,
-                      batch_size=1)
+    cfg = RegenConfig(
+        target=str(kimi_target), data=str(data), out=str(tmp_path / "out.jsonl"), max_samples=5, batch_size=1
+    )
 
     class Stop(Exception):
         pass
@@ -378,8 +449,13 @@ def test_a_turn_ends_on_any_of_the_target_s_end_of_turn_ids(tmp_path, kimi_token
     kimi_tokenizer.save_pretrained(target)
     a, b = kimi_tokenizer.convert_tokens_to_ids(["[EOS]", "<|im_user|>"])
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [a, b]}))
-    data = _data(tmp_path, [{"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": "x"}]}
-                            for i in range(3)])
+    data = _data(
+        tmp_path,
+        [
+            {"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": "x"}]}
+            for i in range(3)
+        ],
+    )
     words = kimi_tokenizer("Fine.", add_special_tokens=False)["input_ids"]
 
     def ends(prompts, seeds, cfg, stops):

@@ -29,8 +29,9 @@ def layer_replies(draw):
     tokens = draw(st.integers(1, 9))
     hidden = draw(st.integers(1, 12))
     dtype = draw(st.sampled_from(DTYPES))
-    per_rank = [[torch.full((tokens, hidden), float(r * 10 + i), dtype=dtype) for i in range(n_layers)]
-                for r in range(world)]
+    per_rank = [
+        [torch.full((tokens, hidden), float(r * 10 + i), dtype=dtype) for i in range(n_layers)] for r in range(world)
+    ]
     spec = LayerStack(n_layers, (tokens, hidden), dtype)
     return world, rank, spec, per_rank
 
@@ -118,7 +119,9 @@ def test_unique_reply_rank_reply_indexed_with_0_keeps_only_the_first_layer():
     expect = Expect(8, spec, reply_rank=0, unique_reply_rank=True)
     buggy = layers[0]  # what the generator stored: one [512, 64] tensor instead of four
     assert buggy.shape == (512, 64)  # plausible-looking, which is why it went unnoticed
-    with pytest.raises(ReplyError, match=r"expected list of 4 layer tensors \[512, 64\] bfloat16 .*got Tensor\[512, 64\]"):
+    with pytest.raises(
+        ReplyError, match=r"expected list of 4 layer tensors \[512, 64\] bfloat16 .*got Tensor\[512, 64\]"
+    ):
         normalize_reply(buggy, expect)
     assert normalize_reply(layers, expect) == layers
 
@@ -142,8 +145,9 @@ def test_per_rank_list_of_wrong_length_names_the_likely_cause():
 def test_engine_encoded_tensor_with_inline_bytes_is_decoded():
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     encoded = ["float32", [2, 3], t.numpy().tobytes()]
-    got = normalize_reply([encoded], Expect(1, LayerStack(1, (2, 3), torch.float32), reply_rank=0,
-                                             unique_reply_rank=True))
+    got = normalize_reply(
+        [encoded], Expect(1, LayerStack(1, (2, 3), torch.float32), reply_rank=0, unique_reply_rank=True)
+    )
     assert torch.equal(got[0], t)
 
 

@@ -19,8 +19,10 @@ def case(request):
     samples = random_samples(12, [30, 7, 64, 12, 90, 41, 5, 77, 23, 50, 16, 60], 1024, seed=5)
     states = backend.capture(samples)  # per sample [L + 1, T, H]: ids 0..L, id L before the final norm
     with torch.inference_mode():
-        post = [backend.model(input_ids=torch.tensor([s.input_ids]), output_hidden_states=True).hidden_states[L][0]
-                for s in samples]  # HF's index L: after the final norm
+        post = [
+            backend.model(input_ids=torch.tensor([s.input_ids]), output_hidden_states=True).hidden_states[L][0]
+            for s in samples
+        ]  # HF's index L: after the final norm
     return folder, backend, samples, states, post
 
 
@@ -53,16 +55,25 @@ def test_head_files_dumped_by_ranks_are_put_back_together(case, tmp_path):
     head = selfcheck.load_head(folder)
     v = head.lm_head.shape[0]
     for r, (a, b) in enumerate([(0, v // 3), (v // 3, v // 2), (v // 2, v)]):  # as TP ranks of a vocab split
-        save_file({"norm": head.norm, "lm_head": head.lm_head[a:b].contiguous()}, str(tmp_path / f"head-tp{r}.safetensors"),
-                  metadata={"vocab_start": str(a), "vocab_end": str(b)})
+        save_file(
+            {"norm": head.norm, "lm_head": head.lm_head[a:b].contiguous()},
+            str(tmp_path / f"head-tp{r}.safetensors"),
+            metadata={"vocab_start": str(a), "vocab_end": str(b)},
+        )
     again = selfcheck.load_head_files(sorted(tmp_path.glob("head-tp*.safetensors"), reverse=True), head.eps)
     assert torch.equal(again.lm_head, head.lm_head) and torch.equal(again.norm, head.norm)
 
 
-def test_extract_runs_the_check_first_and_stops_before_storing_wrong_states(tiny_kimi, small_data, tmp_path,
-                                                                            monkeypatch):
-    cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(tmp_path / "ok"), batch_size=8, shard_samples=8,
-                                data=DataConfig([str(small_data)], max_len=96, max_samples=12))
+def test_extract_runs_the_check_first_and_stops_before_storing_wrong_states(
+    tiny_kimi, small_data, tmp_path, monkeypatch
+):
+    cfg = extract.ExtractConfig(
+        model=str(tiny_kimi),
+        out=str(tmp_path / "ok"),
+        batch_size=8,
+        shard_samples=8,
+        data=DataConfig([str(small_data)], max_len=96, max_samples=12),
+    )
     summary = extract.run(cfg, progress=False)
     assert summary.selfcheck.startswith("final-state self-check PASS: 4 prompts")
     assert not (tmp_path / "ok" / ".selfcheck").exists()
@@ -78,9 +89,16 @@ def test_extract_runs_the_check_first_and_stops_before_storing_wrong_states(tiny
     monkeypatch.setattr(hf_backend.HFBackend, "forward_states", post_norm)
     bad = tmp_path / "bad"
     with pytest.raises(selfcheck.SelfCheckFailed, match="FAIL.*not the last layer's output before the norm"):
-        extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(bad), batch_size=8, shard_samples=8,
-                                          data=DataConfig([str(small_data)], max_len=96, max_samples=12)),
-                    progress=False)
+        extract.run(
+            extract.ExtractConfig(
+                model=str(tiny_kimi),
+                out=str(bad),
+                batch_size=8,
+                shard_samples=8,
+                data=DataConfig([str(small_data)], max_len=96, max_samples=12),
+            ),
+            progress=False,
+        )
     assert not list((bad / "shards").glob("*")) and not (bad / ".selfcheck").exists()
 
 

@@ -30,13 +30,15 @@ def test_a_step_s_left_over_gpu_process_is_killed_before_the_next_step(tmp_path,
     (tmp_path / "holder").write_text(str(holder.pid) if held else "")
     env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", HOLDER=str(tmp_path / "holder"))
     try:
-        out = subprocess.run(["bash", str(SETTLE), "0"], capture_output=True, text=True, timeout=30, env=env,
-                             check=False)
+        out = subprocess.run(
+            ["bash", str(SETTLE), "0"], capture_output=True, text=True, timeout=30, env=env, check=False
+        )
         assert out.returncode == 0, out.stderr
         if held:
             assert holder.wait(timeout=5) == -9, "the left-over process was not killed"
-            assert out.stdout.strip() == (f"GPU memory used before the step: 0 MiB (waited 0s; killed left-over "
-                                          f"processes {holder.pid})")
+            assert out.stdout.strip() == (
+                f"GPU memory used before the step: 0 MiB (waited 0s; killed left-over processes {holder.pid})"
+            )
         else:
             assert out.stdout.strip() == "GPU memory used before the step: 0 MiB (waited 0s)"
     finally:

@@ -37,7 +37,7 @@ def test_every_thread_s_whole_stack_is_written_each_period_and_nothing_after_the
     assert len(dumps) >= 4, text[:500]
     for dump in dumps[1:3]:  # the first may come before the function starts; the last, after it returned
         assert "eagle3-waiting-thread" in dump and "MainThread" in dump
-        main = dump[dump.index("MainThread"):]
+        main = dump[dump.index("MainThread") :]
         assert "_busy_in_a_marked_function" in main
         # the caller too: the whole chain, not the top frame alone
         assert "test_every_thread_s_whole_stack_is_written_each_period_and_nothing_after_the_end" in main

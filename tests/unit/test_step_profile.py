@@ -7,14 +7,22 @@ import torch
 from eagle3.train import step_profile
 
 
-@pytest.mark.parametrize("name,want", [
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"), ("aten::addmm", "matmul"),
-    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNN", "matmul"), ("flash_fwd_kernel<Flash_fwd_kernel_traits>", "attention"),
-    ("aten::_scaled_dot_product_flash_attention", "attention"), ("aten::_log_softmax_backward_data", "loss"),
-    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", "optimizer"),
-    ("aten::_foreach_addcdiv_", "optimizer"), ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "communication"),
-    ("aten::_fused_rms_norm_backward", "elementwise / other"), ("aten::copy_", "copy / cast"),
-])
+@pytest.mark.parametrize(
+    "name,want",
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+        ("aten::addmm", "matmul"),
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNN", "matmul"),
+        ("flash_fwd_kernel<Flash_fwd_kernel_traits>", "attention"),
+        ("aten::_scaled_dot_product_flash_attention", "attention"),
+        ("aten::_log_softmax_backward_data", "loss"),
+        ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", "optimizer"),
+        ("aten::_foreach_addcdiv_", "optimizer"),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "communication"),
+        ("aten::_fused_rms_norm_backward", "elementwise / other"),
+        ("aten::copy_", "copy / cast"),
+    ],
+)
 def test_each_kernel_or_operator_lands_in_its_kind_of_work(name, want):
     assert step_profile.kind(name) == want
 

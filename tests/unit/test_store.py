@@ -20,18 +20,33 @@ SPEC = StoreSpec(target={"name_or_path": "t", "config_hash": "abc"}, layer_ids=(
 
 def _sample(i, t):
     g = torch.Generator().manual_seed(i)
-    return (f"s{i}", torch.randint(0, 100, (t,), generator=g), torch.randint(0, 2, (t,), generator=g),
-            torch.randn(4, t, 6, generator=g).to(torch.bfloat16))
+    return (
+        f"s{i}",
+        torch.randint(0, 100, (t,), generator=g),
+        torch.randint(0, 2, (t,), generator=g),
+        torch.randn(4, t, 6, generator=g).to(torch.bfloat16),
+    )
 
 
 @settings(max_examples=30)
-@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=25), shard_tokens=st.integers(1, 120),
-       shard_samples=st.one_of(st.none(), st.integers(1, 6)), threads=st.sampled_from([0, 2]))
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=25),
+    shard_tokens=st.integers(1, 120),
+    shard_samples=st.one_of(st.none(), st.integers(1, 6)),
+    threads=st.sampled_from([0, 2]),
+)
 def test_round_trip_over_lengths_and_shard_boundaries(tmp_path_factory, lengths, shard_tokens, shard_samples, threads):
     root = tmp_path_factory.mktemp("rt")
     store = Store.open(root, SPEC, create=True, fsync=False)
-    w = ShardWriter(root, SPEC, store.next_shard_index, shard_tokens=shard_tokens, shard_samples=shard_samples,
-                    fsync=False, threads=threads)
+    w = ShardWriter(
+        root,
+        SPEC,
+        store.next_shard_index,
+        shard_tokens=shard_tokens,
+        shard_samples=shard_samples,
+        fsync=False,
+        threads=threads,
+    )
     samples = [_sample(i, t) for i, t in enumerate(lengths)]
     for s in samples:
         w.add(*s)
@@ -40,7 +55,7 @@ def test_round_trip_over_lengths_and_shard_boundaries(tmp_path_factory, lengths,
     w.close()
     back = list(Store.open(root).iter_samples())
     assert [b["sample_id"] for b in back] == [s[0] for s in samples]
-    for (sid, ids, mask, states), b in zip(samples, back):
+    for (_sid, ids, mask, states), b in zip(samples, back):
         assert torch.equal(b["input_ids"], ids.to(torch.int32)) and torch.equal(b["loss_mask"], mask.to(torch.uint8))
         for k, layer_id in enumerate(SPEC.layer_ids):
             assert torch.equal(b["states"][layer_id], states[k])
@@ -48,8 +63,12 @@ def test_round_trip_over_lengths_and_shard_boundaries(tmp_path_factory, lengths,
 
 
 def test_our_safetensors_bytes_read_back_with_the_safetensors_library(tmp_path):
-    tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.int32),
-               "c": torch.zeros(0, 4), "d": torch.tensor([1, 0, 1], dtype=torch.uint8)}
+    tensors = {
+        "a": torch.randn(3, 5).to(torch.bfloat16),
+        "b": torch.arange(7, dtype=torch.int32),
+        "c": torch.zeros(0, 4),
+        "d": torch.tensor([1, 0, 1], dtype=torch.uint8),
+    }
     p = tmp_path / "x.safetensors"
     store_mod.atomic_write(p, safetensors_chunks(tensors, {"k": "v"}))
     back = load_file(str(p))
@@ -57,7 +76,7 @@ def test_our_safetensors_bytes_read_back_with_the_safetensors_library(tmp_path):
         assert torch.equal(back[k], t) and back[k].dtype == t.dtype
     # the data starts 8-byte aligned (the header padded with spaces), as the safetensors writer does: a reader may
     # map tensors in place
-    header = p.read_bytes()[8:8 + int.from_bytes(p.read_bytes()[:8], "little")]
+    header = p.read_bytes()[8 : 8 + int.from_bytes(p.read_bytes()[:8], "little")]
     body = header.rstrip(b" ")
     assert (8 + len(header)) % 8 == 0 and body.endswith(b"}") and len(header) - len(body) < 8
 
@@ -133,12 +152,15 @@ def test_a_reader_leaves_the_written_uncommitted_shards_of_a_store_being_written
     assert not (tmp_path / orphan[0].file).exists() and (tmp_path / written[0].file).exists()
 
 
-@pytest.mark.parametrize("change,msg", [
-    (dict(target={"name_or_path": "other", "config_hash": "zzz"}), "target model"),
-    (dict(layer_ids=(2, 4, 6, 8)), "layer_ids"),
-    (dict(hidden_size=7), "hidden_size"),
-    (dict(dtype="float16"), "dtype"),
-])
+@pytest.mark.parametrize(
+    "change,msg",
+    [
+        (dict(target={"name_or_path": "other", "config_hash": "zzz"}), "target model"),
+        (dict(layer_ids=(2, 4, 6, 8)), "layer_ids"),
+        (dict(hidden_size=7), "hidden_size"),
+        (dict(dtype="float16"), "dtype"),
+    ],
+)
 def test_store_of_another_setup_is_refused(tmp_path, change, msg):
     Store.open(tmp_path, SPEC, create=True)
     other = StoreSpec(**{**SPEC.__dict__, **change})
@@ -285,7 +307,8 @@ def test_a_commit_encodes_its_own_shards_not_the_whole_manifest(tmp_path, monkey
     reopened.commit(infos(303, 1), fsync=False)
     on_disk = json.loads((tmp_path / "manifest.json").read_text())
     assert on_disk == reopened.manifest and [s["file"] for s in on_disk["shards"]][-3:] == [
-        f"shards/shard-{i:06d}.safetensors" for i in (300, 302, 303)]
+        f"shards/shard-{i:06d}.safetensors" for i in (300, 302, 303)
+    ]
 
 
 def test_a_sample_with_the_wrong_layers_or_rows_is_refused_naming_it(tmp_path):
@@ -349,6 +372,7 @@ def _build(i, gate=None):
             gate.wait(10)
         s = _sample(i, 5)
         return shard_tensors([s], SPEC), [s[0]]
+
     return make
 
 
@@ -416,7 +440,7 @@ def test_close_waits_for_a_submit_already_putting_its_shard(tmp_path):
     closer = threading.Thread(target=w.close)
     closer.start()
     time.sleep(0.2)
-    gate.set()       # shard 0 written, shard 1 taken: room for whatever comes next
+    gate.set()  # shard 0 written, shard 1 taken: room for whatever comes next
     time.sleep(0.3)
     let_put.set()
     _all_returned_and_written(w, (closer, submitter))
@@ -429,8 +453,9 @@ def test_how_far_a_store_is_counts_only_planned_samples_and_says_when_there_is_n
 
     from eagle3.store import status
 
-    (tmp_path / "manifest.json").write_text(json.dumps({"shards": [{"sample_ids": ["a:1", "a:2"]},
-                                                                    {"sample_ids": ["a:3", "stray:9"]}]}))
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"shards": [{"sample_ids": ["a:1", "a:2"]}, {"sample_ids": ["a:3", "stray:9"]}]})
+    )
     assert status.counts(tmp_path) == (4, None) and status.stored(tmp_path) == "4 of ? samples"
     assert status.incomplete_message(tmp_path) is None
     (tmp_path / "plan.json").write_text(json.dumps({"sample_ids": ["a:1", "a:2", "a:3", "a:4"]}))
@@ -462,5 +487,6 @@ def test_a_session_that_seals_each_batch_hands_back_the_batch_s_own_shard(tmp_pa
         batch = [Sample(f"b{b}:{i}", (1, 2, 3), (0, 1, 1)) for i in range(3)]
         infos = session.submit(batch)
         assert [list(i.sample_ids) for i in infos] == ([[s.sample_id for s in batch]] if seal else [])
-    assert [list(i.sample_ids) for i in session.finish()] == ([] if seal else [[f"b{b}:{i}" for b in range(2)
-                                                                                  for i in range(3)]])
+    assert [list(i.sample_ids) for i in session.finish()] == (
+        [] if seal else [[f"b{b}:{i}" for b in range(2) for i in range(3)]]
+    )

@@ -49,8 +49,9 @@ def import_graph() -> dict[str, set[str]]:
                     if hit:
                         deps.add(hit)
             elif isinstance(node, ast.Import):
-                deps |= {resolve(a.name.removeprefix("eagle3."), mods) for a in node.names
-                         if a.name.startswith("eagle3.")} - {None}
+                deps |= {
+                    resolve(a.name.removeprefix("eagle3."), mods) for a in node.names if a.name.startswith("eagle3.")
+                } - {None}
         graph[name] = deps - {name}
     return graph
 
@@ -72,7 +73,7 @@ def cycles(graph):
         state[n] = 1
         for m in sorted(graph.get(n, ())):
             if state.get(m) == 1:
-                found.append(path[path.index(m):] + [m])
+                found.append(path[path.index(m) :] + [m])
             elif m not in state:
                 visit(m, path + [m])
         state[n] = 2
@@ -92,8 +93,12 @@ def test_no_import_circles():
 
 def test_imports_go_from_later_stages_to_earlier_ones_only():
     graph = import_graph()
-    back = sorted(f"{a} ({stage(a)}) imports {b} ({stage(b)})" for a, deps in graph.items() for b in deps
-                  if ORDER.index(stage(b)) > ORDER.index(stage(a)))
+    back = sorted(
+        f"{a} ({stage(a)}) imports {b} ({stage(b)})"
+        for a, deps in graph.items()
+        for b in deps
+        if ORDER.index(stage(b)) > ORDER.index(stage(a))
+    )
     assert back == []
 
 
@@ -117,6 +122,8 @@ def test_the_worker_extension_vllm_loads_by_name_resolves_in_a_fresh_interpreter
     from eagle3.extract.vllm_compat import WORKER_EXTENSION
 
     mod, _, cls = WORKER_EXTENSION.rpartition(".")
-    code = f"import importlib; c = getattr(importlib.import_module({mod!r}), {cls!r}); print(hasattr(c, 'eagle3_setup'))"
+    code = (
+        f"import importlib; c = getattr(importlib.import_module({mod!r}), {cls!r}); print(hasattr(c, 'eagle3_setup'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "True", out.stderr[-2000:]

@@ -19,24 +19,38 @@ TOOLS = kimi_traffic.TOOLS
 
 
 def _call(cid, name, args):
-    return {**({"id": cid} if cid is not None else {}), "type": "function",
-            "function": {"name": name, "arguments": json.dumps(args)}}
+    return {
+        **({"id": cid} if cid is not None else {}),
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args)},
+    }
 
 
 def agentic(ids: list[str | None], result_ids: list[str | None] | None = None) -> dict:
     """Two calling turns (two calls, then one), each answered, then a reply; the calls' ids are ``ids``."""
     a, b, c = ids
     ra, rb, rc = result_ids if result_ids is not None else ids
-    return {"tools": TOOLS, "messages": [
-        {"role": "user", "content": "Weather in Oslo and 2+3?"},
-        {"role": "assistant", "content": None, "reasoning_content": "Two tools.",
-         "tool_calls": [_call(a, "get_weather", {"city": "Oslo"}), _call(b, "add", {"a": 2, "b": 3})]},
-        {"role": "tool", **({"tool_call_id": ra} if ra else {}), "content": '{"weather": "foggy"}'},
-        {"role": "tool", **({"tool_call_id": rb} if rb else {}), "content": "5"},
-        {"role": "assistant", "content": "And the day after Monday?", "tool_calls": [_call(c, "day_after",
-                                                                                          {"day": "Mon", "n": 1})]},
-        {"role": "tool", **({"tool_call_id": rc} if rc else {}), "content": "Tuesday"},
-        {"role": "assistant", "content": "Foggy, 5, Tuesday."}]}
+    return {
+        "tools": TOOLS,
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo and 2+3?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "Two tools.",
+                "tool_calls": [_call(a, "get_weather", {"city": "Oslo"}), _call(b, "add", {"a": 2, "b": 3})],
+            },
+            {"role": "tool", **({"tool_call_id": ra} if ra else {}), "content": '{"weather": "foggy"}'},
+            {"role": "tool", **({"tool_call_id": rb} if rb else {}), "content": "5"},
+            {
+                "role": "assistant",
+                "content": "And the day after Monday?",
+                "tool_calls": [_call(c, "day_after", {"day": "Mon", "n": 1})],
+            },
+            {"role": "tool", **({"tool_call_id": rc} if rc else {}), "content": "Tuesday"},
+            {"role": "assistant", "content": "Foggy, 5, Tuesday."},
+        ],
+    }
 
 
 KIMI_IDS = ["functions.get_weather:0", "functions.add:1", "functions.day_after:2"]
@@ -53,12 +67,15 @@ def _load(tmp_path, tok, lines):
     return load_samples(DataConfig([str(p)], max_len=4096), tok)
 
 
-@pytest.mark.parametrize("given_ids,result_ids", [
-    (["call_1", "call_2", "call_3"], None),                # OpenAI's ids, each result naming its call
-    (["call_0", "call_1", "call_0"], None),                # ids reused across turns, as some exports write them
-    ([None, None, None], [None, None, None]),              # no ids at all (ShareGPT): results answer in order
-    (["call_a", "call_b", "call_c"], ["call_b", "call_a", "call_c"]),  # results in another order than the calls
-])
+@pytest.mark.parametrize(
+    "given_ids,result_ids",
+    [
+        (["call_1", "call_2", "call_3"], None),  # OpenAI's ids, each result naming its call
+        (["call_0", "call_1", "call_0"], None),  # ids reused across turns, as some exports write them
+        ([None, None, None], [None, None, None]),  # no ids at all (ShareGPT): results answer in order
+        (["call_a", "call_b", "call_c"], ["call_b", "call_a", "call_c"]),  # results in another order than the calls
+    ],
+)
 def test_openai_ids_render_as_kimi_writes_them(tmp_path, kimi_tok, caplog, given_ids, result_ids):
     """At 962a6d4 an id "call_1" rendered as <|tool_call_begin|>call_1<|tool_call_argument_begin|>: tokens Kimi never
     writes, the name nowhere, and the log said the template had dropped the calls."""
@@ -76,8 +93,9 @@ def test_openai_ids_render_as_kimi_writes_them(tmp_path, kimi_tok, caplog, given
     assert not [g for g in given_ids if g and (f">{g}<" in rendered or f"Return of {g}\n" in rendered)], rendered
     assert report.template_dropped == {} and ref_report.template_dropped == {} and ref_report.tool_ids == {}
     assert report.tool_ids == {"assistant.tool_calls.id": 3, "tool.tool_call_id": 3}
-    assert "tool-call ids written as the target writes them (functions.NAME:INDEX): 3 calls, 3 results" \
-        in report.summary()
+    assert (
+        "tool-call ids written as the target writes them (functions.NAME:INDEX): 3 calls, 3 results" in report.summary()
+    )
     assert "dropped" not in caplog.text and "tool-call ids rewritten" in caplog.text
 
 
@@ -86,11 +104,12 @@ def test_the_calls_parse_back_by_name_arguments_and_id(kimi_tok):
     msgs = conv["messages"]
     for turn, ids in ((1, KIMI_IDS[:2]), (4, KIMI_IDS[2:])):
         head = masks.chat(kimi_tok, msgs[:turn], conv["tools"], gen=True)
-        text = masks.chat(kimi_tok, msgs[: turn + 1], conv["tools"])[len(head):].removesuffix("<|im_end|>")
+        text = masks.chat(kimi_tok, msgs[: turn + 1], conv["tools"])[len(head) :].removesuffix("<|im_end|>")
         parsed = parse_turn(text, kimi=True)
         assert [c["id"] for c in parsed["tool_calls"]] == ids
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed["tool_calls"]] == \
-            [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msgs[turn]["tool_calls"]]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed["tool_calls"]] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msgs[turn]["tool_calls"]
+        ]
 
 
 def test_kimi_form_ids_are_kept_and_other_templates_get_the_data_s_ids(tmp_path, kimi_tok, tokenizer):
@@ -110,14 +129,22 @@ def test_a_kimi_form_id_of_another_name_is_rewritten(kimi_tok):
     assert out[2]["tool_call_id"] == KIMI_IDS[0] and changed["assistant.tool_calls.id"] == 3
 
 
-IDS = st.one_of(st.none(), st.sampled_from(["call_0", "call_1", "call_x", "toolu_01", "7"]),
-                st.builds(lambda n, i: f"functions.{n}:{i}", st.sampled_from(["get_weather", "add", "other"]),
-                          st.integers(0, 9)))
+IDS = st.one_of(
+    st.none(),
+    st.sampled_from(["call_0", "call_1", "call_x", "toolu_01", "7"]),
+    st.builds(lambda n, i: f"functions.{n}:{i}", st.sampled_from(["get_weather", "add", "other"]), st.integers(0, 9)),
+)
 
 
 @settings(max_examples=60, deadline=None)
-@given(turns=st.lists(st.lists(st.tuples(IDS, st.sampled_from(["get_weather", "add", "day_after"])), min_size=1,
-                               max_size=3), min_size=1, max_size=3), answer_by_id=st.booleans())
+@given(
+    turns=st.lists(
+        st.lists(st.tuples(IDS, st.sampled_from(["get_weather", "add", "day_after"])), min_size=1, max_size=3),
+        min_size=1,
+        max_size=3,
+    ),
+    answer_by_id=st.booleans(),
+)
 def test_every_call_gets_a_kimi_id_of_its_name_and_every_result_the_id_of_its_call(turns, answer_by_id):
     msgs, answered = [{"role": "user", "content": "q"}], []
     for calls in turns:

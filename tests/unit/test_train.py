@@ -65,7 +65,9 @@ def test_draft_vocab_mapping_selects_the_verifier_rows_it_claims(trained, tiny_k
     target = load_file(str(tiny_kimi / "model.safetensors"))
     targets = torch.arange(256) + w["d2t"]
     assert torch.equal(targets, torch.nonzero(w["t2d"]).flatten())
-    torch.testing.assert_close(w["lm_head.weight"], target["lm_head.weight"][targets].to(torch.bfloat16), atol=0, rtol=0)
+    torch.testing.assert_close(
+        w["lm_head.weight"], target["lm_head.weight"][targets].to(torch.bfloat16), atol=0, rtol=0
+    )
 
 
 def test_draft_vocab_keeps_the_most_frequent_tokens_in_ascending_order():
@@ -86,9 +88,14 @@ def test_speculators_from_training_args_cannot_take_a_deepseek_verifier(tiny_kim
     from transformers import AutoConfig
 
     with pytest.raises(KeyError, match="deepseek_v3"):
-        Eagle3DraftModel.from_training_args(AutoConfig.from_pretrained(tiny_kimi), verifier_name_or_path=str(tiny_kimi),
-                                            draft_vocab_size=256, norm_before_residual=False, ttt_steps=3,
-                                            target_layer_ids=[2, 4, 5])
+        Eagle3DraftModel.from_training_args(
+            AutoConfig.from_pretrained(tiny_kimi),
+            verifier_name_or_path=str(tiny_kimi),
+            draft_vocab_size=256,
+            norm_before_residual=False,
+            ttt_steps=3,
+            target_layer_ids=[2, 4, 5],
+        )
     shape = DraftShape.for_target(json.loads((tiny_kimi / "config.json").read_text()))
     assert shape.llama_config().model_type == "llama"
 
@@ -103,7 +110,7 @@ def test_killed_training_resumes_with_the_same_loss_curve(small_store, tmp_path,
     cfg = _cfg(small_store, tmp_path / "killed", max_steps=6, checkpoint_every=2)
     # kill -9 after step 3 (checkpoint 2 exists), then again while checkpoint 4 is being written
     for point, k in [("after_step", 3), ("mid_checkpoint", 1)]:
-        killed, _ = run_forked(lambda: _train_with_fault(cfg, point, k))
+        killed, _ = run_forked(lambda point=point, k=k: _train_with_fault(cfg, point, k))
         assert killed, point
         assert checkpoint.latest(tmp_path / "killed").name == "step-0000002"
     resumed = train(cfg, progress=False)
@@ -111,8 +118,9 @@ def test_killed_training_resumes_with_the_same_loss_curve(small_store, tmp_path,
 
 
 def test_trainer_refuses_a_store_from_another_target(small_store, tmp_path):
-    other = tiny.build_model(from_name("tiny-kimi"), tmp_path / "other", seed=0, with_tokenizer=False,
-                             overrides={"num_hidden_layers": 9})
+    other = tiny.build_model(
+        from_name("tiny-kimi"), tmp_path / "other", seed=0, with_tokenizer=False, overrides={"num_hidden_layers": 9}
+    )
     with pytest.raises(StoreMismatch, match="Train against the target the store came from"):
         train(_cfg(small_store, tmp_path / "o", max_steps=1, target=str(other)), progress=False)
 

@@ -49,6 +49,7 @@ def mask(s: int, t: int) -> int:
 @pytest.fixture(scope="module")
 def golden_store(tiny_kimi, tmp_path_factory):
     """8 samples of 5-12 tokens in shards of 3."""
+
     def make(dtype):
         root = tmp_path_factory.mktemp(f"golden-{dtype}")
         spec = extract.store_spec(tiny_kimi, IDS, dtype)
@@ -56,10 +57,15 @@ def golden_store(tiny_kimi, tmp_path_factory):
         writer = ShardWriter(root, spec, 0, shard_samples=3, fsync=False)
         for s, n in enumerate(LENGTHS):
             states = torch.stack([torch.stack([golden(s, t, lid) for t in range(n)]) for lid in IDS])
-            writer.add(f"s{s}", torch.tensor([token(s, t) for t in range(n)]),
-                       torch.tensor([mask(s, t) for t in range(n)], dtype=torch.uint8), states)
+            writer.add(
+                f"s{s}",
+                torch.tensor([token(s, t) for t in range(n)]),
+                torch.tensor([mask(s, t) for t in range(n)], dtype=torch.uint8),
+                states,
+            )
         store.commit(writer.flush(), fsync=False)
         return root
+
     return make
 
 
@@ -67,8 +73,9 @@ def _coords(row: torch.Tensor) -> tuple[int, int, int]:
     return int(row[0]), int(row[1]), int(row[2])
 
 
-@pytest.mark.parametrize("store_dtype,train_dtype", [("float32", "float32"), ("bfloat16", "float32"),
-                                                     ("bfloat16", "bfloat16")])
+@pytest.mark.parametrize(
+    "store_dtype,train_dtype", [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")]
+)
 @pytest.mark.parametrize("pack_tokens,guard", [(0, 0), (40, 2), (40, 3)])
 def test_what_the_model_receives(golden_store, store_dtype, train_dtype, pack_tokens, guard):
     samples = StoreSamples(Store.open(golden_store(store_dtype)))
@@ -128,9 +135,19 @@ class Spy:
 @pytest.mark.parametrize("pack_tokens", [0, 40])
 def test_what_the_loss_compares_at_every_ttt_step(golden_store, tmp_path, monkeypatch, ttt_steps, pack_tokens):
     spy = Spy(monkeypatch)
-    train(TrainConfig(store=str(golden_store("float32")), out=str(tmp_path / "t"), draft_vocab_size=256,
-                      batch_samples=8, max_steps=1, ttt_steps=ttt_steps, pack_tokens=pack_tokens, lr=1e-3),
-          progress=False)
+    train(
+        TrainConfig(
+            store=str(golden_store("float32")),
+            out=str(tmp_path / "t"),
+            draft_vocab_size=256,
+            batch_samples=8,
+            max_steps=1,
+            ttt_steps=ttt_steps,
+            pack_tokens=pack_tokens,
+            lr=1e-3,
+        ),
+        progress=False,
+    )
     model = spy.models[0]
     head = lambda v: model.verifier_lm_head(model.verifier_norm(v))  # noqa: E731 - the targets' function
     compared = expected = 0
@@ -140,7 +157,9 @@ def test_what_the_loss_compares_at_every_ttt_step(golden_store, tmp_path, monkey
         docs = list(dict.fromkeys(int(v) for v in hidden[:, 0]))  # samples in row order
         for d, s in enumerate(docs):  # targets inside the sample, minus the guarded first ones of later samples
             g = ttt_steps - 1 if d > 0 else 0
-            expected += sum(mask(s, i + j + 1) for j in range(ttt_steps) for i in range(LENGTHS[s] - 1 - j) if i + j >= g)
+            expected += sum(
+                mask(s, i + j + 1) for j in range(ttt_steps) for i in range(LENGTHS[s] - 1 - j) if i + j >= g
+            )
         assert [j for j, _, _ in call["steps"]] == list(range(ttt_steps))
         for j, s_targets, s_mask in call["steps"]:
             for r in torch.nonzero(s_mask[0]).flatten().tolist():
@@ -184,8 +203,12 @@ def even_store(tiny_kimi, tmp_path_factory):
     writer = ShardWriter(root, spec, 0, shard_samples=4, fsync=False)
     g = torch.Generator().manual_seed(3)
     for s in range(8):
-        writer.add(f"s{s}", torch.randint(5, 1000, (10,), generator=g), torch.ones(10, dtype=torch.uint8),
-                   torch.randn(len(IDS), 10, H, generator=g))
+        writer.add(
+            f"s{s}",
+            torch.randint(5, 1000, (10,), generator=g),
+            torch.ones(10, dtype=torch.uint8),
+            torch.randn(len(IDS), 10, H, generator=g),
+        )
     store.commit(writer.flush(), fsync=False)
     return root
 
@@ -194,10 +217,22 @@ def test_packing_leaves_the_loss_of_a_batch_as_it_is(even_store, tmp_path):
     """A pack's loss is a mean over its tokens, weighed by its samples. Over samples of one length with every
     target in the loss (one TTT step: no guard), a batch's loss is then the same packed as one sample a forward
     (each sample attends to its own rows only), and so is the step it takes."""
+
     def run(pack_tokens, out):
-        return train(TrainConfig(store=str(even_store), out=str(tmp_path / out), draft_vocab_size=256, batch_samples=8,
-                                 epochs=2, ttt_steps=1, pack_tokens=pack_tokens, lr=1e-3, seed=0),
-                     progress=False).losses
+        return train(
+            TrainConfig(
+                store=str(even_store),
+                out=str(tmp_path / out),
+                draft_vocab_size=256,
+                batch_samples=8,
+                epochs=2,
+                ttt_steps=1,
+                pack_tokens=pack_tokens,
+                lr=1e-3,
+                seed=0,
+            ),
+            progress=False,
+        ).losses
 
     one, packed = run(0, "one"), run(40, "packed")  # packs of 4 samples: 36 rows each after the shift
     assert packed == pytest.approx(one, rel=1e-4), (one, packed)
@@ -223,8 +258,11 @@ def test_the_trainer_reads_states_at_the_store_s_precision_not_float16(tiny_kimi
     store = Store.open(tmp_path, spec, create=True, fsync=False)
     writer = ShardWriter(tmp_path, spec, 0, shard_samples=2, fsync=False)
     dtype = getattr(torch, store_dtype)
-    extremes = torch.tensor([1e5, -3e5, 2.0**-30, 1e30, 70000.0, -2.0**-25] if store_dtype == "bfloat16" else
-                            [1e5, -3e5, 2.0**-30, 1e30, 1 + 2.0**-20, 65519.0])
+    extremes = torch.tensor(
+        [1e5, -3e5, 2.0**-30, 1e30, 70000.0, -(2.0**-25)]
+        if store_dtype == "bfloat16"
+        else [1e5, -3e5, 2.0**-30, 1e30, 1 + 2.0**-20, 65519.0]
+    )
     assert torch.isinf(extremes.half()).any() and not torch.equal(extremes.half().float(), extremes.to(dtype).float())
     written = {}
     for s in range(2):
@@ -263,8 +301,19 @@ def test_bf16_mixed_precision_keeps_float32_weights_and_follows_the_fp32_curve(s
     monkeypatch.setattr(train_mod.torch.optim, "AdamW", Watch)
 
     def run(precision, out):
-        return train(TrainConfig(store=str(small_store), out=str(tmp_path / out), draft_vocab_size=256, batch_samples=4,
-                                 max_steps=6, lr=3e-3, seed=0, precision=precision), progress=False).losses
+        return train(
+            TrainConfig(
+                store=str(small_store),
+                out=str(tmp_path / out),
+                draft_vocab_size=256,
+                batch_samples=4,
+                max_steps=6,
+                lr=3e-3,
+                seed=0,
+                precision=precision,
+            ),
+            progress=False,
+        ).losses
 
     fp32, auto, mixed = run("fp32", "a"), run("auto", "b"), run("bf16-mixed", "c")
     assert auto == fp32

@@ -3,7 +3,6 @@ a non-finite loss stops it before the optimizer step, checkpoints are on by defa
 the same loss curve, the newest complete checkpoint wins and a torn one is skipped."""
 
 import json
-import math
 import logging
 import os
 import shutil
@@ -22,8 +21,9 @@ from .conftest import rewrite_shards, run_forked
 from .test_train import _cfg
 
 
-def _rewrite_sample(store, shard_no: int, sample_no: int, value: float, rehash: bool, layer: int = 0,
-                    row: int = 0) -> str:
+def _rewrite_sample(
+    store, shard_no: int, sample_no: int, value: float, rehash: bool, layer: int = 0, row: int = 0
+) -> str:
     """Put ``value`` into one sample's states (one row of one layer: by default layer 0, the first row); re-hash the
     shard in the manifest or not. Returns the sample id."""
     sid = []
@@ -46,8 +46,22 @@ def store_copy(small_store, tmp_path):
 
 
 def _cli_train(store, out, *extra):
-    return cli.main(["train", "--store", str(store), "--out", str(out), "--draft-vocab", "256", "--batch", "4",
-                     "--epochs", "1", *extra])
+    return cli.main(
+        [
+            "train",
+            "--store",
+            str(store),
+            "--out",
+            str(out),
+            "--draft-vocab",
+            "256",
+            "--batch",
+            "4",
+            "--epochs",
+            "1",
+            *extra,
+        ]
+    )
 
 
 def test_a_nan_in_one_sample_stops_training_naming_it_and_writes_no_draft(store_copy, tmp_path, capsys):
@@ -122,8 +136,9 @@ def _default_train_killed(cfg, k):
     train(cfg, progress=False)
 
 
-def test_default_options_checkpoint_by_time_and_a_kill_resumes_to_the_same_curve(small_store, tmp_path, one_thread,
-                                                                                  monkeypatch, caplog):
+def test_default_options_checkpoint_by_time_and_a_kill_resumes_to_the_same_curve(
+    small_store, tmp_path, one_thread, monkeypatch, caplog
+):
     cfg = _cfg(small_store, tmp_path / "killed", max_steps=8)  # no checkpoint option given
     assert (cfg.checkpoint_every, cfg.checkpoint_minutes, cfg.resume) == (0, 10.0, True)
     monkeypatch.setattr(train_mod, "_clock", FakeClock())
@@ -146,9 +161,12 @@ def test_default_options_checkpoint_by_time_and_a_kill_resumes_to_the_same_curve
 def test_resume_takes_the_newest_complete_checkpoint_and_skips_a_torn_one(small_store, tmp_path, one_thread):
     ref = train(_cfg(small_store, tmp_path / "ref", max_steps=7), progress=False).losses
     out = tmp_path / "t"
-    killed, _ = run_forked(lambda: (os.environ.__setitem__("EAGLE3_FAULT", "after_step:7"),
-                                    train(_cfg(small_store, out, max_steps=7, checkpoint_every=2, keep_checkpoints=0),
-                                          progress=False)))
+    killed, _ = run_forked(
+        lambda: (
+            os.environ.__setitem__("EAGLE3_FAULT", "after_step:7"),
+            train(_cfg(small_store, out, max_steps=7, checkpoint_every=2, keep_checkpoints=0), progress=False),
+        )
+    )
     assert killed
     ckpts = sorted((out / "checkpoints").glob("step-*"))
     assert [p.name for p in ckpts] == ["step-0000002", "step-0000004", "step-0000006"]
@@ -262,7 +280,7 @@ def test_the_step_s_one_read_gives_each_pack_its_loss_and_acceptance(small_store
     assert len(sizes) == 3 and all(len(s) >= 2 for s in sizes), sizes  # else the test shows nothing
     at = 0
     for step, packs in enumerate(sizes):
-        mine = losses[at: at + len(packs)]
+        mine = losses[at : at + len(packs)]
         at += len(packs)
         assert result.losses[step] == pytest.approx(sum(x * n for x, n in zip(mine, packs)) / 8, rel=1e-12), step
     assert at == len(losses)

@@ -29,8 +29,13 @@ def dense_reference(q, k, v, doc, scale):
 
 
 @settings(max_examples=20, deadline=None)
-@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=4), steps=st.integers(1, 3),
-       groups=st.sampled_from([(4, 4), (4, 2), (4, 1)]), dv=st.sampled_from([8, 5]), seed=st.integers(0, 2**16))
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    steps=st.integers(1, 3),
+    groups=st.sampled_from([(4, 4), (4, 2), (4, 1)]),
+    dv=st.sampled_from([8, 5]),
+    seed=st.integers(0, 2**16),
+)
 def test_output_and_gradients_equal_the_dense_mask(lengths, steps, groups, dv, seed):
     """dv < d: the MLA draft's values narrower than its keys (128 under 192)."""
     h, kv = groups
@@ -84,12 +89,14 @@ def draft_step(b, lengths: list[int], attn: str, mla: bool = False, amp: bool = 
     h, t, dev = b.shape.hidden_size, sum(lengths), b.device
     g = torch.Generator(device=dev).manual_seed(3)
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
-    inputs = dict(input_ids=torch.randint(0, b.draft_vocab, (1, t), generator=g, device=dev),
-                  hidden_states=torch.randn(1, t, 3 * h, generator=g, device=dev),
-                  verifier_last_hidden_states=torch.randn(1, t, h, generator=g, device=dev),
-                  loss_mask=torch.ones(1, t, dtype=torch.bool, device=dev),
-                  position_ids=torch.cat([torch.arange(1, n + 1) for n in lengths])[None].to(dev),
-                  document_ids=doc.to(dev))
+    inputs = dict(
+        input_ids=torch.randint(0, b.draft_vocab, (1, t), generator=g, device=dev),
+        hidden_states=torch.randn(1, t, 3 * h, generator=g, device=dev),
+        verifier_last_hidden_states=torch.randn(1, t, h, generator=g, device=dev),
+        loss_mask=torch.ones(1, t, dtype=torch.bool, device=dev),
+        position_ids=torch.cat([torch.arange(1, n + 1) for n in lengths])[None].to(dev),
+        document_ids=doc.to(dev),
+    )
     m = gb._model(b, mla=b.mla if mla else None, attn=attn)
     extra = ta.forward_kwargs(doc, dev) if attn == "varlen" else {}
     with torch.compiler.set_stance("force_eager"), torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
@@ -107,8 +114,12 @@ def test_the_draft_trains_the_same_with_either_attention(mla):
     from eagle3.train.draft import DraftShape
     from tests.gpu import test_bench_train as gb
 
-    b = gb.Bench(DraftShape(64, 512, 4, 2, 16, 128), mla_draft.MLAShape(64, 4, 24, 32, 16, 8, 12, 96), device="cpu",
-                 draft_vocab=128)
+    b = gb.Bench(
+        DraftShape(64, 512, 4, 2, 16, 128),
+        mla_draft.MLAShape(64, 4, 24, 32, 16, 8, 12, 96),
+        device="cpu",
+        draft_vocab=128,
+    )
     (la, ga), (lb, gb_) = (draft_step(b, [7, 12, 5], attn, mla) for attn in ("sdpa", "varlen"))
     torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6)
     assert ga.keys() == gb_.keys() and len(ga) > 5
@@ -125,9 +136,20 @@ def test_training_with_varlen_follows_the_sdpa_run_and_exports_the_same_draft_co
     from eagle3.train.train import TrainConfig, train
 
     def run(attn):
-        return train(TrainConfig(store=str(small_store), out=str(tmp_path / attn), draft_vocab_size=256,
-                                 batch_samples=4, lr=3e-3, seed=0, max_steps=4, pack_tokens=96, attn_impl=attn),
-                     progress=False)
+        return train(
+            TrainConfig(
+                store=str(small_store),
+                out=str(tmp_path / attn),
+                draft_vocab_size=256,
+                batch_samples=4,
+                lr=3e-3,
+                seed=0,
+                max_steps=4,
+                pack_tokens=96,
+                attn_impl=attn,
+            ),
+            progress=False,
+        )
 
     a, b = run("sdpa"), run("varlen")
     assert a.losses == pytest.approx(b.losses, rel=1e-4) and a.tokens_seen == b.tokens_seen

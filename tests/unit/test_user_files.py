@@ -17,21 +17,68 @@ from hypothesis import strategies as st
 
 from eagle3 import cli, ownership
 
-# names eagle3 writes somewhere (stores, runs, drafts, checkpoints, reports, targets, temp files), and a few of the user's
-NAMES = [".tmp-mywork", ".tmp-manifest.json", ".tmp-draft", ".tmp-step-0000001", "lock.json", "plan.json",
-         "manifest.json", "rejects.jsonl", "online.json", "shards", "quarantine", ".selfcheck", "draft", ".old-draft",
-         "checkpoints", "step-0000004", "spool", "model", "store", "train", "config.json", "model.safetensors",
-         "tokenizer.json", "eagle3_target.json", ".eagle3-build", "eval.json", "eval.md", "throughput.md",
-         "throughput.png", "shard-000000.safetensors", ownership.MARK, "notes.txt", "README.txt", "data.jsonl"]
+# names eagle3 writes somewhere (stores, runs, drafts, checkpoints, reports, targets, temp files), and a few of the
+# user's
+NAMES = [
+    ".tmp-mywork",
+    ".tmp-manifest.json",
+    ".tmp-draft",
+    ".tmp-step-0000001",
+    "lock.json",
+    "plan.json",
+    "manifest.json",
+    "rejects.jsonl",
+    "online.json",
+    "shards",
+    "quarantine",
+    ".selfcheck",
+    "draft",
+    ".old-draft",
+    "checkpoints",
+    "step-0000004",
+    "spool",
+    "model",
+    "store",
+    "train",
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "eagle3_target.json",
+    ".eagle3-build",
+    "eval.json",
+    "eval.md",
+    "throughput.md",
+    "throughput.png",
+    "shard-000000.safetensors",
+    ownership.MARK,
+    "notes.txt",
+    "README.txt",
+    "data.jsonl",
+]
 CONTENTS = st.one_of(
     st.binary(max_size=48),
     st.text(max_size=32).map(str.encode),
-    st.sampled_from([b"", b"{}", b"[]", b"null", b'{"kind": "store"}', b'{"kind": "demo"}', b'{"pid": 1}',
-                     b'{"schema_version": 1, "spec": {}, "shards": []}', b'{"sample_ids": ["a:1"], "recipe": null}']),
+    st.sampled_from(
+        [
+            b"",
+            b"{}",
+            b"[]",
+            b"null",
+            b'{"kind": "store"}',
+            b'{"kind": "demo"}',
+            b'{"pid": 1}',
+            b'{"schema_version": 1, "spec": {}, "shards": []}',
+            b'{"sample_ids": ["a:1"], "recipe": null}',
+        ]
+    ),
 )
 LEAF = st.tuples(st.just("file"), CONTENTS)
-TREE = st.dictionaries(st.sampled_from(NAMES), st.one_of(
-    LEAF, st.tuples(st.just("dir"), st.dictionaries(st.sampled_from(NAMES), LEAF, max_size=3))), min_size=1, max_size=5)
+TREE = st.dictionaries(
+    st.sampled_from(NAMES),
+    st.one_of(LEAF, st.tuples(st.just("dir"), st.dictionaries(st.sampled_from(NAMES), LEAF, max_size=3))),
+    min_size=1,
+    max_size=5,
+)
 
 # each writing command with its --out as {out} (a folder; regenerate's is a file: {out_file})
 COMMANDS = {
@@ -44,8 +91,14 @@ COMMANDS = {
     "demo": "demo --out {out}",
     "regenerate": "regenerate --target {model} --data {data} --out {out_file}",
 }
-KIND = {"extract": "store", "train --online --spool": "store", "bench report": "bench", "make-target": "target",
-        "regenerate": None, **{c: c for c in ("train", "eval", "demo")}}
+KIND = {
+    "extract": "store",
+    "train --online --spool": "store",
+    "bench report": "bench",
+    "make-target": "target",
+    "regenerate": None,
+    **{c: c for c in ("train", "eval", "demo")},
+}
 
 
 def plant(root: Path, tree: dict) -> None:
@@ -71,8 +124,9 @@ def world(tiny_kimi, small_data, small_store, tmp_path_factory):
 @pytest.mark.parametrize("command", list(COMMANDS))
 @settings(max_examples=40, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tree=TREE, pick=st.integers(0, 1000), sidecar=st.booleans())
-def test_a_command_pointed_at_a_user_s_folder_refuses_and_touches_nothing(world, tmp_path, capsys, command, tree,
-                                                                          pick, sidecar):
+def test_a_command_pointed_at_a_user_s_folder_refuses_and_touches_nothing(
+    world, tmp_path, capsys, command, tree, pick, sidecar
+):
     with tempfile.TemporaryDirectory(dir=tmp_path) as scratch:
         user = Path(scratch) / "mine"
         plant(user, tree)
@@ -84,8 +138,9 @@ def test_a_command_pointed_at_a_user_s_folder_refuses_and_touches_nothing(world,
         out_file = user / names[pick % len(names)]
         if sidecar:
             out_file = user / f"new-{pick}.jsonl"
-            (user / f"new-{pick}.jsonl.regen.json").write_bytes(tree.get(names[0], ("file", b"{}"))[1]
-                                                                if tree[names[0]][0] == "file" else b"[]")
+            (user / f"new-{pick}.jsonl.regen.json").write_bytes(
+                tree.get(names[0], ("file", b"{}"))[1] if tree[names[0]][0] == "file" else b"[]"
+            )
         before = snapshot(user)
         note(f"tree {tree}")
         argv = COMMANDS[command].format(**world, out=user, out_file=out_file, tmp=scratch)
@@ -97,13 +152,15 @@ def test_a_command_pointed_at_a_user_s_folder_refuses_and_touches_nothing(world,
             assert str(out_file) in err, err  # the file, or its sidecar FILE.regen.json
         else:
             found = ownership.owner(user)
-            assert any(f"holds {n}" in err or f" {n}," in err or f" {n})" in err or f" {n}/" in err for n in names) \
-                or (found and ownership.KINDS[found] in err), err
+            assert any(f"holds {n}" in err or f" {n}," in err or f" {n})" in err or f" {n}/" in err for n in names) or (
+                found and ownership.KINDS[found] in err
+            ), err
         shutil.rmtree(Path(scratch) / "new-run", ignore_errors=True)
 
 
-@pytest.mark.parametrize("command,other", [(c, o) for c in COMMANDS for o in ("store", "train", "demo")
-                                           if KIND[c] not in (None, o)])
+@pytest.mark.parametrize(
+    "command,other", [(c, o) for c in COMMANDS for o in ("store", "train", "demo") if KIND[c] not in (None, o)]
+)
 def test_a_folder_another_command_made_is_refused_naming_what_it_holds(world, tmp_path, capsys, command, other):
     """A marker of another kind: e.g. `train --out STORE` writes no checkpoint into an extraction's store."""
     folder = ownership.claim(tmp_path / "theirs", other)

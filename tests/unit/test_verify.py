@@ -100,8 +100,12 @@ def _duplicate_layer(root):
 
 
 def _wrong_ids(root):
-    _rewrite(root, 0, lambda t: None, lambda meta: meta.__setitem__(
-        "sample_ids", json.dumps(["x"] + json.loads(meta["sample_ids"])[1:])))
+    _rewrite(
+        root,
+        0,
+        lambda t: None,
+        lambda meta: meta.__setitem__("sample_ids", json.dumps(["x"] + json.loads(meta["sample_ids"])[1:])),
+    )
 
 
 def _wrong_layer_ids(root):
@@ -115,12 +119,14 @@ def _bad_offsets(root):
 def _bad_dtype(root):
     def f(t):
         t["hidden_states"] = t["hidden_states"].float()
+
     _rewrite(root, 0, f)
 
 
 def _bad_shape(root):
     def f(t):
         t["hidden_states"] = t["hidden_states"][:, :, :64].contiguous()
+
     _rewrite(root, 0, f)
 
 
@@ -142,11 +148,21 @@ def _stray_file(root):
 
 
 PLANTS = {
-    "checksum_mismatch": _flip_byte, "size_mismatch": _truncate, "missing_file": _delete,
-    "bad_header": _garbage_header, "nonfinite": _nan, "zero_layer": _zero_layer,
-    "duplicate_layers": _duplicate_layer, "ids_mismatch": _wrong_ids, "layer_ids_mismatch": _wrong_layer_ids,
-    "bad_offsets": _bad_offsets, "bad_dtype": _bad_dtype, "bad_shape": _bad_shape,
-    "repeated_sample": _repeat_sample, "missing_sample": _missing_sample, "uncommitted_file": _stray_file,
+    "checksum_mismatch": _flip_byte,
+    "size_mismatch": _truncate,
+    "missing_file": _delete,
+    "bad_header": _garbage_header,
+    "nonfinite": _nan,
+    "zero_layer": _zero_layer,
+    "duplicate_layers": _duplicate_layer,
+    "ids_mismatch": _wrong_ids,
+    "layer_ids_mismatch": _wrong_layer_ids,
+    "bad_offsets": _bad_offsets,
+    "bad_dtype": _bad_dtype,
+    "bad_shape": _bad_shape,
+    "repeated_sample": _repeat_sample,
+    "missing_sample": _missing_sample,
+    "uncommitted_file": _stray_file,
 }
 
 
@@ -167,6 +183,7 @@ def test_each_corruption_class_is_found(store, kind):
 def test_offsets_that_do_not_cut_the_shard_into_its_samples_are_found(store, edit):
     """Offsets must run from 0 to the shard's token count, rising strictly: a last sample cut short (rows nobody
     reads) or an empty sample is as wrong as an offset past the end."""
+
     def f(t):
         o = t["offsets"]
         if edit == "past_the_end":
@@ -175,6 +192,7 @@ def test_offsets_that_do_not_cut_the_shard_into_its_samples_are_found(store, edi
             o[-1] -= 1
         else:
             o[2] = o[1]
+
     _rewrite(store, 0, f)
     assert set(verify.verify(store).kinds()) == {"bad_offsets"}
 
@@ -193,17 +211,26 @@ def test_infinity_is_found_too(store):
 
 
 def test_fix_quarantines_and_a_resume_redoes_exactly_those_samples(store, tiny_kimi, small_data, capsys):
-    reference = {s["sample_id"]: s["states"][4].clone() for s in
-                 __import__("eagle3.store.folder", fromlist=["Store"]).Store.open(store).iter_samples()}
+    reference = {
+        s["sample_id"]: s["states"][4].clone()
+        for s in __import__("eagle3.store.folder", fromlist=["Store"]).Store.open(store).iter_samples()
+    }
     _duplicate_layer(store)
     _flip_byte(store)
     assert cli.main(["verify", str(store), "--fix"]) == 1
     out = capsys.readouterr().out
     assert "duplicate_layers" in out and "quarantined 2 shard(s)" in out
     assert len(list((store / "quarantine").iterdir())) == 2
-    summary = extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(store), shard_samples=8,
-                                                data=DataConfig([str(small_data)], max_len=192), writer_threads=0),
-                          progress=False)
+    summary = extract.run(
+        extract.ExtractConfig(
+            model=str(tiny_kimi),
+            out=str(store),
+            shard_samples=8,
+            data=DataConfig([str(small_data)], max_len=192),
+            writer_threads=0,
+        ),
+        progress=False,
+    )
     assert summary.samples_written == 16
     assert cli.main(["verify", str(store)]) == 0
     from eagle3.store.folder import Store
@@ -230,22 +257,38 @@ def test_verify_counts_exactly_and_ends_with_the_command_that_repairs(tiny_kimi,
     import shlex
 
     out = tmp_path / "s"
-    made = ["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(out), "--max-len", "160",
-            "--shard-samples", "4", "--batch-size", "4", "--no-selfcheck"]
+    made = [
+        "extract",
+        "--model",
+        str(tiny_kimi),
+        "--data",
+        str(small_data),
+        "--out",
+        str(out),
+        "--max-len",
+        "160",
+        "--shard-samples",
+        "4",
+        "--batch-size",
+        "4",
+        "--no-selfcheck",
+    ]
     assert cli.main(made) == 0
     capsys.readouterr()
     from eagle3.store.folder import Store
 
     reference = {s["sample_id"]: s["states"][8].clone() for s in Store.open(out).iter_samples()}
-    _drop_shards(out, 6)      # 24 samples in no shard
-    _flip_byte(out)           # and one damaged shard of 4
+    _drop_shards(out, 6)  # 24 samples in no shard
+    _flip_byte(out)  # and one damaged shard of 4
     assert cli.main(["verify", str(out)]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
     assert '25 findings {"checksum_mismatch": 1, "missing_sample": 24}' in lines[0]
     assert sum("missing_sample" in x and "planned" in x for x in lines) == 20
     assert any("... and 4 more missing_sample" in x for x in lines)
-    assert lines[-1] == (f"repair: eagle3 verify {out} --fix (quarantines 1 shard(s) holding 4 samples), then "
-                         f"eagle3 extract --resume {out} (extracts them and the 24 missing)")
+    assert lines[-1] == (
+        f"repair: eagle3 verify {out} --fix (quarantines 1 shard(s) holding 4 samples), then "
+        f"eagle3 extract --resume {out} (extracts them and the 24 missing)"
+    )
     assert cli.main(["verify", str(out), "--fix"]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1] == f"now 28 planned samples are missing; repair: eagle3 extract --resume {out}"
@@ -256,7 +299,7 @@ def test_verify_counts_exactly_and_ends_with_the_command_that_repairs(tiny_kimi,
     again = {s["sample_id"]: s for s in Store.open(out).iter_samples()}
     assert again.keys() == reference.keys()
     assert all(torch.equal(again[k]["states"][8], t) for k, t in reference.items())
-    assert max(len(s["input_ids"]) for s in again.values()) <= 160           # the recorded --max-len
+    assert max(len(s["input_ids"]) for s in again.values()) <= 160  # the recorded --max-len
     assert max(len(s["sample_ids"]) for s in _manifest(out)["shards"]) == 4  # the recorded --shard-samples
 
 
@@ -269,8 +312,23 @@ def test_resume_refuses_what_would_change_the_store_and_stores_without_a_record(
 
 def test_resume_allows_runtime_options_only(tiny_kimi, small_data, tmp_path, capsys):
     out = tmp_path / "s"
-    assert cli.main(["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(out),
-                     "--max-samples", "6", "--no-selfcheck"]) == 0
+    assert (
+        cli.main(
+            [
+                "extract",
+                "--model",
+                str(tiny_kimi),
+                "--data",
+                str(small_data),
+                "--out",
+                str(out),
+                "--max-samples",
+                "6",
+                "--no-selfcheck",
+            ]
+        )
+        == 0
+    )
     assert cli.main(["extract", "--resume", str(out), "--max-len", "64"]) == 2
     assert "--max-len would change what is stored" in capsys.readouterr().err
     assert cli.main(["extract", "--resume", str(out), "--batch-size", "2"]) == 0  # nothing left: a no-op
@@ -279,8 +337,27 @@ def test_resume_allows_runtime_options_only(tiny_kimi, small_data, tmp_path, cap
 
 def test_resume_takes_the_recorded_options_and_the_runtime_ones_given_now(tiny_kimi, small_data, tmp_path, capsys):
     out = tmp_path / "s"
-    assert cli.main(["extract", "--model", str(tiny_kimi), "--data", str(small_data), "--out", str(out),
-                     "--max-samples", "6", "--no-selfcheck", "--batch-size", "3", "--layer-ids", "1,4,5,8"]) == 0
+    assert (
+        cli.main(
+            [
+                "extract",
+                "--model",
+                str(tiny_kimi),
+                "--data",
+                str(small_data),
+                "--out",
+                str(out),
+                "--max-samples",
+                "6",
+                "--no-selfcheck",
+                "--batch-size",
+                "3",
+                "--layer-ids",
+                "1,4,5,8",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert cli.main(["extract", "--resume", str(out), "--batch-size", "2"]) == 0
     resumed = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("resuming: "))
@@ -309,7 +386,16 @@ def test_shards_are_checksummed_with_xxh3_and_stores_that_recorded_sha256_still_
 def test_stores_of_every_state_dtype_verify(tiny_kimi, small_data, tmp_path, dtype):
     """verify reads the dtype name from the format's own table (bf16 and fp8 are covered elsewhere)."""
     out = tmp_path / "s"
-    extract.run(extract.ExtractConfig(model=str(tiny_kimi), out=str(out), dtype=dtype, selfcheck=0, writer_threads=0,
-                                      data=DataConfig([str(small_data)], max_len=96, max_samples=6)), progress=False)
+    extract.run(
+        extract.ExtractConfig(
+            model=str(tiny_kimi),
+            out=str(out),
+            dtype=dtype,
+            selfcheck=0,
+            writer_threads=0,
+            data=DataConfig([str(small_data)], max_len=96, max_samples=6),
+        ),
+        progress=False,
+    )
     rep = verify.verify(out)
     assert rep.ok and rep.samples == 6, rep.lines()

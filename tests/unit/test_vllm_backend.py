@@ -58,8 +58,9 @@ def reference_logits(reference_states):
 
 @pytest.fixture
 def fake(monkeypatch, reference_states, reference_logits):
-    llm = fake_vllm.install(monkeypatch, n_layers=8, hidden=128, reference=reference_states,
-                            reference_logits=reference_logits)
+    llm = fake_vllm.install(
+        monkeypatch, n_layers=8, hidden=128, reference=reference_states, reference_logits=reference_logits
+    )
     monkeypatch.setattr(llm, "token_budget", 96)
     monkeypatch.setattr(llm, "prefix_caching", False)
     monkeypatch.setattr(llm, "preempt", 0.0)
@@ -78,7 +79,7 @@ def _cfg(tiny_kimi, out, **kw):
 def _last_session(rpc_log):
     """The (method, objects sent) RPCs of the last eagle3_open on (extract.run's self-check opens one first)."""
     opened = max(i for i, (method, _) in enumerate(rpc_log) if method == "eagle3_open")
-    return rpc_log[opened + 1:]
+    return rpc_log[opened + 1 :]
 
 
 def _read(path):
@@ -107,12 +108,14 @@ def hf_store(tiny_kimi, tmp_path_factory):
     return _read(out)
 
 
-@pytest.mark.parametrize("capture,tp", [("hooks", 1), ("aux", 1), ("hooks", 4), ("aux", 2), ("direct", 1),
-                                        ("direct", 2)])
+@pytest.mark.parametrize(
+    "capture,tp", [("hooks", 1), ("aux", 1), ("hooks", 4), ("aux", 2), ("direct", 1), ("direct", 2)]
+)
 def test_vllm_backend_store_equals_the_hf_reference(fake, tiny_kimi, tmp_path, hf_store, capture, tp):
     out = tmp_path / "s"
-    summary = extract.run(_cfg(tiny_kimi, out, backend="vllm", capture=capture, tp=tp), samples=_samples(),
-                          progress=False)
+    summary = extract.run(
+        _cfg(tiny_kimi, out, backend="vllm", capture=capture, tp=tp), samples=_samples(), progress=False
+    )
     assert summary.samples_written == 14
     got = _read(out)
     assert got.keys() == hf_store.keys()
@@ -128,7 +131,8 @@ def test_vllm_backend_store_equals_the_hf_reference(fake, tiny_kimi, tmp_path, h
     assert ("speculative_config" in llm.kw) == (capture == "aux")
     if capture == "aux":
         assert llm.kw["speculative_config"]["draft_model_config"]["hf_config"][
-            "eagle_aux_hidden_state_layer_ids"] == list(IDS)
+            "eagle_aux_hidden_state_layer_ids"
+        ] == list(IDS)
     if capture == "direct":  # a plain engine whose model returns the aux states, delivered per step
         assert llm.kw["hf_overrides"] == {"eagle3_direct_capture_layer_ids": list(IDS)}
         assert all(w.model_runner._eagle3_direct_layers == list(IDS) for w in llm.workers)
@@ -149,8 +153,9 @@ def test_auto_capture_is_direct_where_the_runner_can_be_wrapped_else_aux_else_ho
 
 
 @pytest.mark.parametrize("capture,tp", [("hooks", 1), ("aux", 2), ("direct", 2)])
-def test_preempted_and_recomputed_requests_store_exactly_the_reference(fake, tiny_kimi, tmp_path, hf_store,
-                                                                         capture, tp):
+def test_preempted_and_recomputed_requests_store_exactly_the_reference(
+    fake, tiny_kimi, tmp_path, hf_store, capture, tp
+):
     """vLLM preempts requests mid-prefill when the KV cache is full and recomputes them from token 0 in chunks."""
     fake.preempt = 0.5
     fake.token_budget = 40
@@ -186,8 +191,11 @@ def test_exactly_one_rank_writes_as_its_reply_and_the_files_say(fake, tiny_kimi,
 
     monkeypatch.setattr(VLLMBackend, "call", spy)
     out = tmp_path / "s"
-    extract.run(dataclasses.replace(_cfg(tiny_kimi, out, backend="vllm", capture="hooks", tp=tp), shard_tokens=256),
-                samples=_samples(), progress=False)
+    extract.run(
+        dataclasses.replace(_cfg(tiny_kimi, out, backend="vllm", capture="hooks", tp=tp), shard_tokens=256),
+        samples=_samples(),
+        progress=False,
+    )
     final = replies[-1]
     assert len(final) == tp
     assert [r["rank"] for r in final if r["writer"]] == [0]
@@ -195,7 +203,9 @@ def test_exactly_one_rank_writes_as_its_reply_and_the_files_say(fake, tiny_kimi,
     manifest = json.loads((out / "manifest.json").read_text())
     owner = [f for records in replies for r in records if r["rank"] == 0 for f in r["files_written"]]
     assert sorted(owner) == sorted(s["file"] for s in manifest["shards"])  # each file once, in one reply
-    assert sorted(p.name for p in (out / "shards").iterdir()) == sorted(s["file"].split("/")[1] for s in manifest["shards"])
+    assert sorted(p.name for p in (out / "shards").iterdir()) == sorted(
+        s["file"].split("/")[1] for s in manifest["shards"]
+    )
     for shard in manifest["shards"]:
         with safe_open(str(out / shard["file"]), framework="pt") as f:
             assert f.metadata()["writer"] == f"tp0 pid {os.getpid()}"
@@ -233,8 +243,9 @@ def test_each_collect_names_only_the_files_written_since_the_last_one(fake, tiny
 def test_prefix_caching_loses_states_and_is_caught(fake, tiny_kimi, tmp_path, strategy):
     fake.prefix_caching = True
     shared = random_samples(1, 40, 1024, seed=9)[0].input_ids[:16]
-    samples = [s.__class__(s.sample_id, shared + s.input_ids[16:], s.loss_mask) for s in
-               random_samples(3, 40, 1024, seed=4)]
+    samples = [
+        s.__class__(s.sample_id, shared + s.input_ids[16:], s.loss_mask) for s in random_samples(3, 40, 1024, seed=4)
+    ]
     with pytest.raises(StoreError, match="prefix caching"):
         extract.run(_cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture=strategy), samples=samples, progress=False)
 
@@ -252,8 +263,11 @@ def test_ranks_that_disagree_are_reported(fake, tiny_kimi, tmp_path, monkeypatch
 
     monkeypatch.setattr(vllm_worker.CaptureExtension, "eagle3_collect", skewed)
     with pytest.raises(ReplyError, match="disagree on 'tokens'"):
-        extract.run(_cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="hooks", tp=2), samples=_samples()[:3],
-                    progress=False)
+        extract.run(
+            _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture="hooks", tp=2),
+            samples=_samples()[:3],
+            progress=False,
+        )
 
 
 @pytest.mark.parametrize("selfcheck", [4, 0], ids=["selfcheck-batch", "announced-group"])
@@ -277,17 +291,28 @@ def test_the_last_batch_is_checked_by_finish(fake, tiny_kimi, tmp_path, monkeypa
     samples = _samples()[:8]
     n = sum(len(s) for s in (samples[:4] if selfcheck else samples))
     with pytest.raises(StoreError, match=f"computed {n - 1} prompt tokens for batches of {n} since the last check"):
-        extract.run(_cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture=strategy, selfcheck=selfcheck),
-                    samples=samples, progress=False)
+        extract.run(
+            _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture=strategy, selfcheck=selfcheck),
+            samples=samples,
+            progress=False,
+        )
 
 
 @pytest.mark.parametrize("strategy", ["aux", "direct"])
 def test_resume_after_a_crash_with_the_vllm_backend(fake, tiny_kimi, tmp_path, hf_store, strategy):
     out = tmp_path / "s"
     with pytest.raises(RuntimeError, match="boom"):
-        extract.run(_cfg(tiny_kimi, out, backend="vllm", capture=strategy,
-                         fault=lambda p: (_ for _ in ()).throw(RuntimeError("boom")) if p == "after_commit" else None),
-                    samples=_samples(), progress=False)
+        extract.run(
+            _cfg(
+                tiny_kimi,
+                out,
+                backend="vllm",
+                capture=strategy,
+                fault=lambda p: (_ for _ in ()).throw(RuntimeError("boom")) if p == "after_commit" else None,
+            ),
+            samples=_samples(),
+            progress=False,
+        )
     done = len(Store.open(out).done_ids)
     summary = extract.run(_cfg(tiny_kimi, out, backend="vllm", capture=strategy), samples=_samples(), progress=False)
     assert summary.samples_done_before == done and summary.samples_total == 14
@@ -297,10 +322,14 @@ def test_resume_after_a_crash_with_the_vllm_backend(fake, tiny_kimi, tmp_path, h
 
 def test_tensors_in_rpc_replies_are_refused_as_vllm_026_sends_them(fake, tiny_kimi, tmp_path):
     """The old generator read layer tensors out of collective_rpc; vLLM 0.26 encodes them."""
-    backend = extract.make_backend(_cfg(tiny_kimi, tmp_path, backend="vllm", capture="hooks"),
-                                   extract.store_spec(tiny_kimi, IDS, "bfloat16"))
-    session = backend.open_session(Store.open(tmp_path / "s", extract.store_spec(tiny_kimi, IDS, "bfloat16"),
-                                              create=True), _cfg(tiny_kimi, tmp_path), mode="count")
+    backend = extract.make_backend(
+        _cfg(tiny_kimi, tmp_path, backend="vllm", capture="hooks"), extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    )
+    session = backend.open_session(
+        Store.open(tmp_path / "s", extract.store_spec(tiny_kimi, IDS, "bfloat16"), create=True),
+        _cfg(tiny_kimi, tmp_path),
+        mode="count",
+    )
     session.submit(_samples()[:2])
     fake.last.encode_replies = True
     reply = backend.llm.collective_rpc("eagle3_debug_layers", args=(4,))
@@ -318,8 +347,10 @@ def test_tensors_in_rpc_replies_are_refused_as_vllm_026_sends_them(fake, tiny_ki
 
 @pytest.mark.parametrize("level,shown", [("INFO", True), (None, False)])
 def test_worker_logs_reach_the_user_at_the_chosen_level(level, shown):
-    code = ("from eagle3.extract.vllm_worker import configure_worker_logging, log;"
-            f"configure_worker_logging({level!r}); log.info('capture installed: hello')")
+    code = (
+        "from eagle3.extract.vllm_worker import configure_worker_logging, log;"
+        f"configure_worker_logging({level!r}); log.info('capture installed: hello')"
+    )
     env = {"PATH": "/usr/bin:/bin", "EAGLE3_LOG_LEVEL": ""}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
@@ -353,7 +384,8 @@ def test_benchmark_sinks_run_repeatedly_without_leaking_buffers(fake, tiny_kimi,
 
 def test_the_null_sink_pins_its_buffers_when_the_session_opens_never_in_the_forward(fake, tiny_kimi, tmp_path):
     """Pinning host memory takes ~0.1-0.3 s a GiB, and a buffer the pool lacks is pinned inside the forward: the
-    engine stalls. On the H200 (the 0ccc20f run) host_direct's first quarter ran at 200k tok/s, the others ~236k. Host mode
+    engine stalls. On the H200 (the 0ccc20f run) host_direct's first quarter ran at 200k tok/s, the others ~236k.
+    Host mode
     pins a buffer for each slot, each as large as the engine's largest step (its token budget), when it opens."""
     from eagle3.extract.vllm_backend import VLLMSession
 
@@ -370,8 +402,9 @@ def test_the_null_sink_pins_its_buffers_when_the_session_opens_never_in_the_forw
     assert cap.stats.bytes_to_host == _host_bytes(cap.stats)  # the steps did reach the host buffers
 
 
-def test_the_store_pins_its_shard_buffers_when_the_session_opens_never_in_the_forward(fake, tiny_kimi, tmp_path,
-                                                                                       hf_store):
+def test_the_store_pins_its_shard_buffers_when_the_session_opens_never_in_the_forward(
+    fake, tiny_kimi, tmp_path, hf_store
+):
     """As the null sink's: a shard buffer the filler lacks was pinned inside the forward (~0.1 s for 512 MiB on the
     H200), up to max_buffers of them (12 for a page-cache store) in a session's first batches. The store pins them
     all when it opens; the forward then pins none, and the states are the reference's."""
@@ -413,8 +446,11 @@ def test_the_session_times_each_phase_of_submit(fake, tiny_kimi, tmp_path, monke
     real_call, real_generate = VLLMBackend.call, VLLMBackend.generate_prefill
     delays = {"eagle3_expect": 0.05, "eagle3_collect": 0.15}
     now = [1000.0]
-    monkeypatch.setattr(vllm_backend, "time", types.SimpleNamespace(perf_counter=lambda: now[0], sleep=time.sleep,
-                                                                    monotonic=time.monotonic, time=time.time))
+    monkeypatch.setattr(
+        vllm_backend,
+        "time",
+        types.SimpleNamespace(perf_counter=lambda: now[0], sleep=time.sleep, monotonic=time.monotonic, time=time.time),
+    )
 
     def slow_call(self, method, *args, keys=frozenset()):
         now[0] += delays.get(method, 0)
@@ -436,8 +472,9 @@ def test_the_session_times_each_phase_of_submit(fake, tiny_kimi, tmp_path, monke
 
 
 @pytest.mark.parametrize("fsync,threads", [(True, 4), (False, 8)])
-def test_a_page_cache_store_writes_with_more_threads_than_an_fsynced_one(fake, tiny_kimi, tmp_path, hf_store,
-                                                                         monkeypatch, fsync, threads):
+def test_a_page_cache_store_writes_with_more_threads_than_an_fsynced_one(
+    fake, tiny_kimi, tmp_path, hf_store, monkeypatch, fsync, threads
+):
     """One writer thread copies ~2.4 GB/s into the page cache: 4 reached 169,000 tok/s at Kimi's 57,344 B a
     token, under vLLM's own connector (175,000; H200, the ffdd6a0 run). A page-cache store gets 8; an fsynced one keeps
     4 (the disk's queue). The capture may hold a pinned buffer in each writer thread and 4 more: with 8 buffers
@@ -460,12 +497,14 @@ def test_a_page_cache_store_writes_with_more_threads_than_an_fsynced_one(fake, t
 
 
 @pytest.mark.parametrize("capture", ["aux", "direct"])
-@pytest.mark.parametrize("batch_size,announce_tokens,announce_bytes,collects",
-                         [(5, None, None, 1), (5, 720, None, 2), (5, 1, None, 3), (1, None, None, 2),
-                          (5, None, 720, 2), (5, None, 1, 3)],
-                         ids=["all-at-once", "token-cap", "one-a-batch", "batch-cap", "byte-cap", "one-a-batch-bytes"])
-def test_batches_announced_together_cost_the_engine_one_rpc(fake, tiny_kimi, tmp_path, hf_store, monkeypatch, capture,
-                                                           batch_size, announce_tokens, announce_bytes, collects):
+@pytest.mark.parametrize(
+    "batch_size,announce_tokens,announce_bytes,collects",
+    [(5, None, None, 1), (5, 720, None, 2), (5, 1, None, 3), (1, None, None, 2), (5, None, 720, 2), (5, None, 1, 3)],
+    ids=["all-at-once", "token-cap", "one-a-batch", "batch-cap", "byte-cap", "one-a-batch-bytes"],
+)
+def test_batches_announced_together_cost_the_engine_one_rpc(
+    fake, tiny_kimi, tmp_path, hf_store, monkeypatch, capture, batch_size, announce_tokens, announce_bytes, collects
+):
     """The engine idles during each RPC between batches (plain prefill has none): on the H200 (the 0ccc20f run,
     mini-Kimi 64x512) the collect that carries the next batch's announcement took 4.6 ms a batch beside 122 ms of
     plain generate. extract.run announces up to ANNOUNCE_BATCHES batches and VLLMSession.ANNOUNCE_TOKENS tokens in
@@ -482,10 +521,12 @@ def test_batches_announced_together_cost_the_engine_one_rpc(fake, tiny_kimi, tmp
         per_token = extract.store_spec(tiny_kimi, IDS, "bfloat16").bytes_per_token
         monkeypatch.setattr(VLLMSession, "ANNOUNCE_BYTES", announce_bytes * per_token)
     out = tmp_path / "s"
-    extract.run(dataclasses.replace(_cfg(tiny_kimi, out, backend="vllm", capture=capture), batch_size=batch_size),
-                samples=_samples(), progress=False)
-    rpcs = [m for m, _ in _last_session(fake.last.rpc_log) if m in ("eagle3_expect", "eagle3_collect",
-                                                                      "eagle3_close")]
+    extract.run(
+        dataclasses.replace(_cfg(tiny_kimi, out, backend="vllm", capture=capture), batch_size=batch_size),
+        samples=_samples(),
+        progress=False,
+    )
+    rpcs = [m for m, _ in _last_session(fake.last.rpc_log) if m in ("eagle3_expect", "eagle3_collect", "eagle3_close")]
     assert rpcs == ["eagle3_collect"] * collects + ["eagle3_close"], rpcs
     got = _read(out)  # and each batch was announced before its prefill: the states are the reference's
     _assert_reference_states(got, hf_store)
@@ -508,8 +549,7 @@ def test_batches_announced_ahead_and_never_submitted_are_withdrawn_at_finish(fak
 
 
 @pytest.mark.parametrize("strategy", ["aux", "direct"])
-def test_a_batch_other_than_the_one_announced_ahead_is_refused_before_its_prefill(fake, tiny_kimi, tmp_path,
-                                                                                  strategy):
+def test_a_batch_other_than_the_one_announced_ahead_is_refused_before_its_prefill(fake, tiny_kimi, tmp_path, strategy):
     cfg = _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture=strategy)
     spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
     store = Store.open(tmp_path / "s", spec, create=True)
@@ -546,8 +586,9 @@ def test_a_capture_error_is_reported_not_raised_inside_the_forward(fake, tiny_ki
 
     monkeypatch.setattr(capture.Capturer, "on_step", broken)
     with pytest.raises(StoreError, match="capture step: RuntimeError: boom in the forward"):
-        extract.run(_cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture=strategy), samples=_samples()[:2],
-                    progress=False)
+        extract.run(
+            _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture=strategy), samples=_samples()[:2], progress=False
+        )
 
 
 def test_close_ends_the_engine_once(fake, tiny_kimi, monkeypatch):
@@ -566,7 +607,8 @@ def test_close_ends_the_engine_once(fake, tiny_kimi, monkeypatch):
 
 @pytest.mark.parametrize("before", [None, "1"])
 def test_an_engine_in_process_starts_with_multiprocessing_off_and_puts_the_environment_back(
-        fake, tiny_kimi, monkeypatch, before):
+    fake, tiny_kimi, monkeypatch, before
+):
     """in_process=True (train --online --engine-in-process): the engine starts with VLLM_ENABLE_V1_MULTIPROCESSING=0,
     vLLM's environment cache dropped first (an earlier engine core of this process cached the variable); closing puts
     the variable back as it was and drops the cache again, so the next engine starts as the user set it. The default
@@ -582,8 +624,11 @@ def test_an_engine_in_process_starts_with_multiprocessing_off_and_puts_the_envir
     spec = store_spec(tiny_kimi, IDS, "float32")
     backend = VLLMBackend(str(tiny_kimi), spec, tp=1, capture="hooks", in_process=True)
     assert (fake_vllm.FakeLLM.last.multiprocessing, envs.dropped) == ("0", 1)
-    assert backend.call("eagle3_setup", {"layer_ids": list(IDS), "strategy": "hooks", "log_level": None},
-                        keys=frozenset({"rank", "tp_rank", "tp_size", "owner", "num_layers", "layer_ids", "strategy"}))
+    assert backend.call(
+        "eagle3_setup",
+        {"layer_ids": list(IDS), "strategy": "hooks", "log_level": None},
+        keys=frozenset({"rank", "tp_rank", "tp_size", "owner", "num_layers", "layer_ids", "strategy"}),
+    )
     backend.close()
     assert (os.environ.get(key), envs.dropped) == (before, 2)
     backend.close()
@@ -645,8 +690,16 @@ def test_online_training_through_the_vllm_backend_uses_every_sample_once(fake, t
     samples = random_samples(48, [40, 7, 64, 33, 90, 12] * 8, vocab_size=1024, seed=5)
     ex = _cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture=strategy, layer_ids=IDS, selfcheck=0)
     cap = 2 * (6 * online.sample_bytes(90, extract.store_spec(tiny_kimi, IDS, "bfloat16")) + online.SHARD_MARGIN)
-    cfg = TrainConfig(store=str(tmp_path / "spool"), out=str(tmp_path / "run"), batch_samples=8, epochs=2, seed=3,
-                      ttt_steps=2, draft_vocab_size=256, checkpoint_minutes=0)
+    cfg = TrainConfig(
+        store=str(tmp_path / "spool"),
+        out=str(tmp_path / "run"),
+        batch_samples=8,
+        epochs=2,
+        seed=3,
+        ttt_steps=2,
+        draft_vocab_size=256,
+        checkpoint_minutes=0,
+    )
     res = online.run(cfg, ex, samples, cap, extract_batch=6, progress=False)
     assert res.train.samples_seen == 96 and res.train.steps == 12
     assert res.shards == 96 // 6  # one per extraction batch (shards left open between batches were cut small)
@@ -662,11 +715,31 @@ def test_cli_train_online_engine_in_process(fake, tiny_kimi, small_data, tmp_pat
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     seen = []
     start = fake_vllm.FakeLLM.__init__
-    monkeypatch.setattr(fake_vllm.FakeLLM, "__init__", lambda self, **kw: (start(self, **kw),
-                                                                           seen.append(self.multiprocessing))[0])
-    base = ["train", "--online", "--target", str(tiny_kimi), "--data", str(small_data), "--spool-mb", "2",
-            "--extract-batch", "4", "--max-len", "96", "--steps", "2", "--batch", "8", "--draft-vocab", "256",
-            "--backend", "vllm"]
+    monkeypatch.setattr(
+        fake_vllm.FakeLLM, "__init__", lambda self, **kw: (start(self, **kw), seen.append(self.multiprocessing))[0]
+    )
+    base = [
+        "train",
+        "--online",
+        "--target",
+        str(tiny_kimi),
+        "--data",
+        str(small_data),
+        "--spool-mb",
+        "2",
+        "--extract-batch",
+        "4",
+        "--max-len",
+        "96",
+        "--steps",
+        "2",
+        "--batch",
+        "8",
+        "--draft-vocab",
+        "256",
+        "--backend",
+        "vllm",
+    ]
     for i, flag in enumerate((["--engine-in-process"], [])):
         assert cli.main(base + ["--out", str(tmp_path / f"run{i}")] + flag) == 0, capsys.readouterr()
         assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
@@ -677,14 +750,14 @@ def test_cli_train_online_engine_in_process(fake, tiny_kimi, small_data, tmp_pat
     assert "is for train --online --backend vllm" in capsys.readouterr().err
     # compiled beside an engine in this process: accepted since a GPU run trained through with the compile gate
     # (train/compile_gate.py; on this CPU host --compile trains eagerly, with a note)
-    assert cli.main(base + ["--out", str(tmp_path / "c"), "--engine-in-process", "--compile"]) == 0, \
-        capsys.readouterr()
+    assert cli.main(base + ["--out", str(tmp_path / "c"), "--engine-in-process", "--compile"]) == 0, capsys.readouterr()
     assert seen == ["0", None, "0"] and (tmp_path / "c").exists()
 
 
 @pytest.mark.parametrize("in_process", [True, False])
-def test_an_engine_in_process_extracts_on_a_stream_of_its_own_of_higher_priority(fake, tiny_kimi, tmp_path,
-                                                                                monkeypatch, in_process):
+def test_an_engine_in_process_extracts_on_a_stream_of_its_own_of_higher_priority(
+    fake, tiny_kimi, tmp_path, monkeypatch, in_process
+):
     """train --online --engine-in-process: vLLM's forward runs in the producer thread, on that thread's current
     stream. The producer gives it a stream of its own (not the trainer's: their kernels may overlap) of a priority above
     the default, after synchronizing with what other threads did on the engine; every prefill then runs in that
@@ -700,8 +773,15 @@ def test_an_engine_in_process_extracts_on_a_stream_of_its_own_of_higher_priority
     monkeypatch.setattr(online.torch.cuda, "set_stream", lambda st: events.append(("set", threading.get_ident(), st)))
     generate = fake_vllm.FakeLLM.generate
     gated = []  # per prefill: for each compile gate installed in dynamo, whether this thread holds it
-    monkeypatch.setattr(fake_vllm.FakeLLM, "generate", lambda self, *a, **k: (
-        events.append(("generate", threading.get_ident())), gated.append(_gates_held()), generate(self, *a, **k))[2])
+    monkeypatch.setattr(
+        fake_vllm.FakeLLM,
+        "generate",
+        lambda self, *a, **k: (
+            events.append(("generate", threading.get_ident())),
+            gated.append(_gates_held()),
+            generate(self, *a, **k),
+        )[2],
+    )
     samples = random_samples(16, [40, 7, 64, 33] * 4, vocab_size=1024, seed=5)
     ex, backend = _online_engine(tiny_kimi, tmp_path, in_process)
     assert online.engine_stream(backend) == (("stream", online.ENGINE_STREAM_PRIORITY) if in_process else None)
@@ -730,8 +810,15 @@ def test_an_engine_in_process_extracts_on_a_stream_of_its_own_of_higher_priority
 
 def _online_engine(tiny_kimi, tmp_path, in_process: bool = True):
     """(ExtractConfig, its backend): the fake vLLM engine for online.run, in this process or as in one of its own."""
-    ex = _cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture="aux", layer_ids=IDS, selfcheck=0,
-              vllm_kwargs={"in_process": in_process})
+    ex = _cfg(
+        tiny_kimi,
+        tmp_path / "unused",
+        backend="vllm",
+        capture="aux",
+        layer_ids=IDS,
+        selfcheck=0,
+        vllm_kwargs={"in_process": in_process},
+    )
     return ex, extract.make_backend(ex, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
 
 
@@ -740,8 +827,16 @@ def _train_online(ex, backend, samples, tmp_path, extract_batch: int):
     from eagle3.train import online
     from eagle3.train.train import TrainConfig
 
-    cfg = TrainConfig(store=str(tmp_path / "spool"), out=str(tmp_path / "run"), batch_samples=8, epochs=1, seed=3,
-                      ttt_steps=1, draft_vocab_size=256, checkpoint_minutes=0)
+    cfg = TrainConfig(
+        store=str(tmp_path / "spool"),
+        out=str(tmp_path / "run"),
+        batch_samples=8,
+        epochs=1,
+        seed=3,
+        ttt_steps=1,
+        draft_vocab_size=256,
+        checkpoint_minutes=0,
+    )
     try:
         return online.run(cfg, ex, samples, 10**8, backend=backend, extract_batch=extract_batch, progress=False)
     finally:
@@ -753,14 +848,18 @@ def _gates_held() -> list[bool]:
 
     from eagle3.train.compile_gate import CompileGate
 
-    return [cb.__self__._lock._is_owned() for cb in callback_handler.start_callbacks  # noqa: SLF001
-            if isinstance(getattr(cb, "__self__", None), CompileGate)]
+    return [
+        cb.__self__._lock._is_owned()
+        for cb in callback_handler.start_callbacks  # noqa: SLF001
+        if isinstance(getattr(cb, "__self__", None), CompileGate)
+    ]
 
 
 @pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "engine-process"])
 @pytest.mark.parametrize("spool", ["roomy", "tight"])
-def test_an_online_batch_is_generated_while_the_last_one_s_shard_is_still_written(fake, tiny_kimi, tmp_path,
-                                                                                monkeypatch, in_process, spool):
+def test_an_online_batch_is_generated_while_the_last_one_s_shard_is_still_written(
+    fake, tiny_kimi, tmp_path, monkeypatch, in_process, spool
+):
     """train --online seals each extraction batch into shards of its own, but the engine must not idle while they
     are written (fsynced by default): on the H200 at 09b8a53 (kimi-depth, the engine in the trainer's process) the
     stack dumps found the producer in the writer's flush, and the extraction ran at 0.78 of its rate alone. The next
@@ -790,10 +889,19 @@ def test_an_online_batch_is_generated_while_the_last_one_s_shard_is_still_writte
     monkeypatch.setattr(VLLMBackend, "generate_prefill", timed_generate)
     samples = random_samples(48, 90, vocab_size=1024, seed=5)  # each batch the size the spool's room is counted in
     ex, backend = _online_engine(tiny_kimi, tmp_path, in_process)
-    cap = (2 if spool == "tight" else 20) * (6 * online.sample_bytes(90, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
-                                             + online.SHARD_MARGIN)
-    cfg = TrainConfig(store=str(tmp_path / "spool"), out=str(tmp_path / "run"), batch_samples=8, epochs=1, seed=3,
-                      ttt_steps=1, draft_vocab_size=256, checkpoint_minutes=0)
+    cap = (2 if spool == "tight" else 20) * (
+        6 * online.sample_bytes(90, extract.store_spec(tiny_kimi, IDS, "bfloat16")) + online.SHARD_MARGIN
+    )
+    cfg = TrainConfig(
+        store=str(tmp_path / "spool"),
+        out=str(tmp_path / "run"),
+        batch_samples=8,
+        epochs=1,
+        seed=3,
+        ttt_steps=1,
+        draft_vocab_size=256,
+        checkpoint_minutes=0,
+    )
     try:
         res = online.run(cfg, ex, samples, cap, backend=backend, extract_batch=6, progress=False)
     finally:
@@ -815,8 +923,9 @@ def test_an_online_batch_is_generated_while_the_last_one_s_shard_is_still_writte
 
 
 @pytest.mark.parametrize("strategy", ["aux", "direct"])
-def test_a_batch_returns_while_its_copies_are_still_in_flight(fake, tiny_kimi, tmp_path, hf_store, monkeypatch,
-                                                              strategy):
+def test_a_batch_returns_while_its_copies_are_still_in_flight(
+    fake, tiny_kimi, tmp_path, hf_store, monkeypatch, strategy
+):
     """extract.run's loop must not wait, after each batch, for the device-to-host copies of the batch's last steps:
     on the H200 that wait left the GPU idle for the length of one copy per batch (mini-Kimi 64x512: null sink 0.72x
     plain prefill, while counting alone was 0.94x). The consumer of the copies is held back here: a batch still
@@ -847,8 +956,9 @@ def test_a_batch_returns_while_its_copies_are_still_in_flight(fake, tiny_kimi, t
 
 
 @pytest.mark.parametrize("strategy", ["aux", "direct"])
-def test_a_copy_that_fails_after_its_batch_returned_is_reported_by_finish(fake, tiny_kimi, tmp_path, monkeypatch,
-                                                                          strategy):
+def test_a_copy_that_fails_after_its_batch_returned_is_reported_by_finish(
+    fake, tiny_kimi, tmp_path, monkeypatch, strategy
+):
     """With batches no longer waiting for their copies, a copy that fails on the host side after submit() returned
     must still stop the run: finish() raises with it, and no shard holding the failed rows is written."""
     from eagle3.extract import capture
@@ -873,8 +983,9 @@ def test_a_copy_that_fails_after_its_batch_returned_is_reported_by_finish(fake, 
 
 @pytest.mark.parametrize("strategy", ["aux", "direct"])
 @pytest.mark.parametrize("mode", ["store", "store_nofsync_gil", "host_slots8", "host_whole"])
-def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went(fake, tiny_kimi, tmp_path,
-                                                                                 hf_store, mode, strategy):
+def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went(
+    fake, tiny_kimi, tmp_path, hf_store, mode, strategy
+):
     """tests/gpu/test_bench_extract's production loop otherwise runs only on the GPU host, where a slip costs a
     lease: every batch committed with the reference's states, the window trimmed, the time split reported."""
     from types import SimpleNamespace
@@ -891,8 +1002,16 @@ def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went
     loop.finish()
     loop.drain()
     timing = loop.timing
-    assert {"submit_s", "commit_s", "finish_s", "unlink_s", "window_max_GB", "expect_s", "generate_s",
-            "collect_s"} <= set(timing)
+    assert {
+        "submit_s",
+        "commit_s",
+        "finish_s",
+        "unlink_s",
+        "window_max_GB",
+        "expect_s",
+        "generate_s",
+        "collect_s",
+    } <= set(timing)
     assert timing["expect_s"] + timing["generate_s"] + timing["collect_s"] <= timing["submit_s"] + 1e-6
     assert timing["generate_s"] > 0
     cap = fake.last.workers[0]._e3["capturer"]
@@ -915,8 +1034,9 @@ def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went
     _assert_reference_states(got, hf_store)
 
 
-def test_the_benchmark_announces_ahead_as_extract_does_and_its_clock_may_stop_mid_group(fake, tiny_kimi, tmp_path,
-                                                                                        hf_store, monkeypatch):
+def test_the_benchmark_announces_ahead_as_extract_does_and_its_clock_may_stop_mid_group(
+    fake, tiny_kimi, tmp_path, hf_store, monkeypatch
+):
     """The store figures run extract.run's session: batches announced ahead (one RPC for several). The clock stops
     the loop after BATCHES batches, with batches announced and never submitted: finish withdraws them, and the
     store holds exactly the batches timed (the warm-up's store is gone), with the reference's states."""
@@ -1040,7 +1160,8 @@ def test_the_disk_s_bytes_written_come_from_its_block_device_s_sectors(tmp_path)
     dev = os.stat(tmp_path).st_dev
     (tmp_path / f"{os.major(dev)}:{os.minor(dev)}").mkdir()
     (tmp_path / f"{os.major(dev)}:{os.minor(dev)}" / "stat").write_text(
-        "  4000 10 90000 300 5000 20 2000000 800 0 900 1100 0 0 0 0\n")  # reads: 90,000 sectors; writes: 2,000,000
+        "  4000 10 90000 300 5000 20 2000000 800 0 900 1100 0 0 0 0\n"
+    )  # reads: 90,000 sectors; writes: 2,000,000
     assert gb._disk_bytes_written(str(tmp_path), sys_block=str(tmp_path)) == 2_000_000 * 512
     assert gb._disk_bytes_written(str(tmp_path), sys_block=str(tmp_path / "none")) is None
 
@@ -1103,8 +1224,10 @@ def test_the_benchmark_window_stays_under_the_kernel_s_background_writeback_thre
 
     page = os.sysconf("SC_PAGE_SIZE")
     vmstat = tmp_path / "vmstat"
-    vmstat.write_text(f"nr_dirty 10\nnr_dirty_threshold {6 * 2**30 // page}\n"
-                      f"nr_dirty_background_threshold {3 * 2**30 // page}\nnr_writeback 0\n")
+    vmstat.write_text(
+        f"nr_dirty 10\nnr_dirty_threshold {6 * 2**30 // page}\n"
+        f"nr_dirty_background_threshold {3 * 2**30 // page}\nnr_writeback 0\n"
+    )
     assert gb._dirty_background_bytes(str(vmstat)) == 3 * 2**30
     assert gb._disk_window(str(vmstat)) == 2**30  # a third of 3 GiB
     vmstat.write_text(f"nr_dirty_background_threshold {96 * 2**30 // page}\n")
@@ -1142,7 +1265,9 @@ def test_the_direct_capture_takes_only_an_engine_started_for_it(fake):
     ok.collective_rpc("eagle3_setup", args=({"layer_ids": list(IDS), "strategy": "direct"},))
     assert ok.workers[0].model_runner.model.aux_hidden_state_layers == IDS
     no_aux = type("Model", (fake_vllm._Model,), {"set_aux_hidden_state_layers": None})
-    runner = fake.runner_cls(no_aux(8, 128, 1024), type("Config", (), {"eagle3_direct_capture_layer_ids": list(IDS)}), None)
+    runner = fake.runner_cls(
+        no_aux(8, 128, 1024), type("Config", (), {"eagle3_direct_capture_layer_ids": list(IDS)}), None
+    )
     with pytest.raises(RuntimeError, match="Model has no EAGLE-3 aux outputs .* use --capture hooks"):
         runner.load_model()  # at engine start, with the model's name, not at the first step
 

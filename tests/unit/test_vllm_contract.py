@@ -27,8 +27,9 @@ def test_version_is_supported():
 def test_engine_args_accept_what_the_adapter_passes(strategy):
     from vllm.engine.arg_utils import EngineArgs
 
-    kw = vllm_compat.engine_kwargs("m", strategy=strategy, layer_ids=(2, 4, 5, 8), max_model_len=4096,
-                                   max_num_batched_tokens=8192, max_num_seqs=64)
+    kw = vllm_compat.engine_kwargs(
+        "m", strategy=strategy, layer_ids=(2, 4, 5, 8), max_model_len=4096, max_num_batched_tokens=8192, max_num_seqs=64
+    )
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     assert set(kw) <= fields
     assert {"kernel_config", "async_scheduling", "enable_prefix_caching", "worker_extension_cls"} <= set(kw)
@@ -73,11 +74,11 @@ def test_direct_capture_wraps_the_runner_when_the_worker_extension_is_imported()
     importlib.reload(worker)  # the import-time wrap, whatever imported it first
     assert GPUModelRunner._eagle3_direct_patched
     raw = inspect.getsource(inspect.getmodule(GPUModelRunner))
-    load = raw[raw.index("    def load_model("):]
+    load = raw[raw.index("    def load_model(") :]
     load = load[: load.index("\n    def ", 10)]
     assert "self._setup_eagle3_aux_hidden_state_outputs()" in load
     assert raw.count("self._model_forward(") == 1  # execute_model's
-    dummy = raw[raw.index("    def _dummy_run("):]
+    dummy = raw[raw.index("    def _dummy_run(") :]
     dummy = dummy[: dummy.index("\n    def ", 10)]
     assert "self._model_forward(" not in dummy and "self.model(" in dummy
     assert "hidden_states, aux_hidden_states = model_output" in raw

@@ -26,15 +26,22 @@ def read(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     folder = Path(folder)
     top = json.loads((folder / "config.json").read_text())
     layer = top["transformer_layer_config"]
-    cfg = {"H": layer["hidden_size"], "heads": layer["num_attention_heads"], "kv": layer["num_key_value_heads"],
-           "head_dim": layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-           "eps": layer["rms_norm_eps"],
-           "theta": (layer.get("rope_parameters") or {}).get("rope_theta") or layer.get("rope_theta") or 10000.0,
-           "n_aux": layer.get("num_aux_hidden_states", 3),
-           "norm_before_residual": top.get("norm_before_residual", True), "norm_before_fc": top.get("norm_before_fc",
-                                                                                                   False),
-           "fc_norm": top.get("fc_norm", False), "norm_output": top.get("norm_output", False)}
-    w = {k: (t.float() if t.is_floating_point() else t) for k, t in load_file(str(folder / "model.safetensors")).items()}
+    cfg = {
+        "H": layer["hidden_size"],
+        "heads": layer["num_attention_heads"],
+        "kv": layer["num_key_value_heads"],
+        "head_dim": layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+        "eps": layer["rms_norm_eps"],
+        "theta": (layer.get("rope_parameters") or {}).get("rope_theta") or layer.get("rope_theta") or 10000.0,
+        "n_aux": layer.get("num_aux_hidden_states", 3),
+        "norm_before_residual": top.get("norm_before_residual", True),
+        "norm_before_fc": top.get("norm_before_fc", False),
+        "fc_norm": top.get("fc_norm", False),
+        "norm_output": top.get("norm_output", False),
+    }
+    w = {
+        k: (t.float() if t.is_floating_point() else t) for k, t in load_file(str(folder / "model.safetensors")).items()
+    }
     return cfg, w
 
 
@@ -48,7 +55,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     ang = positions.double()[:, None] * inv[None]  # [T, D/2]
     cos, sin = ang.cos().float()[:, None], ang.sin().float()[:, None]
-    a, b = x[..., : d // 2], x[..., d // 2:]
+    a, b = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 

@@ -27,7 +27,9 @@ from .vllm_eagle3_ref import causal_attention, fuse, layer_input, layer_output, 
 def read(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
-    w = {k: (t.float() if t.is_floating_point() else t) for k, t in load_file(str(folder / "model.safetensors")).items()}
+    w = {
+        k: (t.float() if t.is_floating_point() else t) for k, t in load_file(str(folder / "model.safetensors")).items()
+    }
     return cfg, w
 
 
@@ -57,7 +59,9 @@ def rope_cache(cfg: dict) -> tuple[torch.Tensor, float, float]:
     ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float) - low) / (high - low), 0, 1)
     mask = (1 - ramp) * rs.get("extrapolation_factor", 1)
     inv = (1.0 / (factor * pos_freqs)) * (1 - mask) + (1.0 / pos_freqs) * mask
-    mult = _mscale(factor, rs.get("mscale", 1)) / _mscale(factor, rs.get("mscale_all_dim", 0)) * rs.get("attn_factor", 1)
+    mult = (
+        _mscale(factor, rs.get("mscale", 1)) / _mscale(factor, rs.get("mscale_all_dim", 0)) * rs.get("attn_factor", 1)
+    )
     m = _mscale(factor, rs.get("mscale_all_dim", False))  # DeepseekV2MLAAttention: scaling * mscale * mscale
     return inv, mult, scaling * m * m
 
@@ -86,7 +90,7 @@ def step(cfg, w, embeds, hidden, positions):
         q = x @ w[a + "q_proj.weight"].T
     q = q.view(t, nh, nope + rdim)
     kv_a = x @ w[a + "kv_a_proj_with_mqa.weight"].T
-    c, k_pe = kv_a[:, : cfg["kv_lora_rank"]], kv_a[:, cfg["kv_lora_rank"]:]
+    c, k_pe = kv_a[:, : cfg["kv_lora_rank"]], kv_a[:, cfg["kv_lora_rank"] :]
     kv = (rms(c, w[a + "kv_a_layernorm.weight"], eps) @ w[a + "kv_b_proj.weight"].T).view(t, nh, nope + vd)
     inv, mult, scaling = rope_cache(cfg)
     q_pe = rope(q[..., nope:], positions, inv, mult)

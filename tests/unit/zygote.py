@@ -113,7 +113,7 @@ def _serve(sock: socket.socket) -> None:  # pragma: no cover - runs in the zygot
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the test run is the test process's to handle
         while True:
             try:
-                n, = _LEN.unpack(_exact(sock.recv, _LEN.size))
+                (n,) = _LEN.unpack(_exact(sock.recv, _LEN.size))
                 preload, module, name, args = pickle.loads(_exact(sock.recv, n))
             except EOFError:
                 break
