@@ -29,8 +29,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if _ci else "dev
 
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker more than the cores on a small machine. Many tests wait on a child process or a clock
-    (kill -9 and resume, signals, the campaign poll), which leaves a core idle: on 2 cores the suite took 161 s with 3
-    workers against 169 s with 2 (2026-12-04, CPU, this suite)."""
+    (kill -9 and resume, signals, the step runner's poll), which leaves a core idle."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores + 1 if cores <= 4 else cores
 

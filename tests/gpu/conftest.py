@@ -33,8 +33,8 @@ def failure(e: BaseException) -> str:
 
 
 def pytest_runtest_logreport(report):
-    """A failure's reason in the log as it happens (the campaign polls the log; pytest prints failures only at
-    the end of a run, which a time limit or the lease's end may never reach)."""
+    """A failure's reason in the log as it happens (a poll reads the log; pytest prints failures only at
+    the end of a run, which a time limit may never reach)."""
     if report.failed:
         tail = "\n".join(report.longreprtext.splitlines()[-25:])
         print(f"\nFAILED-NOW {report.nodeid} ({report.when}):\n{tail}\n", file=sys.__stderr__, flush=True)

@@ -1,4 +1,4 @@
-"""Which benchmark figures had a kernel compiled inside their clock (run by campaign.sh after bench and benchkd).
+"""Which benchmark figures had a kernel compiled inside their clock (run after a benchmark step).
 
     python3 tests/gpu/jit_in_clock.py STEP.log REPORT.json
 

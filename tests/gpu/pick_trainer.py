@@ -1,6 +1,6 @@
-"""tests/gpu/pick_trainer.py REPORT VARLEN_PASSED: the trainer configuration campaign.sh's onlinekd step trains with.
+"""tests/gpu/pick_trainer.py REPORT VARLEN_PASSED: the trainer configuration an online step trains with.
 
-REPORT is the same campaign's benchtrain report.json (tests/gpu/test_bench_train.py); VARLEN_PASSED is 1 where that
+REPORT is a benchtrain step's report.json (tests/gpu/test_bench_train.py); VARLEN_PASSED is 1 where that
 step passed the varlen attention's CUDA tests (tests/gpu/passed.sh). Prints one of
   sdpa     speculators' attention, eager (the trainer's default; also where the report is missing or unreadable)
   varlen   the mask-free TTT attention, eager (only where its CUDA tests passed)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU host, before a campaign step: wait up to ${1:-60} s for the previous step's processes to give the GPU
-# back, then kill what still holds it. A step that dies (SIGSEGV) leaves its vLLM engine process behind with its
+# Before a step (tests/gpu/steps): wait up to ${1:-60} s for the previous step's processes to free the GPU's
+# memory, then kill what still holds it. A step that dies (SIGSEGV) leaves its vLLM engine process behind with its
 # memory: the 73a4e94 run's online step did, twice (43 GB each); the next steps waited 120 s and then ran beside them.
-# Nothing else uses the GPU while a campaign runs. Prints the line for steps.txt.
+# Nothing else uses the GPU while the steps run. Prints the line for steps.txt.
 limit=${1:-60}; t=0
 used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1; }
 while [ "$(used)" -gt 2048 ] 2>/dev/null && [ "$t" -lt "$limit" ]; do sleep 5; t=$((t + 5)); done

@@ -825,7 +825,7 @@ CAPTURES = {"aux": "", "direct": bench.DIRECT_SUFFIX}  # capture strategy -> the
 
 def jit_in_clocks(log: str | None, clocks: dict[str, list[str]]) -> tuple[dict | None, list[str]]:
     """(figure -> the kernels compiled inside its clock, why that cannot be seen) from the engines' log: the file
-    this run's output goes to (EAGLE3_ENGINE_LOG; campaign.sh sets it). (None, []) where none is given."""
+    this run's output goes to (EAGLE3_ENGINE_LOG: the step's log). (None, []) where none is given."""
     if not log:
         return None, []
     try:

@@ -3,8 +3,7 @@ checkpoint.py Background): the snapshot is the host copies of the step it was ta
 the GPU while the thread writes it. tiny-kimi's store extracted on the CPU (hf backend), the draft trained on the
 GPU; each write delayed 1 s; every checkpoint's weights and AdamW state equal, tensor for tensor, a copy of the
 training tensors taken beside the snapshot (the CPU test compares against a synchronous run instead: two CUDA runs
-need not agree bitwise). Seconds; in `pytest -m gpu` (suite2) and campaign.sh's ckpt step. Passed on H100s at 770dfa9
-(results/2026-12-06-770dfa9-h100-vllm0.26.0, 29.4 s) and 1353fb8 (42.1 s)."""
+need not agree bitwise). Seconds; in `pytest -m gpu`."""
 
 import time
 

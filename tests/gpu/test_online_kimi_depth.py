@@ -17,8 +17,8 @@ pipeline once training began, OnlineResult.sustained_tokens_per_s). Asserted: th
 once in the same steps as the offline one, with finite losses (dummy weights: the losses mean nothing else).
 The trainers: EAGLE3_ONLINE_ATTN's, one or several ("varlen,flex"): each trains alone and online beside the same
 engine and the same extraction alone (one engine start for all; the read-ahead control with the first only), so
-their figures compare within one run. campaign.sh's onlinekd step sets the fastest that its benchtrain step showed
-working (tests/gpu/pick_trainer.py) where EAGLE3_ONLINE_ATTN is unset.
+their figures compare within one run. tests/gpu/pick_trainer.py names the fastest that a benchtrain step showed
+working, for EAGLE3_ONLINE_ATTN.
 Run on an H200 at c5ebd37 (results/2026-12-05-c5ebd37-h200-vllm0.26.0: PASSED, online 0.666 of min(alone), training
 alone at 3,352 tok/s against its steps' 18,685 in the trainer benchmark; no phases nor read-ahead then); at 6c7a0aa,
 compiled flex, sustained 0.709; at 09b8a53 with the engine in the test's process (EAGLE3_ONLINE_ENGINE=in-process),

@@ -2,8 +2,7 @@
 and backward, given the merged output and log-sum-exp) against speculators' dense mask, on the GPU: the CPU tests
 (tests/unit/test_ttt_attention.py) run the same merge with aten's CPU flash attention, so what only this checks is
 the CUDA calls (packed layout, the log-sum-exp's shape, GQA, the backward's arguments). bf16 as the trainer runs it
-(autocast), judged against the same bf16 inputs in float32. Seconds; in `pytest -m gpu` and campaign.sh's benchtrain
-step. Passed on H100s at eb52e7a and 770dfa9 (results/)."""
+(autocast), judged against the same bf16 inputs in float32. Seconds; in `pytest -m gpu`."""
 
 import pytest
 import torch

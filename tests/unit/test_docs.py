@@ -79,3 +79,50 @@ def test_ci_runs_exactly_the_readme_s_test_command():
     assert "ruff check" in script and "ruff format --check" in script and "pytest" in script
     ci = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line.startswith("scripts/setup-env")]
     assert ci == [commands[1]]
+
+
+# Words of how the project was built (machines borrowed for a time, their output folder), not of the software: a
+# user has none of these. Spelled apart so this file passes its own check.
+_L, _D, _O = "lea" + "se", "dev" + "ice", "$" + "OUT"
+BUILD_WORDS = re.compile(
+    rf"\b{_L}s?\b|\b{_L}d\b|{_D}[- ]time|{_D} machines?|\bgiven back\b|\bl" + r"ent\b|\bfl" + r"eet\b"
+    rf"|{re.escape(_O)}\b|\bnext sess" + r"ion\b|\bthis sess" + r"ion's\b",
+    re.IGNORECASE,
+)
+
+
+def build_words(text: str) -> list[int]:
+    return [n for n, line in enumerate(text.splitlines(), 1) if BUILD_WORDS.search(line)]
+
+
+def test_no_tracked_file_speaks_of_the_machines_the_project_was_built_on():
+    found = []
+    for f in tracked():
+        p = ROOT / f
+        if not p.is_file() or p.suffix in (".png", ".gz", ".whl"):
+            continue
+        try:
+            text = p.read_text()
+        except UnicodeDecodeError:
+            continue
+        found += [f"{f}:{n}" for n in build_words(text)] + ([f] if BUILD_WORDS.search(f) else [])
+    assert found == [], f"{len(found)} lines, first: {found[:20]}"
+
+
+@pytest.mark.parametrize(
+    "line, hit",
+    [
+        (f"one {_L} of 1,800 s", True),
+        (f"the {_L.title()}s were", True),
+        (f"{_D.title()} time: 1,800 s", True),
+        (f"copies results to {_O}/x", True),
+        ("the machine was given back", True),
+        ("no H200 was l" + "ent", True),
+        ("the release of the lock", False),  # release, lent-o: words that merely contain them
+        ("a silent failure; the talent", False),
+        ("a session's GIL sampler", False),
+        ("the device's memory", False),
+    ],
+)
+def test_the_build_word_check_sees_the_words_and_only_them(line, hit):
+    assert bool(build_words(line)) == hit

@@ -1,4 +1,4 @@
-"""The GPU campaign's step preamble (tests/gpu/settle.sh), run against a fake nvidia-smi."""
+"""The GPU step runner's preamble (tests/gpu/settle.sh), run against a fake nvidia-smi."""
 
 import os
 import subprocess

@@ -1,114 +1,141 @@
-"""The GPU campaign's poll (tests/gpu/wait.sh): it must not sit out its limit where nothing runs.
-
-The 288d049 run: the host that ran the campaign was taken back between two polls; the next poll landed on a fresh host
-with no campaign and waited its whole 560 s, which spent a third of the session's device time on nothing."""
+"""The GPU step runner and its poll (tests/gpu/steps, tests/gpu/wait-steps), run on the CPU: steps in order under
+their limits, and a poll that does not sit out its limit where nothing runs (a host that was replaced between two
+polls has no RESULTS folder)."""
 
 import os
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
 import pytest
 
-WAIT = Path(__file__).resolve().parents[1] / "gpu" / "wait.sh"
+GPU = Path(__file__).resolve().parents[1] / "gpu"
+STEPS, WAIT = GPU / "steps", GPU / "wait-steps"
 
 
-def _wait(tmp_path, campaign: Path, limit: int = 30):
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+def _wait(tmp_path, results: Path, limit: int = 30, copy: Path | None = None):
     t0 = time.monotonic()
     out = subprocess.run(
-        ["bash", str(WAIT), str(limit)],
+        ["bash", str(WAIT), str(results), str(limit)] + ([str(copy)] if copy else []),
         capture_output=True,
         text=True,
         timeout=limit + 30,
-        env=dict(env, CAMPAIGN=str(campaign), WAIT_GRACE="2", WAIT_POLL="0.2"),
+        env=dict(os.environ, WAIT_GRACE="2", WAIT_POLL="0.2"),
         cwd=tmp_path,
         check=False,
-    )  # looks every 0.2 s, a campaign 2 s to appear (the GPU host: 2 s, 5 s)
+    )  # looks every 0.2 s, the folder 2 s to appear (on a GPU host: 2 s, 5 s)
     return out, time.monotonic() - t0
 
 
-def test_a_fresh_host_without_the_campaign_is_said_at_once(tmp_path):
-    out, seconds = _wait(tmp_path, tmp_path / "campaign")
-    assert seconds < 10, f"waited {seconds:.0f}s on a host with no campaign"
+def _steps(tmp_path, *args, timeout=60):
+    smi = tmp_path / "bin" / "nvidia-smi"  # no GPU: the settle step sees 0 MiB used
+    smi.parent.mkdir(exist_ok=True)
+    smi.write_text("#!/bin/sh\necho 0\n")
+    smi.chmod(0o755)
+    env = dict(os.environ, PATH=f"{smi.parent}:{os.environ['PATH']}")
+    return subprocess.run(
+        ["bash", str(STEPS), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+
+
+def test_steps_run_in_order_each_with_its_log_its_folder_and_its_ending(tmp_path):
+    r = tmp_path / "results"
+    done = _steps(tmp_path, r, "first", 'echo one > "$STEP_OUT/x"; echo hello', "second:5", "exit 7")
+    assert done.returncode == 0, done.stderr
+    lines = (r / "steps.txt").read_text().splitlines()
+    ends = [line for line in lines if " rc=" in line]
+    assert [e.split(" seconds=")[0] for e in ends] == ["first rc=0", "second rc=7"], lines
+    assert any(line.startswith("second started") and "limit=5s" in line for line in lines), lines
+    assert (r / "first.log").read_text() == "hello\n" and (r / "first" / "x").read_text() == "one\n"
+    assert (r / "DONE").exists()
+
+
+def test_a_step_past_its_limit_is_interrupted_and_the_next_one_runs(tmp_path):
+    r = tmp_path / "results"
+    t0 = time.monotonic()
+    done = _steps(tmp_path, r, "slow:1", "trap 'echo interrupted; exit 130' INT; sleep 30 & wait", "next", "true")
+    assert done.returncode == 0 and time.monotonic() - t0 < 20
+    ends = [line.split(" seconds=")[0] for line in (r / "steps.txt").read_text().splitlines() if " rc=" in line]
+    assert ends == ["slow rc=124", "next rc=0"], ends  # timeout(1): 124, stopped at the limit
+    assert "interrupted" in (r / "slow.log").read_text()
+
+
+def test_steps_given_a_name_without_its_command_are_refused(tmp_path):
+    done = _steps(tmp_path, tmp_path / "results", "first", "true", "second")
+    assert done.returncode == 2 and "usage" in done.stderr and not (tmp_path / "results").exists()
+
+
+def test_a_fresh_host_without_the_steps_is_said_at_once(tmp_path):
+    out, seconds = _wait(tmp_path, tmp_path / "results")
+    assert seconds < 10, f"waited {seconds:.0f}s on a host with no steps"
     assert out.returncode == 3, out
-    assert "no campaign on this host" in out.stdout and "start it again" in out.stdout, out.stdout
+    assert "no steps on this host" in out.stdout and "start them" in out.stdout, out.stdout
 
 
-def test_a_campaign_that_died_without_finishing_ends_the_wait(tmp_path):
-    c = tmp_path / "campaign"
-    c.mkdir()
+def test_steps_that_died_without_finishing_end_the_wait(tmp_path):
+    r = tmp_path / "results"
+    r.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (c / "pid").write_text(f"{dead.pid}\n")
-    (c / "steps.txt").write_text("bench started 05:00:00 limit=620s\n")
-    out, seconds = _wait(tmp_path, c)
-    assert seconds < 15, f"waited {seconds:.0f}s for a campaign that is not running"
+    (r / "pid").write_text(f"{dead.pid}\n")
+    (r / "steps.txt").write_text("bench started 05:00:00 limit=620s\n")
+    out, seconds = _wait(tmp_path, r)
+    assert seconds < 15, f"waited {seconds:.0f}s for steps that are not running"
     assert out.returncode == 0, out
-    assert "finished: no (the campaign is not running)" in out.stdout, out.stdout
+    assert "finished: no (the steps are not running)" in out.stdout, out.stdout
     assert "bench started 05:00:00" in out.stdout, out.stdout
 
 
-def test_a_running_campaign_is_waited_for_until_it_writes_done(tmp_path):
-    c = tmp_path / "campaign"
-    c.mkdir()
-    live = subprocess.Popen(["bash", "-c", f"sleep 2; echo DONE > {c}/DONE"])
-    (c / "pid").write_text(f"{live.pid}\n")
+def test_running_steps_are_waited_for_until_they_write_done(tmp_path):
+    r = tmp_path / "results"
+    r.mkdir()
+    live = subprocess.Popen(["bash", "-c", f"sleep 2; echo DONE > {r}/DONE"])
+    (r / "pid").write_text(f"{live.pid}\n")
     try:
-        out, seconds = _wait(tmp_path, c)
+        out, seconds = _wait(tmp_path, r)
     finally:
         live.kill()
-    assert 2 <= seconds < 10, f"returned after {seconds:.1f}s: the campaign wrote DONE after 2 s"
+    assert 2 <= seconds < 10, f"returned after {seconds:.1f}s: the steps wrote DONE after 2 s"
     assert "finished: yes" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("step", ["onlinekd", "inproc"])
-def test_the_online_steps_figures_and_stack_dumps_come_back(tmp_path, step):
-    """A finished campaign's online step: its report.json shown and copied to $OUT as STEP-report.json, and its stack
-    dumps (online-stacks-TRAINER.txt, written beside the report) in $OUT/campaign.tgz."""
-    import tarfile
-
-    c, out = tmp_path / "campaign", tmp_path / "out"
-    (c / step).mkdir(parents=True)
-    out.mkdir()
-    (c / "DONE").write_text("DONE\n")
-    (c / step / "report.json").write_text('{"online_kd_seconds": {"engine": "in-process"}}')
-    (c / step / "online-stacks-flex.txt").write_text("--- stacks at 20 s\n")
-    res = subprocess.run(
-        ["bash", str(WAIT), "5"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-        env=dict(os.environ, CAMPAIGN=str(c), OUT=str(out), WAIT_GRACE="1"),
-        check=False,
-    )
-    assert f"== {step}/report.json" in res.stdout and '"engine": "in-process"' in res.stdout, res.stdout
-    assert (out / f"{step}-report.json").read_text() == (c / step / "report.json").read_text()
-    with tarfile.open(out / "campaign.tgz") as tar:
-        assert f"campaign/{step}/online-stacks-flex.txt" in tar.getnames()
+def test_a_step_s_figures_and_stack_dumps_come_back(tmp_path, step):
+    """A finished step's report.json shown and copied as STEP-report.json, and its other files (stack dumps written
+    beside the report) in results.tgz."""
+    r, copy = tmp_path / "results", tmp_path / "copy"
+    (r / step).mkdir(parents=True)
+    (r / "DONE").write_text("DONE\n")
+    (r / step / "report.json").write_text('{"online_kd_seconds": {"engine": "in-process"}}')
+    (r / step / "online-stacks-flex.txt").write_text("--- stacks at 20 s\n")
+    out, _ = _wait(tmp_path, r, limit=5, copy=copy)
+    assert f"== {step}/report.json" in out.stdout and '"engine": "in-process"' in out.stdout, out.stdout
+    assert (copy / f"{step}-report.json").read_text() == (r / step / "report.json").read_text()
+    with tarfile.open(copy / "results.tgz") as tar:
+        assert f"results/{step}/online-stacks-flex.txt" in tar.getnames()
 
 
-def test_a_campaign_started_a_moment_before_the_poll_is_waited_for(tmp_path):
-    """`campaign.sh ... & wait.sh 420` in one command: the poll may look before campaign.sh has made its folder."""
-    c = tmp_path / "campaign"
-    late = subprocess.Popen(["bash", "-c", f"sleep 1; mkdir {c}; echo $$ > {c}/pid; sleep 1; echo DONE > {c}/DONE"])
+def test_steps_started_a_moment_before_the_poll_are_waited_for(tmp_path):
+    """`steps ... & wait-steps RESULTS 420` in one command: the poll may look before the folder exists."""
+    r = tmp_path / "results"
+    late = subprocess.Popen(["bash", "-c", f"sleep 1; mkdir {r}; echo $$ > {r}/pid; sleep 1; echo DONE > {r}/DONE"])
     try:
-        out, _ = _wait(tmp_path, c)
+        out, _ = _wait(tmp_path, r)
     finally:
         late.kill()
     assert out.returncode == 0 and "finished: yes" in out.stdout, out
 
 
-def test_a_campaign_still_running_at_the_limit_ends_the_wait_there(tmp_path):
-    """The lease's call has its own limit (600 s): the poll must come back at its own, with what ran so far."""
-    c = tmp_path / "campaign"
-    c.mkdir()
+def test_steps_still_running_at_the_limit_end_the_wait_there(tmp_path):
+    """A poll called with its own time limit must come back at SECONDS, with what ran so far."""
+    r = tmp_path / "results"
+    r.mkdir()
     live = subprocess.Popen(["sleep", "60"])
-    (c / "pid").write_text(f"{live.pid}\n")
+    (r / "pid").write_text(f"{live.pid}\n")
     try:
-        out, seconds = _wait(tmp_path, c, limit=1)
+        out, seconds = _wait(tmp_path, r, limit=1)
     finally:
         live.kill()
     assert 1 <= seconds < 8, f"returned after {seconds:.1f}s with a limit of 1 s"
@@ -119,7 +146,7 @@ PASSED = Path(__file__).resolve().parents[1] / "gpu" / "passed.sh"
 
 
 def test_a_step_s_tests_count_as_passed_only_when_each_passed(tmp_path):
-    """tests/gpu/passed.sh LOG FILE, which the campaign's onlinekd step asks before it trains with the varlen attention:
+    """tests/gpu/passed.sh LOG FILE, which an online step asks before it trains with the varlen attention:
     yes when the step log's summary (pytest -rA) has FILE's tests PASSED and none FAILED or in ERROR; no for a log
     that is missing, has none of FILE's tests, or has one of them failed."""
     f = "tests/gpu/test_ttt_attention_gpu.py"
@@ -203,7 +230,7 @@ def test_the_online_step_trains_with_the_fastest_configuration_the_benchmark_sho
     tmp_path, case, varlen_passed, want
 ):
     """tests/gpu/pick_trainer.py REPORT VARLEN_PASSED: the onlinekd step's trainer (sdpa, varlen or flex compiled) as
-    the same campaign's benchtrain step measured them at 8k, one sample a sequence each: varlen only where its CUDA
+    the benchtrain step before it measured them at 8k, one sample a sequence each: varlen only where its CUDA
     tests passed, flex compiled only where its run of varying packs trained without error or a recompile limit
     reached; sdpa where the report is missing or cut short."""
     import json
