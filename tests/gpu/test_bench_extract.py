@@ -110,7 +110,7 @@ KNOWN_MODES = {"disk", "d2h", "vllm_ehs", "hooks_host", "hf", *PLAIN_MODES, *EAG
 
 def _narrowed(var: str, known: list[str]) -> set[str] | None:
     """The names in environment variable VAR (None: unset, everything); a name not in ``known`` is an error: a typo
-    would otherwise skip that figure without a word and cost a lease its measurement."""
+    would otherwise skip that figure without a word and cost a GPU run its measurement."""
     names = set(os.environ.get(var, "").split())
     unknown = sorted(names - set(known))
     if unknown:
@@ -492,7 +492,7 @@ class _Live:
             self._only_one()
             t0 = time.perf_counter()
             self.llms[name] = make()
-            # as the capture engines' engine_start_s (conftest): where a lease's time goes
+            # as the capture engines' engine_start_s (conftest): where a GPU run's time goes
             _REPORT["put"](f"engine_start_s[{name}]", round(time.perf_counter() - t0, 1))
         return self.llms[name]
 

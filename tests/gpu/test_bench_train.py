@@ -26,7 +26,7 @@ Then the same draft with the mask-free TTT attention (`--attn varlen`, eagle3/tr
 within each sample plus each TTT step's own key, no [T, (s + 1) T] mask) at 2k, 8k and 32k, its longest sequence and,
 where its 8k MFU misses 35 %, its profile (profile_8k_varlen.txt); on an H100 at 0ba8398
 (results/2026-12-05-0ba8398-h100-vllm0.26.0) 36.1 % MFU at 8k eager, 46.3 % compiled.
-EAGLE3_BENCH_TRAIN_PARTS="varlen,compiled" (parts_from_env) measures only those parts, for a lease with minutes left.
+EAGLE3_BENCH_TRAIN_PARTS="varlen,compiled" (parts_from_env) measures only those parts, for a GPU run with minutes left.
 Order: the reader (seconds), the table, the profile, the MLA rows, the varlen rows (llama, profile, MLA), the
 compiled rows, the longest-sequence searches (sdpa, varlen; to 128k at most).
 Rows are reported as they are measured; a size that runs out of memory is a row saying so. The rows also go to
@@ -55,7 +55,7 @@ N_AUX, DRAFT_VOCAB, TTT = 3, 32000, 3
 @dataclass(frozen=True)
 class Bench:
     """What the benchmark measures on: the Kimi-K2.5 draft on CUDA here; a small draft on CPU in
-    tests/unit/test_bench_train_rehearsal.py, which runs this file's code before a lease does."""
+    tests/unit/test_bench_train_rehearsal.py, which runs this file's code before a GPU run does."""
 
     shape: object  # a DraftShape: the llama draft
     mla: object  # an MLAShape: the MLA draft (the same hidden size and vocabulary)
@@ -75,7 +75,7 @@ PARTS = ("table", "mla", "varlen", "compiled", "longest")  # run_bench's parts, 
 
 
 def parts_from_env() -> tuple:
-    """EAGLE3_BENCH_TRAIN_PARTS="varlen,compiled": only those parts (a lease with minutes left measures what it
+    """EAGLE3_BENCH_TRAIN_PARTS="varlen,compiled": only those parts (a GPU run with minutes left measures what it
     still lacks); unset, all of them."""
     import os
 
@@ -341,7 +341,7 @@ def test_bench_train_kimi_draft(report, gpu_out):
 
 
 def run_bench(b: Bench, report, gpu_out) -> None:
-    """In the order the goals need them, each reported as it is measured (a lease that ends mid-way keeps what was
+    """In the order the goals need them, each reported as it is measured (a GPU run that ends mid-way keeps what was
     measured): the table; the 8k profile where the MFU goal is missed; the MLA rows; the same with the mask-free
     varlen attention; the compiled rows (minutes of compiling); last the open-ended longest-sequence searches (sdpa,
     varlen). Only b.parts where named (PARTS). One draft on the GPU at a time (each 0.99 B parameters with float32

@@ -588,7 +588,7 @@ def test_draft_variants_seed_spread(chain, report):
     """Issue 41: each variant's own run-to-run spread. Seed 1 of llama + 3.1, mla and mla + 3.1, trained on the same
     store and served on the short prompts, beside seed 0: the variants test's, or trained and served here where that
     test did not run; the llama draft's from the chain. After the table (`-k variants` runs both, in this order), so a
-    lease that ends here keeps the table; each spread is reported as it is measured."""
+    GPU run that ends here keeps the table; each spread is reported as it is measured."""
     seed0 = chain.get("variant_seed0", {})
     spreads: dict[str, dict] = {}
     errors: list[str] = []

@@ -8,7 +8,7 @@ store's size; both drafts are served with k = 3 on the same held-out prompts.
 - tokens/s of the whole online run against extraction + training offline, in the same process;
 - the spool's peak bytes (its own accounting and the files), below its capacity.
 The 3cf512b run on the H200: the first run stopped at the test's own spool size (smaller than two extraction batches of
-64); the second ran 13 min without finishing before the device time ran out, unseen inside (pytest held the
+64); the second ran 13 min without finishing, unseen inside (pytest held the
 output). Then found on CPU: on the vLLM path a batch's last shard stayed open (or unreported) until the next batch,
 so the online spool was cut at the longest sample (one fsynced shard and two manifest rewrites per ~1 sample) and
 a tight spool could wait forever. Now one sealed shard per extraction batch; each phase's time goes to report.json

@@ -11,7 +11,7 @@ are reported, not judged: at this depth the extraction is far faster than the tr
 kimi-depth test's, on an H200). EAGLE3_INPROC_TRAINER=flex trains compiled (flex attention) beside the engine: its
 compiles then take the compile gate (train/compile_gate.py), asserted.
 Run on an H100 at 021b20c (results/2026-12-05-021b20c-h100-vllm0.26.0): PASSED in 198 s (engine start 57 s); at
-ae2b160 with its window: PASSED. With EAGLE3_INPROC_TRAINER=flex at 16df9d6: cut by the session's device time ~78 s
+ae2b160 with its window: PASSED. With EAGLE3_INPROC_TRAINER=flex at 16df9d6: cut at its time limit ~78 s
 into the online run's first compiled step (results/2026-12-05-16df9d6-h100-vllm0.26.0); at 7d2de6a: PASSED in 318 s,
 23 compiles gated (results/2026-12-05-7d2de6a-h100-vllm0.26.0).
 """

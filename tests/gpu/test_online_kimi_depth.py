@@ -90,8 +90,8 @@ def engine_from_env() -> str:
 
 
 ENGINE = engine_from_env()
-CONTROL = os.environ.get("EAGLE3_ONLINE_CONTROL", "1") != "0"  # 0: no read-ahead control run (a short lease)
-AGAIN = os.environ.get("EAGLE3_ONLINE_AGAIN", "1") != "0"  # 0: no second extraction alone (a short lease)
+CONTROL = os.environ.get("EAGLE3_ONLINE_CONTROL", "1") != "0"  # 0: no read-ahead control run (a short GPU run)
+AGAIN = os.environ.get("EAGLE3_ONLINE_AGAIN", "1") != "0"  # 0: no second extraction alone (a short GPU run)
 
 
 def window_from_env() -> tuple | None:

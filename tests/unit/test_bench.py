@@ -572,7 +572,7 @@ def test_the_gpu_benchmark_s_acceptance_with_one_shape(monkeypatch):
 
 
 def test_a_mode_or_shape_the_benchmark_does_not_know_stops_it_at_collection(monkeypatch):
-    """A typo in EAGLE3_BENCH_MODES or EAGLE3_BENCH_SHAPES skipped that figure without a word (a lease's measurement
+    """A typo in EAGLE3_BENCH_MODES or EAGLE3_BENCH_SHAPES skipped that figure without a word (a GPU run's measurement
     lost, found out only when the acceptance said "not measured"): now the module refuses it, naming what it knows."""
     import importlib
 
@@ -751,7 +751,7 @@ def test_direct_s_null_sink_failure_splits_its_engine_s_cost_from_the_capture_s(
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_plain_auxout_measures_the_direct_engine_with_its_capture_detached(monkeypatch, fails):
-    """The capture modes' own direct engine (no second start: ~130 s of a lease at mini-Kimi), its model returning
+    """The capture modes' own direct engine (no second start: ~130 s of a GPU run at mini-Kimi), its model returning
     the aux states, nothing taking them while the figure runs; attached again afterwards, also when it fails."""
     from tests.gpu import test_bench_extract as gb
 

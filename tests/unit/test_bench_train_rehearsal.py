@@ -1,4 +1,4 @@
-"""tests/gpu/test_bench_train.py's code run on CPU at a small draft shape, so a lease spends its time measuring, not
+"""tests/gpu/test_bench_train.py's code run on CPU at a small draft shape, so a GPU run spends its time measuring, not
 finding a wrong name: every row of the table, the longest-sequence search against sizes that run out of memory, the
 profile where the MFU goal is missed, the MLA rows, the report's JSON and the compiled row. The figures mean nothing
 here (CPU, a 64-wide draft); what is checked is that each is made and lands where `bench report` reads it."""
@@ -145,7 +145,7 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
 
 def test_a_short_lease_measures_only_the_parts_it_names(monkeypatch, tmp_path):
     """EAGLE3_BENCH_TRAIN_PARTS="varlen,compiled": the varlen rows and the compiled rows, no table, MLA rows nor
-    searches (a lease with minutes left measures what it still lacks); an unknown part is refused by name."""
+    searches (a GPU run with minutes left measures what it still lacks); an unknown part is refused by name."""
     import dataclasses
 
     monkeypatch.setenv("EAGLE3_BENCH_TRAIN_PARTS", "varlen, compiled")

@@ -1,7 +1,7 @@
 """The e2e GPU tests of issue 40 (tests/gpu/test_draft_acceptance.py; its one-pass measurement on the templated
 dialogues and on Kimi-style traffic in Kimi-K2's format, as EAGLE3_E2E_ARCH=deepseek runs it) and the kimi-depth
 online test of issue 42, run on CPU against the fake vLLM (tests/unit/fake_vllm.py) with tiny-kimi in place of the
-target: the same code, a handful of conversations and short turns, so a lease measures instead of finding a wrong
+target: the same code, a handful of conversations and short turns, so a GPU run measures instead of finding a wrong
 argument. The figures the GPU run judges (rows within bf16 noise of a prefill; turns the learnable target gets right)
 are checked here only where the fake decides them: its states are exact, so one pass and a prefill agree to one bf16
 step; and where regenerate then extract stores a turn cut at max_tokens, it learns no end-of-turn token there."""
@@ -373,7 +373,7 @@ def test_the_online_step_without_its_control_run_trains_alone_then_online(
     tmp_path,
     monkeypatch,
 ):
-    """EAGLE3_ONLINE_CONTROL=0 (a lease too short for it): no run reading between steps; the rest as with it."""
+    """EAGLE3_ONLINE_CONTROL=0 (a GPU run too short for it): no run reading between steps; the rest as with it."""
     from eagle3.targets import presets
     from tests.gpu import test_online_kimi_depth as kd
 

@@ -382,7 +382,7 @@ def test_the_vllm_backend_batches_conversations_with_a_seed_and_the_end_tokens_p
         gpu_memory_utilization=0.3,
     )
     s = regenerate.run(cfg)
-    assert engines[0]["gpu_memory_utilization"] == 0.3 and shut == [1]  # its share, and given back at the end
+    assert engines[0]["gpu_memory_utilization"] == 0.3 and shut == [1]  # its share, and freed at the end
     turns = [sum(m["role"] == "assistant" for m in c["messages"]) for c in chats]
     assert [n for n, _ in calls] == [sum(t > r for t in turns) for r in range(max(turns))]  # a call per round
     first = calls[0][1]

@@ -987,7 +987,7 @@ def test_the_benchmark_loop_runs_on_the_fake_engine_and_says_where_its_time_went
     fake, tiny_kimi, tmp_path, hf_store, mode, strategy
 ):
     """tests/gpu/test_bench_extract's production loop otherwise runs only on the GPU host, where a slip costs a
-    lease: every batch committed with the reference's states, the window trimmed, the time split reported."""
+    GPU run: every batch committed with the reference's states, the window trimmed, the time split reported."""
     from types import SimpleNamespace
 
     from tests.gpu import test_bench_extract as gb
