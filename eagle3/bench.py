@@ -9,7 +9,7 @@ margin below which a run counts as a regression.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,46 +102,6 @@ def split_mode(mode: str) -> tuple[str, str]:
     return (mode.removesuffix(DIRECT_SUFFIX), "direct") if mode.endswith(DIRECT_SUFFIX) else (mode, "aux")
 
 
-@dataclass(frozen=True)
-class LoopOptions:
-    """How the benchmark's production loop runs a sink (tests/gpu/test_bench_extract._Loop)."""
-
-    sink: str  # count | host | store: the capture's mode
-    fsync: bool = True  # store_nofsync: the shards stay in the page cache
-    fp8: bool = False  # store_fp8: --state-dtype fp8
-    slots: int = 4  # host_slots8: steps in flight (staged on the device, pinned on the host)
-    whole_copies: bool = False  # host_whole: a step's copies issued at once (no 64 MiB chunks)
-    gil: bool = False  # _gil: the worker runs a GilSampler (a thread waking every 2 ms) and reports it
-
-
-# a sink is its capture mode and then variants, each once: "store_nofsync_gil"
-_VARIANTS = {
-    "nofsync": ("fsync", False, "store"),
-    "fp8": ("fp8", True, "store"),
-    "slots8": ("slots", 8, None),
-    "whole": ("whole_copies", True, None),
-    "gil": ("gil", True, None),
-}
-
-
-def loop_options(sink: str) -> LoopOptions:
-    """The loop's options named by a sink (a mode less its _direct suffix, see split_mode)."""
-    mode, *variants = sink.split("_")
-    fields = {}
-    for v in variants:
-        field, value, only = _VARIANTS.get(v, (None, None, None))
-        if field is None or field in fields or (only and only != mode):
-            break
-        fields[field] = value
-    else:
-        if mode in ("count", "host", "store"):
-            return LoopOptions(mode, **fields)
-    raise ValueError(
-        f"benchmark sink {sink!r}: a capture mode (count, host, store) and variants, each once, from "
-        f"{', '.join(f'{v} ({only} only)' if only else v for v, (_, _, only) in _VARIANTS.items())}"
-    )
-
-
 # which of the run's disk figures bounds a mode: the fsynced stores by fsynced parallel writes, the writers that
 # leave their data in the page cache (ours without fsync, vLLM's extract_hidden_states connector) by page-cache writes
 DISK_OF_MODE = {"store_nofsync": "page_cache", "vllm_ehs": "page_cache"}
@@ -150,40 +110,6 @@ DISK_OF_MODE = {"store_nofsync": "page_cache", "vllm_ehs": "page_cache"}
 def disk_of(mode: str) -> str | None:
     sink = split_mode(mode)[0]
     return DISK_OF_MODE.get(sink, "fsync" if sink.startswith("store") else None)
-
-
-def loop_step_tokens(seq_len: int, max_batched_tokens: int) -> list[int]:
-    """Token counts a step of the benchmark's loop can hold: whole prompts of seq_len tokens, as many as the
-    engine's max_num_batched_tokens takes (one chunk of that budget where a prompt is longer)."""
-    return [seq_len * k for k in range(1, max_batched_tokens // seq_len + 1)] or [max_batched_tokens]
-
-
-def warm_steps(step_tokens: Iterable[int], config_of: Callable[[int], object] | None) -> list[int]:
-    """The smallest step size (tokens) of each distinct kernel config ``config_of`` picks among ``step_tokens``;
-    every size where config_of is None. vLLM compiles its Triton MoE kernel once per config, which it picks by a
-    step's token count (the nearest key of a tuned grid: 2,048 and 3,072 tokens share one config, 512 and 4,096
-    another), about 1.4 s at the first step that meets one. On the H200, kimi-depth's figures met one inside
-    their timed loop in the ffdd6a0, 8ec8ff9 and 6b3715c runs (that quarter 14-20% slow: the 6b3715c run's fsynced
-    store 0.936x plain,
-    against 0.99x in its other quarters); a warm-up of one step per config takes it out of the clock."""
-    sizes = sorted(set(step_tokens))
-    if config_of is None:
-        return sizes
-    seen: dict[str, int] = {}
-    for m in sizes:
-        seen.setdefault(json.dumps(config_of(m), sort_keys=True, default=str), m)
-    return sorted(seen.values())
-
-
-def warm_prompts(step_tokens: Iterable[int], max_prompt: int) -> list[list[int]]:
-    """Prompt lengths (tokens) of a warm batch per step size: one prompt where it fits max_prompt (the engine's
-    longest prompt), which the engine cannot split across steps as it splits a batch of short prompts by what
-    has reached it; else the fewest prompts that hold the step, within a token of each other."""
-    out = []
-    for m in step_tokens:
-        n = -(-m // max_prompt)
-        out.append([m // n + (i >= n - m % n) for i in range(n)])
-    return out
 
 
 def disk_limit(plain: float | None, disk_bytes_per_s: float | None, bytes_per_token: float) -> float | None:
@@ -343,36 +269,8 @@ def trends(records: list[Record], baselines: dict[str, dict], path: Path) -> lis
 TRAIN_PREFIX = "train_"  # a training figure's key: train_DRAFT_PRECISION/SEQ (tests/gpu/test_bench_train.py)
 
 
-def train_history(rows: list[dict], run: str, profile: str, gpus: int = 1) -> dict:
-    """The trainer benchmark's rows ({draft, seq, precision, tok_per_s, mfu, peak_gib, ...}; a row that ran out of
-    memory has no tok_per_s) as pytest-benchmark JSON, so `bench report` shows them beside the extraction's:
-    tokens/s of all ``gpus`` and per GPU, MFU and peak memory in their own lines."""
-
-    def key(r):  # what differs from the trainer's default in the key: train_llama_bf16-mixed_eager/32768,
-        # train_llama_bf16-mixed_flex_compiled/8192, train_llama_bf16-mixed_foreach/8192 (the optimizer); the store
-        # reader's row (read as training steps of seq tokens): train_reader/8192
-        if r.get("reader"):
-            return f"{READER_KEY}/{r['seq']}"
-        loss = f"_{r['loss']}" if r.get("loss", "auto") != "auto" else ""
-        attn = f"_{r['attn']}" if r.get("attn", "sdpa") != "sdpa" else ""
-        opt = f"_{r['optimizer']}" if r.get("optimizer", "auto") != "auto" else ""
-        return (
-            f"{TRAIN_PREFIX}{r['draft']}_{r['precision']}{loss}{attn}{opt}"
-            f"{'_compiled' if r.get('compiled') else ''}/{r['seq']}"
-        )
-
-    return {
-        "datetime": run,
-        "benchmarks": [
-            {"name": key(r), "extra_info": dict(r, key=key(r), tokens_per_s=r["tok_per_s"], profile=profile, gpus=gpus)}
-            for r in rows
-            if r.get("tok_per_s")
-        ],
-    }
-
-
 def train_lines(records: list[Record]) -> list[str]:
-    """The training figures: tok/s per GPU, MFU (model FLOPs / 989 TFLOPS, eagle3/train/flops.py), peak memory; the
+    """The training figures: tok/s per GPU, MFU (model FLOPs / 989 TFLOPS, tests/perf/flops.py), peak memory; the
     store reader's against the fastest training figure of its run at the same sequence length (the goal: 2x)."""
     rows = [r for r in records if r.key.startswith(TRAIN_PREFIX)]
     if not rows:

@@ -21,7 +21,7 @@ as in a long run.
     count_gil_direct  count_direct with a GilSampler in the worker (a thread waking every 2 ms: how late the
                    engine's threads get the GIL, in capture_timing's gil); against count_direct, what that costs.
                    The ffdd6a0 run ran it in every eagle3 mode and in no plain one; now only _gil sinks run it
-                   (a sink's variants: eagle3.bench.loop_options)
+                   (a sink's variants: eagle3.loop.loop_options)
     store          eagle3 aux capture into the shard store, fsynced and committed (extract.run's loop)
     store_nofsync  the same into the page cache
     store_fp8      the fsynced store with --state-dtype fp8 (quantized before the copy to the host)
@@ -83,6 +83,7 @@ from eagle3.store.committer import BackgroundCommitter
 from eagle3.store.folder import Store
 from eagle3.store.format import FP8, SHARD_BYTES, StoreSpec
 from eagle3.store.threads import writer_threads
+from tests.perf import loop
 
 from . import jit_in_clock
 from .conftest import MAX_BATCHED_TOKENS, MAX_MODEL_LEN
@@ -161,7 +162,7 @@ _WARM: dict[int, list[list]] = {}  # prompt length -> warm-up batches (warm_batc
 def moe_config_of(target):
     """vLLM's choice of Triton MoE kernel config by a step's token count, for the target's bf16 experts at its TP
     (fused_moe.try_get_optimal_moe_config, called as its TritonExperts calls it), or None where the target has no
-    routed experts or that function is not there as called (then every step size is warmed: bench.warm_steps)."""
+    routed experts or that function is not there as called (then every step size is warmed: loop.warm_steps)."""
     c = target.profile.hf_config
     experts, inter, topk = c.get("n_routed_experts"), c.get("moe_intermediate_size"), c.get("num_experts_per_tok")
     if not (experts and inter and topk):
@@ -181,12 +182,12 @@ def moe_config_of(target):
 
 
 def warm_batches(target, t: int) -> list[list]:
-    """A batch per step size of bench.warm_steps, one engine step each: one prompt of that many tokens
-    (bench.warm_prompts), prompts of their own (no id shared with the timed batches, which a store session would
+    """A batch per step size of loop.warm_steps, one engine step each: one prompt of that many tokens
+    (loop.warm_prompts), prompts of their own (no id shared with the timed batches, which a store session would
     refuse)."""
     if t not in _WARM:
-        sizes = bench.warm_steps(bench.loop_step_tokens(t, MAX_BATCHED_TOKENS), moe_config_of(target))
-        lengths = bench.warm_prompts(sizes, MAX_MODEL_LEN - 1)
+        sizes = loop.warm_steps(loop.loop_step_tokens(t, MAX_BATCHED_TOKENS), moe_config_of(target))
+        lengths = loop.warm_prompts(sizes, MAX_MODEL_LEN - 1)
         flat = iter(
             random_samples(
                 sum(map(len, lengths)), [n for each in lengths for n in each], target.profile.vocab_size, seed=2000 + t
@@ -674,7 +675,7 @@ class _Loop:
 
     def __init__(self, backend, target, mode: str, root: Path):
         self.backend, self.target, self.root = backend, target, root
-        self.opts = bench.loop_options(mode)
+        self.opts = loop.loop_options(mode)
         self.session = self.store = self.committer = None
         self.window = _Window(root)
         # the main loop's time per phase; at finish the session's expect/generate/collect split of submit_s and

@@ -4,7 +4,7 @@ From synthetic states (no target): speculators' Eagle3DraftModel at the shape ea
 64 x 128 heads, 8 KV heads, MLP 18432, 3 aux layers, draft vocabulary 32000, 3 TTT steps), one packed sequence of
 T tokens a step, the trainer's AdamW (fused on CUDA) and precision (bf16-mixed: float32 weights and optimizer, bf16
 matmuls).
-- tok/s sustained (steps after two of warm-up) at T = 2k, 8k, 32k; MFU = tok/s x FLOPs a token (eagle3/train/flops.py)
+- tok/s sustained (steps after two of warm-up) at T = 2k, 8k, 32k; MFU = tok/s x FLOPs a token (tests/perf/flops.py)
   / 989 TFLOPS; peak memory; the trainer's loss (chunked on CUDA). fp32 at 8k beside it (the ratio in the same run),
   and speculators' eager loss at 32k (what the chunked loss saves in peak memory), and torch's multi-tensor AdamW at 8k
   (what the fused one saves).
@@ -14,7 +14,7 @@ matmuls).
   (train.read_packs: packed into 8k sequences and pinned, the reader thread's whole work).
 Goals (issue 42): >= 35 % MFU at 8k; >= 32k tokens trainable; the reader >= 2x the trainer. Reported, asserted
 only where a measurement fails outright (a step that does not run). Where the 8k MFU misses its goal, a profile of
-two steps (GPU_OUT/profile_8k.txt; time by kind of work in the report: train/step_profile.py). Every row runs
+two steps (GPU_OUT/profile_8k.txt; time by kind of work in the report: tests/perf/step_profile.py). Every row runs
 as the trainer does: speculators 0.9 compiles Eagle3DraftModel.forward itself wherever CUDA is, and the trainer
 runs it eagerly (torch.compiler.set_stance "force_eager") unless TrainConfig.compile. Last, compiled as
 TrainConfig(compile=True) runs it (with its compile time), as the issue asks: measured with and without: flex attention
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from eagle3.train import flops
+from tests.perf import flops
 
 from .conftest import failure
 
@@ -324,7 +324,7 @@ READER: list[dict] = []  # the reader's row for `bench report` (bench.train_line
 
 
 def reader_row(got: dict) -> dict:
-    """reader_rate's figures as the history row `bench report` reads (bench.train_history: train_reader/SEQ)."""
+    """reader_rate's figures as the history row `bench report` reads (history.train_history: train_reader/SEQ)."""
     steps = got["tokens"] / got["step_seconds"]
     return {
         "reader": True,
@@ -416,7 +416,7 @@ def table_rows(b: Bench, report, gpu_out) -> tuple[list[dict], dict]:
 
 def _profile(b: Bench, model, opt, attn: str, path, report, key: str) -> None:
     """Two steps at the goal's size, profiled: the table by kernel in ``path``, the shares by kind of work reported."""
-    from eagle3.train import step_profile
+    from tests.perf import step_profile
 
     inputs = _inputs(b, b.seqs[1], attn)
     prof = step_profile.profile(lambda: _steps(model, opt, inputs, 1, True), 2)
@@ -479,7 +479,7 @@ def _write_history(gpu_out, rows: list[dict], device: str | None = None) -> None
     profile names the card (h100-kimi-k2.5-draft)."""
     import json
 
-    from eagle3.bench import train_history
+    from tests.perf.history import train_history
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     where = card(torch.cuda.get_device_name()) if device.startswith("cuda") else device

@@ -6,7 +6,7 @@ process. Asserted: vLLM's engine core ran in this process (its in-process client
 drove it on a stream of its own of higher priority than the default, the trainer trained in vLLM's world of one
 without taking it for data-parallel training, and the online run trained every sample once in the same steps as the
 offline one, with finite losses, the spool within its capacity, and the GPU's kernels over a window of the online run
-(train/gpu_window.py) came on two streams at least (the engine's and the trainer's, in one CUDA context). The rates
+(tests/perf/gpu_window.py) came on two streams at least (the engine's and the trainer's, in one CUDA context). The rates
 are reported, not judged: at this depth the extraction is far faster than the trainer (issue 42's goal is the
 kimi-depth test's, on an H200). EAGLE3_INPROC_TRAINER=flex trains compiled (flex attention) beside the engine: its
 compiles then take the compile gate (train/compile_gate.py), asserted.

@@ -46,8 +46,9 @@ from eagle3.data.conversations import random_samples
 from eagle3.extract import extract
 from eagle3.preflight import TRAIN_ATTN
 from eagle3.targets import presets, tiny
-from eagle3.train import gpu_window, online
+from eagle3.train import online
 from eagle3.train.train import TrainConfig, train
+from tests.perf import gpu_window
 
 from .conftest import MAX_BATCHED_TOKENS
 from .stacks import PeriodicStacks
@@ -96,7 +97,7 @@ AGAIN = os.environ.get("EAGLE3_ONLINE_AGAIN", "1") != "0"  # 0: no second extrac
 
 def window_from_env() -> tuple | None:
     """EAGLE3_ONLINE_PROFILE="AFTER:SECONDS": each online run's GPU kernels by stream over that window of it
-    (train/gpu_window.py; CUPTI slows the run it records: not for the run whose rates are judged); unset: none."""
+    (tests/perf/gpu_window.py; CUPTI slows the run it records: not for the run whose rates are judged); unset: none."""
     value = os.environ.get("EAGLE3_ONLINE_PROFILE", "").strip()
     if not value:
         return None

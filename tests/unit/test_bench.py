@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from eagle3 import bench, cli
+from tests.perf import history, loop
 
 
 def _history(tmp_path, run, values, profile="h200-mini-kimi"):
@@ -199,7 +200,7 @@ def test_the_trainer_s_figures_reach_the_report_per_gpu_with_their_mfu(tmp_path)
         },
     ]
     (tmp_path / "benchmark.json").write_text(
-        json.dumps(bench.train_history(rows, "2026-12-05T10:00", "h200-kimi-draft", gpus=2))
+        json.dumps(history.train_history(rows, "2026-12-05T10:00", "h200-kimi-draft", gpus=2))
     )
     md = bench.report([tmp_path / "benchmark.json"], tmp_path / "r")[0].read_text()
     assert "| h200-kimi-draft | train_llama_bf16-mixed/8192 | 40,000 | 20,000 | - | - | no | - |" in md
@@ -229,8 +230,8 @@ def test_the_store_reader_reaches_the_report_against_the_fastest_training_figure
         {"reader": True, "seq": 8192, "tok_per_s": 76012, "gb_per_s": 4.36, "samples_tok_per_s": 150000},
     ]
     other = [{"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "tok_per_s": 99999, "mfu": 0.9}]
-    (tmp_path / "a.json").write_text(json.dumps(bench.train_history(rows, "2026-12-06T10:00", "h200-kimi-draft")))
-    (tmp_path / "b.json").write_text(json.dumps(bench.train_history(other, "2026-12-06T11:00", "h200-kimi-draft")))
+    (tmp_path / "a.json").write_text(json.dumps(history.train_history(rows, "2026-12-06T10:00", "h200-kimi-draft")))
+    (tmp_path / "b.json").write_text(json.dumps(history.train_history(other, "2026-12-06T11:00", "h200-kimi-draft")))
     md = bench.report([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "r")[0].read_text()
     assert (
         "train_reader/8192: the store reader, as training steps read: 76,012 tok/s (4.36 GB/s; the samples alone "
@@ -799,14 +800,14 @@ def test_a_sink_names_how_the_benchmark_loop_runs_it():
     """The ffdd6a0 run: every eagle3 mode ran the GIL sampler (a thread of the worker waking every 2 ms) and no plain
     mode did, so the capture's figures paid for their own instrument. Only a _gil sink samples the GIL now
     (count_gil_direct against count_direct is its cost); a misspelt variant is refused, not run as the default."""
-    o = bench.loop_options
-    assert o("count") == bench.LoopOptions("count", fsync=True, fp8=False, slots=4, whole_copies=False, gil=False)
-    assert o("count_gil") == bench.LoopOptions("count", gil=True)
-    assert o("store_nofsync") == bench.LoopOptions("store", fsync=False)
-    assert o("store_fp8") == bench.LoopOptions("store", fp8=True)
-    assert o("host_slots8") == bench.LoopOptions("host", slots=8)
-    assert o("host_whole") == bench.LoopOptions("host", whole_copies=True)
-    assert o("store_nofsync_gil") == bench.LoopOptions("store", fsync=False, gil=True)
+    o = loop.loop_options
+    assert o("count") == loop.LoopOptions("count", fsync=True, fp8=False, slots=4, whole_copies=False, gil=False)
+    assert o("count_gil") == loop.LoopOptions("count", gil=True)
+    assert o("store_nofsync") == loop.LoopOptions("store", fsync=False)
+    assert o("store_fp8") == loop.LoopOptions("store", fp8=True)
+    assert o("host_slots8") == loop.LoopOptions("host", slots=8)
+    assert o("host_whole") == loop.LoopOptions("host", whole_copies=True)
+    assert o("store_nofsync_gil") == loop.LoopOptions("store", fsync=False, gil=True)
     for bad in ("host_wole", "hots", "host_nofsync", "count_fp8", "store_gil_gil", ""):
         with pytest.raises(ValueError, match="sink"):
             o(bad)
@@ -882,16 +883,16 @@ def test_a_warm_step_per_moe_kernel_config_the_benchmark_loop_can_meet():
     others 0.99x; the engine compiled a Triton MoE kernel in that quarter ("JIT compilation during inference:
     fused_moe_kernel"), for a config of steps of 2,048-3,584 tokens that no warm-up step had met. The warm-up now
     runs one step of each config the loop's step sizes pick, before the clock."""
-    steps = bench.loop_step_tokens(512, 16384)
+    steps = loop.loop_step_tokens(512, 16384)
     assert steps == [512 * k for k in range(1, 33)]
-    assert bench.loop_step_tokens(4096, 16384) == [4096, 8192, 12288, 16384]
-    assert bench.loop_step_tokens(32768, 16384) == [16384]  # a longer prompt: chunks of the budget
+    assert loop.loop_step_tokens(4096, 16384) == [4096, 8192, 12288, 16384]
+    assert loop.loop_step_tokens(32768, 16384) == [16384]  # a longer prompt: chunks of the budget
     pick = _nearest(H200_E8_N2048)
-    warm = bench.warm_steps(steps, pick)
+    warm = loop.warm_steps(steps, pick)
     assert warm == [512, 2048]  # the smallest step of each config
     assert {pick(m) for m in warm} == {pick(m) for m in steps}
-    assert bench.warm_steps([4096, 8192], pick) == [4096]
-    assert bench.warm_steps(steps, None) == steps  # vLLM's choice unknown: every size
+    assert loop.warm_steps([4096, 8192], pick) == [4096]
+    assert loop.warm_steps(steps, None) == steps  # vLLM's choice unknown: every size
 
 
 def test_a_warm_step_is_one_prompt_so_the_engine_cannot_split_it():
@@ -901,18 +902,18 @@ def test_a_warm_step_is_one_prompt_so_the_engine_cannot_split_it():
     2,048 + 6,144 tokens (the store's capture_timing), so 4 prompts need not make one step of 2,048. One prompt
     of 2,048 tokens does (it fits the step budget); a step longer than the engine's longest prompt takes the
     fewest prompts that hold it, within a token of each other."""
-    assert bench.warm_prompts([512, 2048], 8191) == [[512], [2048]]
-    assert bench.warm_prompts([16384], 8191) == [[5461, 5461, 5462]]
-    assert bench.warm_prompts([8191, 8192], 8191) == [[8191], [4096, 4096]]
+    assert loop.warm_prompts([512, 2048], 8191) == [[512], [2048]]
+    assert loop.warm_prompts([16384], 8191) == [[5461, 5461, 5462]]
+    assert loop.warm_prompts([8191, 8192], 8191) == [[8191], [4096, 4096]]
     for m in range(1, 40):
-        parts = bench.warm_prompts([m], 7)[0]
+        parts = loop.warm_prompts([m], 7)[0]
         assert sum(parts) == m and max(parts) <= 7 and max(parts) - min(parts) <= 1 and len(parts) == -(-m // 7)
 
 
 def test_the_benchmark_asks_vllm_for_the_moe_config_of_the_target_s_experts_at_its_tp(monkeypatch):
     """As vLLM's TritonExperts asks (w1 [E, 2N, H], w2 [E, H, N], N the expert width at the target's TP, bf16):
     another shape reads another tuned file and warms the wrong configs. No experts, or no such function: None
-    (bench.warm_steps then warms every size)."""
+    (loop.warm_steps then warms every size)."""
     from tests.gpu import test_bench_extract as gb
 
     asked = []

@@ -1,4 +1,4 @@
-"""The draft's training FLOPs formula (eagle3/train/flops.py), checked against torch's own count of the model:
+"""The draft's training FLOPs formula (tests/perf/flops.py), checked against torch's own count of the model:
 speculators' Eagle3DraftModel, forward + backward, at small shapes and non-default options. A part counted at the
 wrong multiple (a frozen lm_head given a weight gradient, fc an input gradient, attention without the TTT steps'
 growing KV cache) changes the count."""
@@ -8,8 +8,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from eagle3.train import flops
 from eagle3.train.draft import DraftShape, speculators_config
+from tests.perf import flops
 
 
 def _count(shape: DraftShape, n_aux: int, draft_vocab: int, ttt: int, seq: int) -> dict:

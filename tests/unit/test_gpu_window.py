@@ -1,4 +1,4 @@
-"""train/gpu_window.py: the GPU's time over a window of an online run, by CUDA stream, from a chrome trace (issue 42's
+"""tests/perf/gpu_window.py: the GPU's time over a window of an online run, by CUDA stream, from a chrome trace (the
 profile where the online goal is missed). Golden traces whose busy, idle and overlapping time are known by
 construction; the window's thread on the CPU (no kernels there: its timing and its early end)."""
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eagle3.train import gpu_window
+from tests.perf import gpu_window
 
 
 def kernel(stream, ts, dur, name="k"):

@@ -1,10 +1,10 @@
-"""train/step_profile.py: where a training step's time goes, by kind of work (the trainer benchmark writes it where
+"""tests/perf/step_profile.py: where a training step's time goes, by kind of work (the trainer benchmark writes it where
 a goal is missed; issue 42)."""
 
 import pytest
 import torch
 
-from eagle3.train import step_profile
+from tests.perf import step_profile
 
 
 @pytest.mark.parametrize(

@@ -127,3 +127,22 @@ def test_the_worker_extension_vllm_loads_by_name_resolves_in_a_fresh_interpreter
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+# Modules nothing in the package imports, yet the product runs: the command line (the `eagle3` script) and
+# vLLM's worker extension (its dotted name handed to vLLM, which imports it in each worker).
+ENTRY_POINTS = {"cli": "eagle3.cli:main", "extract.vllm_worker": "eagle3.extract.vllm_worker."}
+
+
+def imported_only_by_tests(graph: dict[str, set[str]]) -> list[str]:
+    used = set().union(*graph.values())
+    packages = {m for m, f in modules().items() if f.name == "__init__.py"}
+    return sorted(m for m in graph if m not in used and m not in packages and m not in ENTRY_POINTS)
+
+
+def test_every_package_module_is_used_by_the_package_not_only_by_tests():
+    """Code that only tests and benchmarks use lives under tests/ (tests/perf/ for the benchmarks' helpers)."""
+    assert imported_only_by_tests(import_graph()) == []
+    sources = "".join(f.read_text() for f in modules().values()) + (PKG.parent / "pyproject.toml").read_text()
+    assert all(name in sources for name in ENTRY_POINTS.values())  # each entry point is named where it is used
+    assert imported_only_by_tests({"a": {"b"}, "b": set(), "c": set()}) == ["a", "c"]
