@@ -28,7 +28,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -579,14 +579,45 @@ def make_optimizer(
     )
 
 
+@dataclass
+class Run:
+    """A training run between its steps: what build() made and resume() restored."""
+
+    cfg: TrainConfig
+    samples: StoreSamples  # or online.py's spool: the samples and their order
+    model: torch.nn.Module
+    ddp: torch.nn.Module  # the model, wrapped for DDP under torchrun
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    lr_at: Callable[[int], float]  # the schedule's factor at a step
+    loss_config: object
+    state: dict  # step, losses, samples_seen, tokens_seen, config, skipped: what a checkpoint holds
+    out: Path
+    total: int  # steps in the run
+    steps_per_epoch: int
+    notes: list[str]  # said to the user at the start and in the summary
+    dist: object  # torch.distributed under torchrun, else None
+    rank: int
+    world: int
+    resumed_from: int = 0
+    accept_sums: dict[str, float] = field(default_factory=dict)  # speculators' acceptance counts, this run
+
+    @property
+    def skipped(self) -> dict | None:
+        return self.state["skipped"] if self.cfg.on_bad_sample == "skip" else None
+
+
 def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     """Train on the store cfg.store; ``source`` (online.py's spool) replaces the store's samples and order."""
-    from tqdm import tqdm
-
-    from eagle3.train import chunked_loss, ttt_attention
-    from eagle3.train.read_ahead import ReadAhead
-
     entered = time.perf_counter()
+    refuse_early(cfg)
+    run = build(cfg, source)
+    resume(run)
+    return run_steps(run, progress, entered)
+
+
+def refuse_early(cfg: TrainConfig) -> None:
+    """What is refused before anything is read: an option out of range, no CUDA, an --out that is not train's."""
     if cfg.on_bad_sample not in ("stop", "skip"):
         raise ValueError(f"on_bad_sample must be stop or skip, got {cfg.on_bad_sample!r}")
     preflight.train_attention(cfg.attn_impl, cfg.compile, cfg.device)
@@ -595,9 +626,14 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
             f"--device {cfg.device}: torch {torch.__version__} sees no CUDA device here; "
             "train with --device cpu or on a GPU host"
         )
-    ownership.check(cfg.out, "train")  # a new, empty or train folder (claimed before its first write, below)
+    ownership.check(cfg.out, "train")  # a new, empty or train folder (claimed before its first write, in build)
     checkpoint.refuse_foreign_draft_files(Path(cfg.out))
-    fault = faults.from_env()
+
+
+def build(cfg: TrainConfig, source=None) -> Run:
+    """The store, the ranks, the samples, the draft with its optimizer and schedule; OUT claimed."""
+    from eagle3.train import chunked_loss
+
     notes = [] if source is not None else _check_store_is_whole(cfg)
     if cfg.compile and not torch.cuda.is_available():
         notes.append("--compile: speculators compiles the draft's forward only where CUDA is; this run is eager")
@@ -614,7 +650,6 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
         raise StoreMismatch(f"store {cfg.store} has no samples")
     cfg = fit_batch(cfg, len(samples), world, notes)
     model = build_draft(cfg, store, samples, shape, tcfg, target)
-    dtype = getattr(torch, cfg.dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg.lr, cfg.betas, cfg.weight_decay, cfg.device.split(":")[0])
     steps_per_epoch = len(samples) // cfg.batch_samples
@@ -627,189 +662,235 @@ def train(cfg: TrainConfig, progress: bool = True, source=None) -> TrainResult:
     for n in notes:
         if rank == 0:
             log.warning("%s", n)
-    lr_at = _lr_lambda(cfg, total)
-    loss_config = chunked_loss.loss_config(cfg.loss, cfg.loss_impl, cfg.device)
     state = {"step": 0, "losses": [], "samples_seen": 0, "tokens_seen": 0, "config": asdict(cfg), "skipped": {}}
-    out = ownership.claim(cfg.out, "train")
-    ckpt = checkpoint.latest(out) if cfg.resume else None
-    resumed_from = 0
+    return Run(
+        cfg, samples, model, model, params, optimizer, _lr_lambda(cfg, total),
+        chunked_loss.loss_config(cfg.loss, cfg.loss_impl, cfg.device), state, ownership.claim(cfg.out, "train"),
+        total, steps_per_epoch, notes, dist, rank, world,
+    )  # fmt: skip
+
+
+def resume(run: Run) -> None:
+    """From the newest whole checkpoint in OUT (unless --no-resume); then the model wrapped for DDP."""
+    ckpt = checkpoint.latest(run.out) if run.cfg.resume else None
     if ckpt is not None:
-        state = checkpoint.load(ckpt, model, optimizer)
-        state.setdefault("skipped", {})
-        resumed_from = state["step"]
-        samples.resumed(state)
-        if rank == 0:
-            log.warning("resuming from step %d of %d (%s); %s", resumed_from, total, ckpt, cfg.restart_hint)
-    ddp = model
-    if world > 1:
+        run.state = checkpoint.load(ckpt, run.model, run.optimizer)
+        run.state.setdefault("skipped", {})
+        run.resumed_from = run.state["step"]
+        run.samples.resumed(run.state)
+        if run.rank == 0:
+            log.warning("resuming from step %d of %d (%s); %s", run.resumed_from, run.total, ckpt, run.cfg.restart_hint)
+    if run.world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(
-            model, device_ids=[torch.cuda.current_device()] if cfg.device.startswith("cuda") else None
-        )
-    model.train()
-    amp = mixed_precision(cfg)
-    autocast = functools.partial(
-        torch.autocast, device_type=cfg.device.split(":")[0], dtype=torch.bfloat16, enabled=amp
-    )
-    skipped = state["skipped"] if cfg.on_bad_sample == "skip" else None
-    guard = max(0, cfg.ttt_steps - 1)
-    accept_sums: dict[str, float] = {}
-    pin = cfg.device.startswith("cuda")
+        cuda = run.cfg.device.startswith("cuda")
+        run.ddp = DistributedDataParallel(run.model, device_ids=[torch.cuda.current_device()] if cuda else None)
+    run.model.train()
 
-    def read_step(step: int) -> tuple[list[tuple[list[str], dict]], dict | None]:
-        """This rank's part of step ``step``: (sample ids, host inputs) per pack, and the samples it skipped."""
-        mine = samples.batch(step, steps_per_epoch, cfg.batch_samples)[rank::world]
-        bad: dict | None = {} if skipped is not None else None
-        return read_packs(samples, mine, cfg.pack_tokens, guard, pin, bad, pack_multiple(cfg.attn_impl)), bad
 
+def read_step(run: Run, step: int) -> tuple[list[tuple[list[str], dict]], dict | None]:
+    """This rank's part of step ``step``: (sample ids, host inputs) per pack, and the samples it skipped."""
+    cfg = run.cfg
+    mine = run.samples.batch(step, run.steps_per_epoch, cfg.batch_samples)[run.rank :: run.world]
+    bad: dict | None = {} if run.skipped is not None else None
+    guard, pin = max(0, cfg.ttt_steps - 1), cfg.device.startswith("cuda")
+    return read_packs(run.samples, mine, cfg.pack_tokens, guard, pin, bad, pack_multiple(cfg.attn_impl)), bad
+
+
+def run_steps(run: Run, progress: bool, entered: float) -> TrainResult:
+    """The steps from the run's current one to its last: read ahead, train, checkpoint; a signal ends the run
+    after the step in progress, checkpointed."""
+    from tqdm import tqdm
+
+    from eagle3.train.read_ahead import ReadAhead
+
+    cfg, state = run.cfg, run.state
     # the shards' checksums hashed in a background thread, in the order this run reads them (the reader waits only
     # for a shard it reaches first); stopped with the run
-    samples.check_ahead(reads_from(samples, state["step"], steps_per_epoch, cfg.batch_samples, rank, world))
-    ahead = ReadAhead(read_step, cfg.read_ahead)
-    t0, tokens_this_run = time.perf_counter(), 0
-    phases = {"setup": t0 - entered, "reading": 0.0, "steps": 0.0, "checkpoints": 0.0}
-    timeline: list[tuple[float, int]] = []
-    last_save = _clock()
-    bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, desc="train", unit="step")
+    run.samples.check_ahead(reads_from(run.samples, state["step"], run.steps_per_epoch, cfg.batch_samples, run.rank,
+                                       run.world))  # fmt: skip
+    ahead = ReadAhead(functools.partial(read_step, run), cfg.read_ahead)
+    autocast = functools.partial(
+        torch.autocast, device_type=cfg.device.split(":")[0], dtype=torch.bfloat16, enabled=mixed_precision(cfg)
+    )
+    t0 = time.perf_counter()
+    clock = StepClock(t0, {"setup": t0 - entered, "reading": 0.0, "steps": 0.0, "checkpoints": 0.0})
+    saver = Checkpointer(run, faults.from_env(), checkpoint.Background() if checkpoint_background(cfg) else None)
+    bar = tqdm(total=run.total, initial=state["step"], disable=not progress or run.rank != 0, desc="train", unit="step")
     watch = compile_watch.RecompileLimitHits()  # dynamo giving up on a function of a compiled run: said in the notes
-    background = checkpoint.Background() if checkpoint_background(cfg) else None
     with (
         bar,
         watch,
-        contextlib.closing(samples.checks),
-        background or contextlib.nullcontext(),
+        contextlib.closing(run.samples.checks),
+        saver.background or contextlib.nullcontext(),
         torch.compiler.set_stance("default" if cfg.compile else "force_eager"),
         interrupt.Deferred() as stop,
     ):
-        while state["step"] < total:
-            step = state["step"]
+        while state["step"] < run.total:
             began = time.perf_counter()
-            packs, bad = ahead.take(step)
+            packs, bad = ahead.take(state["step"])
             if bad:
-                skipped.update(bad)
-            if step + 1 < total:
-                ahead.start(step + 1)
+                run.skipped.update(bad)
+            if state["step"] + 1 < run.total:
+                ahead.start(state["step"] + 1)
             read_s = time.perf_counter() - began
-            sums = torch.zeros(2, dtype=torch.float64)  # this rank's [sample-weighted loss, tokens]; summed over ranks
-            ids = [sid for pack_ids, _ in packs for sid in pack_ids]
-            # each pack's loss and acceptance counts stay on the device until the step's one read (below): a read
-            # per pack held the host until that pack's work was done, its kernel queue empty meanwhile (an engine
-            # beside it on the GPU then finds nothing of the trainer's to overlap)
-            losses: list[torch.Tensor] = []
-            accepts: list[tuple[str, torch.Tensor]] = []
-            for j, (pack_ids, host) in enumerate(packs):
-                inputs = to_device(host, cfg.device, dtype)
-                if cfg.attn_impl == "varlen":  # the packed samples' boundaries, read on the host
-                    inputs.update(ttt_attention.forward_kwargs(host["document_ids"], cfg.device))
-                sync = j == len(packs) - 1 or world == 1
-                ctx = ddp.no_sync() if world > 1 and not sync else contextlib.nullcontext()
-                weight = len(pack_ids)  # a pack's loss is a mean over its samples' tokens; weigh it by samples
-                with ctx:
-                    with autocast():
-                        _, loss, metrics = ddp(
-                            **inputs,
-                            ttt_steps=cfg.ttt_steps,
-                            ttt_step_loss_decay=cfg.ttt_step_loss_decay,
-                            loss_config=loss_config,
-                        )
-                    (loss * weight * world / cfg.batch_samples).backward()
-                losses.append(loss.detach())
-                sums[1] += sample_rows(host)  # the samples' rows, not flex's padding
-                accepts += [
-                    (name, torch.as_tensor(v, device=loss.device).detach())
-                    for name, v in metrics.items()
-                    if name.startswith("full_acc_")
-                ]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            # the step's one read of the device: its packs' losses, the gradient norm, the acceptance counts
-            # (float64: the float32 losses exactly, as float() read them, and counts past 2**24)
-            read = torch.stack(
-                [t.double().reshape(()) for t in losses + [grad_norm] + [v for _, v in accepts]]
-            ).tolist()
-            for (pack_ids, _), value in zip(packs, read):
-                if not math.isfinite(value):  # the gradients of that loss are not finite either: no step taken
-                    raise TrainingDiverged(
-                        f"step {step + 1}: the loss is {value} on samples "
-                        f"{pack_ids}; stopped before the optimizer step, nothing written. "
-                        "Lower --lr, or check those samples with `eagle3 verify`."
-                    )
-                sums[0] += value * len(pack_ids)  # weighed by samples, as the backward's loss was (weight)
-            for (name, _), value in zip(accepts, read[len(packs) + 1 :]):
-                accept_sums[name] = accept_sums.get(name, 0.0) + value
-            grad_norm = read[len(packs)]
-            if not math.isfinite(grad_norm):
-                raise TrainingDiverged(
-                    f"step {step + 1}: the gradient norm is {grad_norm} (samples {ids}); stopped before the "
-                    "optimizer step, nothing written. Lower --lr, or check those samples with `eagle3 verify`."
-                )
-            for group in optimizer.param_groups:
-                group["lr"] = cfg.lr * lr_at(step)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if dist is not None:
-                dist.all_reduce(sums)  # every rank's tokens: ranks' samples differ in length
-            state["losses"].append(float(sums[0]) / cfg.batch_samples)
-            state["step"] = step + 1
-            state["samples_seen"] += cfg.batch_samples
-            state["tokens_seen"] = state.get("tokens_seen", 0) + int(sums[1])
-            tokens_this_run += int(sums[1])
+            tokens = train_step(run, packs, autocast)
             bar.update(1)
-            bar.set_postfix(loss=f"{state['losses'][-1]:.4f}", **samples.progress())
-            if fault:
-                fault("after_step")
-            halt = _any_rank(stop.signum is not None, dist, cfg.device)  # Ctrl-C / SIGTERM: this step saved, then out
-            last = state["step"] == total
-            if last:
-                state["accept"] = _acceptance(accept_sums)
-            due = (
-                (cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0)
-                or (cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes)
-                or (samples.wants_checkpoint())
-            )
+            bar.set_postfix(loss=f"{state['losses'][-1]:.4f}", **run.samples.progress())
+            if saver.fault:
+                saver.fault("after_step")
+            halt = _any_rank(stop.signum is not None, run.dist, cfg.device)  # Ctrl-C / SIGTERM: this step saved
             saving = time.perf_counter()
-            timeline.append((saving - t0, int(sums[1])))
-            path = None
-            if rank == 0 and (last or due or halt):
-                if background is not None:
-                    background.wait()  # the checkpoint in flight written first: one snapshot held at a time
-                snap = checkpoint.snapshot(model, optimizer, state)  # host copies, before the next step changes them
-                last_save = _clock()
-                if background is not None and not last and not halt:
-                    background.submit(functools.partial(_save, out, state["step"], snap, fault, cfg.keep_checkpoints))
-                else:
-                    path = _save(out, state["step"], snap, fault, cfg.keep_checkpoints)
-                    if last:
-                        checkpoint.publish(path, out, cfg.export_dtype, cfg.serve_tps)  # None: the defaults above
-            if dist is not None:
-                dist.barrier()
-            if halt and not last:
+            clock.timeline.append((saving - t0, tokens))
+            path = saver.after_step(halt)
+            if halt and state["step"] < run.total:
                 raise interrupt.Interrupted(stop.signum or signal.SIGINT, saved=path)
-            done = time.perf_counter()
-            phases["reading"] += read_s
-            phases["checkpoints"] += done - saving
-            phases["steps"] += saving - began - read_s
+            clock.add(began, read_s, saving, tokens)
+    return finish(run, watch, clock)
+
+
+def forward_backward(run: Run, packs: list, autocast, sums: torch.Tensor) -> tuple[list, list]:
+    """Each pack's forward and backward; its loss and acceptance counts left on the device (read once a step).
+    ``sums[1]`` gains the packs' sample rows."""
+    from eagle3.train import ttt_attention
+
+    cfg, world = run.cfg, run.world
+    losses: list[torch.Tensor] = []
+    accepts: list[tuple[str, torch.Tensor]] = []
+    for j, (pack_ids, host) in enumerate(packs):
+        inputs = to_device(host, cfg.device, getattr(torch, cfg.dtype))
+        if cfg.attn_impl == "varlen":  # the packed samples' boundaries, read on the host
+            inputs.update(ttt_attention.forward_kwargs(host["document_ids"], cfg.device))
+        sync = j == len(packs) - 1 or world == 1
+        ctx = run.ddp.no_sync() if world > 1 and not sync else contextlib.nullcontext()
+        weight = len(pack_ids)  # a pack's loss is a mean over its samples' tokens; weigh it by samples
+        with ctx:
+            with autocast():
+                _, loss, metrics = run.ddp(
+                    **inputs,
+                    ttt_steps=cfg.ttt_steps,
+                    ttt_step_loss_decay=cfg.ttt_step_loss_decay,
+                    loss_config=run.loss_config,
+                )
+            (loss * weight * world / cfg.batch_samples).backward()
+        losses.append(loss.detach())
+        sums[1] += sample_rows(host)  # the samples' rows, not flex's padding
+        accepts += [
+            (name, torch.as_tensor(v, device=loss.device).detach())
+            for name, v in metrics.items()
+            if name.startswith("full_acc_")
+        ]
+    return losses, accepts
+
+
+def train_step(run: Run, packs: list, autocast) -> int:
+    """One optimizer step over this rank's packs: forward and backward, one read of the device, the finiteness
+    checks, the update. Returns the step's tokens over all ranks."""
+    cfg, state, step = run.cfg, run.state, run.state["step"]
+    sums = torch.zeros(2, dtype=torch.float64)  # this rank's [sample-weighted loss, tokens]; summed over ranks
+    losses, accepts = forward_backward(run, packs, autocast, sums)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)
+    # the step's one read of the device: its packs' losses, the gradient norm, the acceptance counts
+    # (float64: the float32 losses exactly, as float() read them, and counts past 2**24)
+    read = torch.stack([t.double().reshape(()) for t in losses + [grad_norm] + [v for _, v in accepts]]).tolist()
+    for (pack_ids, _), value in zip(packs, read):
+        if not math.isfinite(value):  # the gradients of that loss are not finite either: no step taken
+            raise TrainingDiverged(
+                f"step {step + 1}: the loss is {value} on samples {pack_ids}; stopped before the optimizer step, "
+                "nothing written. Lower --lr, or check those samples with `eagle3 verify`."
+            )
+        sums[0] += value * len(pack_ids)  # weighed by samples, as the backward's loss was
+    for (name, _), value in zip(accepts, read[len(packs) + 1 :]):
+        run.accept_sums[name] = run.accept_sums.get(name, 0.0) + value
+    if not math.isfinite(read[len(packs)]):
+        ids = [sid for pack_ids, _ in packs for sid in pack_ids]
+        raise TrainingDiverged(
+            f"step {step + 1}: the gradient norm is {read[len(packs)]} (samples {ids}); stopped before the "
+            "optimizer step, nothing written. Lower --lr, or check those samples with `eagle3 verify`."
+        )
+    for group in run.optimizer.param_groups:
+        group["lr"] = cfg.lr * run.lr_at(step)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.dist is not None:
+        run.dist.all_reduce(sums)  # every rank's tokens: ranks' samples differ in length
+    state["losses"].append(float(sums[0]) / cfg.batch_samples)
+    state["step"] = step + 1
+    state["samples_seen"] += cfg.batch_samples
+    state["tokens_seen"] = state.get("tokens_seen", 0) + int(sums[1])
+    return int(sums[1])
+
+
+@dataclass
+class Checkpointer:
+    """When and how a step is checkpointed: every N steps or minutes, when the spool asks, at a signal and at the
+    end; in the background where it can, the last one (and the draft's export) in the training thread."""
+
+    run: Run
+    fault: Callable[[str], None] | None
+    background: checkpoint.Background | None
+    last_save: float = field(default_factory=lambda: _clock())
+
+    def due(self) -> bool:
+        cfg, step = self.run.cfg, self.run.state["step"]
+        return bool(
+            (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+            or (cfg.checkpoint_minutes and _clock() - self.last_save >= 60 * cfg.checkpoint_minutes)
+            or self.run.samples.wants_checkpoint()
+        )
+
+    def after_step(self, halt: bool) -> Path | None:
+        """The checkpoint of the step just taken, if one is due (rank 0 writes); its path where written here."""
+        run, cfg = self.run, self.run.cfg
+        last = run.state["step"] == run.total
+        if last:
+            run.state["accept"] = _acceptance(run.accept_sums)
+        due, path = self.due(), None
+        if run.rank == 0 and (last or due or halt):
+            if self.background is not None:
+                self.background.wait()  # the checkpoint in flight written first: one snapshot held at a time
+            snap = checkpoint.snapshot(run.model, run.optimizer, run.state)  # host copies, before the next step
+            self.last_save = _clock()
+            save = functools.partial(_save, run.out, run.state["step"], snap, self.fault, cfg.keep_checkpoints)
+            if self.background is not None and not last and not halt:
+                self.background.submit(save)
+            else:
+                path = save()
+                if last:
+                    checkpoint.publish(path, run.out, cfg.export_dtype, cfg.serve_tps)
+        if run.dist is not None:
+            run.dist.barrier()
+        return path
+
+
+@dataclass
+class StepClock:
+    """Where the run's time went (seconds by phase) and each step's end with its tokens."""
+
+    t0: float
+    phases: dict[str, float]
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+    tokens: int = 0  # trained in this run (a resumed run's earlier steps not counted)
+
+    def add(self, began: float, read_s: float, saving: float, tokens: int) -> None:
+        self.phases["reading"] += read_s
+        self.phases["checkpoints"] += time.perf_counter() - saving
+        self.phases["steps"] += saving - began - read_s
+        self.tokens += tokens
+
+
+def finish(run: Run, watch, clock: StepClock) -> TrainResult:
     for n in watch.notes():
-        notes.append(n)
-        if rank == 0:
+        run.notes.append(n)
+        if run.rank == 0:
             log.warning("%s", n)
+    state = run.state
     return TrainResult(
-        str(out),
-        str(out / "draft"),
-        state["step"],
-        state["samples_seen"],
-        state["tokens_seen"],
-        time.perf_counter() - t0,
-        state["losses"],
-        state.get("accept", {}),
-        resumed_from,
-        dict(state["skipped"]),
-        tokens_this_run,
-        notes,
-        {k: round(v, 3) for k, v in phases.items()},
-        timeline,
-        t0,
-    )
+        str(run.out), str(run.out / "draft"), state["step"], state["samples_seen"], state["tokens_seen"],
+        time.perf_counter() - clock.t0, state["losses"], state.get("accept", {}), run.resumed_from,
+        dict(state["skipped"]), clock.tokens, run.notes, {k: round(v, 3) for k, v in clock.phases.items()},
+        clock.timeline, clock.t0,
+    )  # fmt: skip
 
 
 def fit_batch(cfg: TrainConfig, n: int, world: int, notes: list[str]) -> TrainConfig:
