@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from eagle3.interrupt import Interrupted
+from eagle3.preflight import ATTENTIONS
 
 log = logging.getLogger("eagle3")
 
@@ -309,13 +310,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--attn",
-        choices=["sdpa", "varlen", "flex"],
+        choices=ATTENTIONS,
         default="sdpa",
         help="the draft's training attention: sdpa over speculators' dense mask (default); varlen: "
         "flash attention within each packed sample plus each TTT step's own key, no mask (the same "
-        "loss and gradients; on CUDA in bf16; on an H100 36.1 %% MFU at 8k tokens against sdpa's "
-        "27.3 %%, results/2026-12-05-0ba8398-h100-vllm0.26.0); flex: speculators' flex attention, a "
-        "block mask (CUDA, with --compile)",
+        "loss and gradients; on CUDA in bf16); flex: speculators' flex attention, a block mask (CUDA, "
+        "with --compile)",
     )
     p.add_argument(
         "--compile",
@@ -381,7 +381,6 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_config(a):
-    from eagle3.preflight import TRAIN_ATTN
     from eagle3.train.train import TrainConfig
 
     shape = {
@@ -412,7 +411,7 @@ def _train_config(a):
         norm_output=a.norm_output or a.eagle31,
         draft_arch=a.draft_arch,
         export_dtype=a.export_dtype,
-        attn_impl=TRAIN_ATTN[a.attn],
+        attn_impl=a.attn,
         compile=a.compile,
         serve_tps=a.serve_tp or None,
         shape=shape,

@@ -77,13 +77,15 @@ def cuda_available(command: str) -> None:
         )
 
 
-TRAIN_ATTN = {"sdpa": "sdpa", "varlen": "varlen", "flex": "simple_flex_attention"}  # --attn -> TrainConfig.attn_impl
+ATTENTIONS = ("sdpa", "varlen", "flex")  # train --attn, TrainConfig.attn_impl: one name from the command line on
 
 
 def train_attention(attn: str, compile: bool, device: str) -> None:
     """`train --attn flex` where it can train: on CUDA (torch has no flex attention backward on the CPU) and compiled
     (unfused, flex attention computes each query's scores whole: 768 GiB asked for at 32k tokens on the H200)."""
-    if attn not in ("flex", TRAIN_ATTN["flex"]):  # the CLI's name, or TrainConfig's
+    if attn not in ATTENTIONS:
+        raise UsageError(f"--attn {attn}: use one of {', '.join(ATTENTIONS)}")
+    if attn != "flex":
         return
     if not device.startswith("cuda"):
         raise UsageError(

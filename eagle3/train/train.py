@@ -84,7 +84,7 @@ class TrainConfig:
     loss_impl: str = "auto"  # chunked (train/chunked_loss.py) | eager | fused (Triton, GPU);
     # auto: chunked on CUDA (no float32 [T, V] kept per TTT step), eager on CPU
     attn_impl: str = "sdpa"  # sdpa (speculators' dense mask) | varlen (train/ttt_attention.py: no
-    # mask) | simple_flex_attention
+    # mask) | flex (speculators' block mask): `train --attn`
     compile: bool = False
     resume: bool = True
     speculative_tokens: int | None = None  # written to the config; default ttt_steps
@@ -315,7 +315,14 @@ def pack_multiple(attn_impl: str) -> int:
     """Rows a pack is padded to a multiple of: FLEX_BLOCK for flex attention, whose per-TTT-step mask
     (speculators' extend_mask_for_draft_tokens, BlockMask.from_kv_blocks) is made for whole blocks and which torch's
     flex_attention refuses for a shorter sequence; 1 for the others."""
-    return FLEX_BLOCK if attn_impl == "simple_flex_attention" else 1
+    return FLEX_BLOCK if attn_impl == "flex" else 1
+
+
+def attention_implementation(attn_impl: str) -> str:
+    """The draft config's attn_implementation (a name in transformers' registry) for ``--attn``."""
+    from eagle3.train import ttt_attention
+
+    return {"sdpa": "sdpa", "varlen": ttt_attention.NAME, "flex": "simple_flex_attention"}[attn_impl]
 
 
 def sample_rows(pack: dict) -> int:
@@ -499,7 +506,7 @@ def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples, shape: Dr
     varlen = cfg.attn_impl == "varlen"
     if varlen:
         ttt_attention.register()
-    attn = ttt_attention.NAME if varlen else cfg.attn_impl
+    attn = attention_implementation(cfg.attn_impl)
     config = speculators_config(
         shape,
         aux_ids(store.spec.layer_ids),

@@ -98,16 +98,13 @@ def kimi() -> Bench:
     return Bench(flops.kimi_k25_draft(), mla_draft.MLAShape.for_target(KIMI_K25_TEXT), parts=parts_from_env())
 
 
-ATTN = {"sdpa": "sdpa", "flex": "simple_flex_attention", "varlen": "eagle3_varlen"}  # a row's attention -> the
-# config's attn_implementation (varlen: eagle3/train/ttt_attention.py, no mask)
-
-
 def _model(b: Bench, mla=None, attn: str = "sdpa"):
-    """The Kimi-size draft (llama, or with the MLA layer), attending with ``attn`` (a key of ATTN)."""
+    """The Kimi-size draft (llama, or with the MLA layer), attending with ``attn`` (`train --attn`)."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
     from eagle3.train import ttt_attention
     from eagle3.train.draft import speculators_config
+    from eagle3.train.train import attention_implementation
 
     ttt_attention.register()
     cfg = speculators_config(
@@ -117,7 +114,7 @@ def _model(b: Bench, mla=None, attn: str = "sdpa"):
         TTT,
         "/nonexistent",
         ["DeepseekV3ForCausalLM"],
-        attn_implementation=ATTN[attn],
+        attn_implementation=attention_implementation(attn),
     )
     torch.manual_seed(0)
     with torch.device(b.device):
@@ -127,7 +124,7 @@ def _model(b: Bench, mla=None, attn: str = "sdpa"):
     if mla is not None:
         from eagle3.train import mla_draft
 
-        mla_draft.install(m, mla, ATTN[attn])
+        mla_draft.install(m, mla, attention_implementation(attn))
     for p in m.parameters():
         if p.isnan().any():  # the verifier's weights, unloaded: any values do for a speed test
             p.data.normal_(0, 0.02)
@@ -141,14 +138,13 @@ def _inputs(b: Bench, seq: int, attn: str = "sdpa", lengths: list[int] | None = 
     """One packed sequence of seq tokens: one sample (the attention's worst case: causal over all of it), or samples
     of ``lengths`` (summing to seq) with their document ids and positions as pack_inputs makes them; for flex, padded
     as the trainer pads (train.pack_multiple: whole 128-token blocks, a document of zero states no loss reads)."""
-    from eagle3.preflight import TRAIN_ATTN
     from eagle3.train import ttt_attention
     from eagle3.train.train import pack_multiple
 
     h, device = b.shape.hidden_size, b.device
     g = torch.Generator(device=device).manual_seed(1)
     lengths = lengths or [seq]
-    pad = -seq % pack_multiple(TRAIN_ATTN.get(attn, attn))
+    pad = -seq % pack_multiple(attn)
     rows = seq + pad
     docs = torch.repeat_interleave(torch.arange(len(lengths) + 1), torch.tensor(lengths + [pad]))[None]
     extra = ttt_attention.forward_kwargs(docs, device) if attn == "varlen" else {}

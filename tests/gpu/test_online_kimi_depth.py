@@ -44,7 +44,7 @@ import torch
 
 from eagle3.data.conversations import random_samples
 from eagle3.extract import extract
-from eagle3.preflight import TRAIN_ATTN
+from eagle3.preflight import ATTENTIONS
 from eagle3.targets import presets, tiny
 from eagle3.train import online
 from eagle3.train.train import TrainConfig, train
@@ -58,9 +58,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.kimi_depth]
 N_SAMPLES, SEQ = 512, 512  # 262,144 tokens; the store ~15 GB (4 x 7168 bf16 a token)
 ONLINE_GOAL = 0.8
 TRAINERS = {
-    name: {"attn_impl": impl, "compile": name == "flex"}  # TrainConfig's fields for each (`train --attn`'s
-    for name, impl in TRAIN_ATTN.items()
-}  # names; flex trains only compiled)
+    name: {"attn_impl": name, "compile": name == "flex"}  # TrainConfig's fields for each `train --attn` (flex
+    for name in ATTENTIONS
+}  # trains only compiled)
 TRAINERS["varlen-compiled"] = {"attn_impl": "varlen", "compile": True}  # `train --attn varlen --compile`
 
 

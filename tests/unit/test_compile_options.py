@@ -37,16 +37,12 @@ def test_train_called_from_python_refuses_flex_attention_on_the_cpu_too(small_st
     from eagle3.preflight import UsageError
 
     with pytest.raises(UsageError, match="no backward on the CPU"):
-        train(
-            TrainConfig(
-                store=str(small_store), out=str(tmp_path / "run"), attn_impl="simple_flex_attention", compile=True
-            )
-        )
+        train(TrainConfig(store=str(small_store), out=str(tmp_path / "run"), attn_impl="flex", compile=True))
     assert not (tmp_path / "run").exists()
 
 
 def test_the_command_line_reaches_compiled_flex_attention(monkeypatch, small_store, tmp_path):
-    """--attn flex --compile --device cuda is TrainConfig(attn_impl="simple_flex_attention", compile=True): the
+    """--attn flex --compile --device cuda is TrainConfig(attn_impl="flex", compile=True): the
     configuration is what train() receives (this host has no CUDA to run it)."""
     from eagle3 import preflight
 
@@ -61,7 +57,7 @@ def test_the_command_line_reaches_compiled_flex_attention(monkeypatch, small_sto
     with pytest.raises(SystemExit):
         cli.main(_train_args(small_store, tmp_path / "run", "--attn", "flex", "--compile", "--device", "cuda"))
     cfg = got["cfg"]
-    assert (cfg.attn_impl, cfg.compile, cfg.device) == ("simple_flex_attention", True, "cuda")
+    assert (cfg.attn_impl, cfg.compile, cfg.device) == ("flex", True, "cuda")
 
 
 def _compiled_loss(monkeypatch):
@@ -142,3 +138,29 @@ def test_the_watch_reads_either_wording_names_each_function_once_and_leaves_dyna
     (note,) = hits.notes()
     assert note.count("function: 'shift'") == 1
     assert log.handlers == before
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "varlen", "flex"])
+def test_each_attention_keeps_its_command_line_name_to_the_trainer_and_only_the_draft_config_renames_it(
+    small_store, tmp_path, monkeypatch, attn
+):
+    """`--attn NAME` is TrainConfig(attn_impl=NAME); transformers' registry name appears only in the draft's
+    config (train.attention_implementation); any other name is refused with the choices."""
+    from eagle3 import preflight
+    from eagle3.preflight import UsageError
+
+    got = {}
+
+    def train_stub(cfg, **kw):
+        got["cfg"] = cfg
+        raise SystemExit(0)
+
+    monkeypatch.setattr(preflight, "cuda_available", lambda command: None)
+    monkeypatch.setattr(train_mod, "train", train_stub)
+    with pytest.raises(SystemExit):
+        cli.main(_train_args(small_store, tmp_path / "run", "--attn", attn, "--compile", "--device", "cuda"))
+    assert got["cfg"].attn_impl == attn
+    want = {"sdpa": "sdpa", "varlen": "eagle3_varlen", "flex": "simple_flex_attention"}[attn]
+    assert train_mod.attention_implementation(attn) == want
+    with pytest.raises(UsageError, match="use one of sdpa, varlen, flex"):
+        preflight.train_attention(want if attn != "sdpa" else "dense", True, "cuda")

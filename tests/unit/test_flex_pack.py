@@ -33,8 +33,8 @@ def test_a_flex_pack_is_padded_to_whole_blocks_with_rows_no_loss_reads():
 
 
 def test_only_flex_packs_are_padded():
-    assert pack_multiple("simple_flex_attention") == FLEX_BLOCK == 128
-    assert pack_multiple("sdpa") == pack_multiple("eagle3_varlen") == pack_multiple("varlen") == 1
+    assert pack_multiple("flex") == FLEX_BLOCK == 128
+    assert pack_multiple("sdpa") == pack_multiple("varlen") == 1
 
 
 @pytest.mark.parametrize("lengths", [[52, 75], [130, 9, 40]])
@@ -82,7 +82,7 @@ def test_train_packs_for_flex_in_whole_blocks(small_store, tmp_path, monkeypatch
 
     monkeypatch.setattr(train_mod, "read_packs", read_packs)
     monkeypatch.setattr(preflight, "train_attention", lambda *a: None)
-    for attn in ("simple_flex_attention", "sdpa"):
+    for attn in ("flex", "sdpa"):
         with pytest.raises(Read):
             train_mod.train(_cfg(small_store, tmp_path / attn, attn_impl=attn), progress=False)
     assert seen == [FLEX_BLOCK, 1]
