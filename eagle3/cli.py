@@ -80,9 +80,35 @@ def _setup_logging(verbosity: int, models: bool = True) -> None:
         pass
 
 
+def _add_engine_args(p, gpu_mem: float) -> None:
+    """What extracts and what it captures: `extract`'s options, and `train --online`'s for its extraction."""
+    p.add_argument("--data", nargs="+", help="JSONL conversations (OpenAI messages or ShareGPT)")
+    p.add_argument(
+        "--backend",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="hf: transformers reference (CPU or one GPU); vllm: production engine",
+    )
+    p.add_argument("--layer-ids", type=_layer_ids, default=None, help="e.g. 2,30,58,61; default (2, L//2, L-3, L)")
+    p.add_argument(
+        "--max-len", type=_max_len, default=2048, help="tokens per sample; longer ones follow --long (--online: cut)"
+    )
+    p.add_argument("--tp", type=POSITIVE, default=1, help="vllm backend tensor parallel size")
+    p.add_argument("--gpu-mem", type=FRACTION, default=gpu_mem, help="vllm backend: the engine's share of the GPU")
+    p.add_argument(
+        "--state-dtype",
+        choices=["bfloat16", "fp8"],
+        default="bfloat16",
+        help="stored states: bfloat16, or fp8 (e4m3 with a float32 scale per token and layer: half the "
+        "bytes, about 3%% relative error)",
+    )
+
+
+ENGINE_ARGS = ("data", "backend", "layer_ids", "max_len", "tp", "gpu_mem", "state_dtype")  # _add_engine_args's
+
+
 def _add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target model folder (config.json, weights, tokenizer)")
-    p.add_argument("--data", nargs="+", help="JSONL conversations (OpenAI messages or ShareGPT)")
     p.add_argument("--out", help="store folder (created; rerun the same command, or --resume OUT, to continue)")
     p.add_argument(
         "--resume",
@@ -91,15 +117,8 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
         help="continue STORE with the target, data and options it recorded (instead of --model, --data "
         "and --out; --batch-size, --device, --tp, --gpu-mem and --no-fsync may still be given)",
     )
-    p.add_argument(
-        "--backend",
-        choices=["hf", "vllm"],
-        default="hf",
-        help="hf: transformers reference (CPU or one GPU); vllm: production engine",
-    )
-    p.add_argument("--layer-ids", type=_layer_ids, default=None, help="e.g. 2,30,58,61; default (2, L//2, L-3, L)")
+    _add_engine_args(p, gpu_mem=0.85)
     p.add_argument("--batch-size", type=POSITIVE, default=64, help="samples per engine call")
-    p.add_argument("--max-len", type=_max_len, default=2048, help="tokens per sample; longer ones follow --long")
     p.add_argument(
         "--long",
         dest="long_rule",
@@ -127,7 +146,6 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--shard-tokens", type=POSITIVE, default=None, help="tokens per shard (default: ~512 MiB of states)")
     p.add_argument("--device", default="cpu", help="hf backend device")
-    p.add_argument("--tp", type=POSITIVE, default=1, help="vllm backend tensor parallel size")
     p.add_argument(
         "--capture",
         choices=["auto", "hooks", "aux", "direct"],
@@ -135,15 +153,7 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
         help="vllm capture strategy (auto: direct where vLLM's runner can be wrapped, else aux, "
         "else hooks; see eagle3/extract/vllm_compat.py)",
     )
-    p.add_argument("--gpu-mem", type=FRACTION, default=0.85, help="vllm gpu_memory_utilization")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (faster; a crash may lose recent shards)")
-    p.add_argument(
-        "--state-dtype",
-        choices=["bfloat16", "fp8"],
-        default="bfloat16",
-        help="stored states: bfloat16, or fp8 (e4m3 with a float32 scale per token and layer: half the "
-        "bytes, about 3%% relative error)",
-    )
     p.add_argument(
         "--selfcheck-prompts",
         type=NON_NEGATIVE,
@@ -243,33 +253,17 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="extract --data with --target while training, through a spool of --spool-mb (no store)",
     )
-    o.add_argument("--data", nargs="+", default=None, help="--online: JSONL conversations")
     o.add_argument("--spool", default=None, help="--online: spool folder (default OUT/spool; local disk or /dev/shm)")
     o.add_argument("--spool-mb", type=POSITIVE_FLOAT, default=8192, help="--online: the spool's capacity in MiB")
-    o.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="--online: what extracts")
     o.add_argument("--extract-batch", type=POSITIVE, default=16, help="--online: samples per extraction call and shard")
-    o.add_argument("--max-len", type=_max_len, default=2048, help="--online: tokens per sample (longer ones truncated)")
-    o.add_argument("--layer-ids", type=_layer_ids, default=None, help="--online: default (2, L//2, L-3, L)")
     o.add_argument("--extract-device", default=None, help="--online, hf backend: device (default: --device)")
-    o.add_argument(
-        "--gpu-mem",
-        type=FRACTION,
-        default=0.5,
-        help="--online, vllm backend: the engine's share of the GPU; the trainer uses the rest",
-    )
-    o.add_argument("--tp", type=POSITIVE, default=1, help="--online, vllm backend: tensor parallel size")
+    _add_engine_args(o, gpu_mem=0.5)  # extract's options; the trainer uses the GPU's rest
     o.add_argument(
         "--engine-in-process",
         action="store_true",
         help="--online, vllm backend: the engine in this process, not in one of its own (one CUDA context "
         "with the trainer, so their kernels may overlap on the GPU; a --compile'd trainer's compiles "
         "pause the engine: docs/online.md)",
-    )
-    o.add_argument(
-        "--state-dtype",
-        choices=["bfloat16", "fp8"],
-        default="bfloat16",
-        help="--online: states in the spool (fp8: e4m3 + a scale per token and layer, half the bytes)",
     )
     p.add_argument(
         "--steps", type=POSITIVE, default=None, help="stop after this many optimizer steps (default: epochs)"
@@ -426,25 +420,28 @@ def _train_config(a):
     )
 
 
+def _online_extract_config(a, spool: str):
+    """train --online's extraction: extract's config builder over its options (_add_engine_args) and extract's
+    defaults for the rest; rejected lines go to OUT/rejects.jsonl, nothing is recorded for `extract --resume`."""
+    from dataclasses import replace
+
+    shared = {k: getattr(a, k) for k in ENGINE_ARGS}
+    own = {"model": a.target, "out": spool, "device": a.extract_device or a.device, "batch_size": a.extract_batch}
+    ex = _extract_config(argparse.Namespace(**{**_extract_defaults(), **shared, **own}))
+    in_process = {"in_process": True} if a.engine_in_process else {}
+    rejects = str(Path(a.out) / "rejects.jsonl")
+    return replace(ex, data=replace(ex.data, rejects_path=rejects), vllm_kwargs={**ex.vllm_kwargs, **in_process},
+                   recipe=None)  # fmt: skip
+
+
 def cmd_train_online(a):
     from eagle3 import ownership
-    from eagle3.data.conversations import DataConfig
     from eagle3.extract import extract
     from eagle3.train import online
 
     cfg = _train_config(a)
     ownership.claim(a.out, "train")  # before rejects.jsonl is written into it
-    ex = extract.ExtractConfig(
-        model=a.target,
-        out=cfg.store,
-        backend=a.backend,
-        layer_ids=a.layer_ids,
-        dtype=_state_dtype(a.state_dtype),
-        device=a.extract_device or a.device,
-        tp=a.tp,
-        vllm_kwargs={"gpu_memory_utilization": a.gpu_mem, **({"in_process": True} if a.engine_in_process else {})},
-        data=DataConfig(a.data, max_len=a.max_len, rejects_path=str(Path(a.out) / "rejects.jsonl")),
-    )
+    ex = _online_extract_config(a, cfg.store)
     samples, report = extract.load_dataset(ex)
     print(f"data       {report.summary()}")
     return online.run(cfg, ex, samples, int(a.spool_mb * 2**20), extract_batch=a.extract_batch)

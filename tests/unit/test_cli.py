@@ -67,3 +67,24 @@ def test_demo_chain_small(tmp_path, capsys):
     assert "draft config loadable by vLLM" in out and "loss " in out and "tok/s" in out
     cfg = json.loads((tmp_path / "train" / "draft" / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3"
+
+
+def test_train_online_extracts_with_extract_s_own_options_and_config_builder(tmp_path):
+    """The options both commands take (cli.ENGINE_ARGS), at non-default values, build the same ExtractConfig fields
+    through `extract` and through `train --online`; only what online owns differs (its spool, device, rejects)."""
+    shared = ["--data", "a.jsonl", "b.jsonl", "--backend", "vllm", "--layer-ids", "2,4,5,8", "--max-len", "300"]
+    shared += ["--tp", "2", "--gpu-mem", "0.4", "--state-dtype", "fp8"]
+    p = cli.build_parser()
+    ex = cli._extract_config(p.parse_args(["extract", "--model", "T", "--out", "S", *shared]))
+    a = p.parse_args(["train", "--online", "--target", "T", "--out", str(tmp_path / "run"), "--engine-in-process",
+                      *shared])  # fmt: skip
+    on = cli._online_extract_config(a, str(tmp_path / "run" / "spool"))
+    same = ("model", "backend", "layer_ids", "dtype", "tp", "capture", "selfcheck")
+    assert {k: getattr(on, k) for k in same} == {k: getattr(ex, k) for k in same}
+    assert (ex.layer_ids, ex.dtype, ex.tp, ex.data.max_len) == ((2, 4, 5, 8), "float8_e4m3fn", 2, 300)
+    assert on.data.paths == ex.data.paths == ["a.jsonl", "b.jsonl"] and on.data.max_len == 300
+    assert on.vllm_kwargs == {"gpu_memory_utilization": 0.4, "in_process": True}
+    assert ex.vllm_kwargs == {"gpu_memory_utilization": 0.4}
+    assert on.data.rejects_path == str(tmp_path / "run" / "rejects.jsonl") and on.recipe is None
+    defaults = p.parse_args(["train", "--online", "--target", "T", "--out", "o", "--data", "a.jsonl"])
+    assert defaults.gpu_mem == 0.5 and p.parse_args(["extract"]).gpu_mem == 0.85  # the engine's share differs
