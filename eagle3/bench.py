@@ -36,8 +36,7 @@ def regression(record: Record, baselines: dict[str, dict], disks: dict[str, floa
     """A message when the record is more than the profile's margin below its baseline, else None. A disk-bound
     figure (disk_of) is read at ``disks``, its run's disk bandwidth ({"fsync" | "page_cache": bytes/s}): where
     that is below the baseline's own (its ``disk_bytes_per_s``), the baseline scales down with it. A slower disk
-    is the host's, not a regression (the 6b3715c run: the fsynced store 25,836 tok/s at 1.39 GB/s, 1.06x its limit,
-    against 33,136 at 1.88 GB/s); a faster one leaves the baseline as it is."""
+    is the host's, not a regression; a faster one leaves the baseline as it is."""
     base = baselines.get(record.profile)
     if not base or record.key not in base["tokens_per_s"]:
         return None
@@ -200,7 +199,7 @@ def report(
         reg = regression(r, baselines, disks.get((r.run, r.profile)))
         vs_plain = f"{r.tokens_per_s / p:.2f}x" if p else "-"
         vs_base = f"{r.tokens_per_s / base:.2f}x" if base else "-"
-        # (max - min) / median of the figure's rate per quarter of its batches (GPU benchmark, since the 90b2d70 run)
+        # (max - min) / median of the figure's rate per quarter of its batches (GPU benchmark)
         spread = f"{r.extra['spread']:.1%}" if r.extra.get("spread") is not None else "-"
         lines.append(
             f"| {r.run} | {r.profile} | {r.key} | {r.tokens_per_s:,.0f} | {per_gpu(r):,.0f} | {vs_plain} | "

@@ -315,9 +315,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="torch.compile the draft's forward (speculators compiles it where CUDA is; without this flag "
-        "it runs eagerly). Minutes of compiling at the first steps and at new sequence lengths; on an "
-        "H200, --attn flex --compile trained Kimi-K2.5's draft at 48.8 %% MFU at 8k tokens against "
-        "30.0 %% eager (results/2026-12-05-c5ebd37-h200-vllm0.26.0)",
+        "it runs eagerly): minutes of compiling at the first steps and at new sequence lengths, then "
+        "faster steps (docs/performance.md)",
     )
     p.add_argument(
         "--export-dtype",
@@ -355,8 +354,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "--checkpoint-background",
         choices=["auto", "on", "off"],
         default="auto",
-        help="write each checkpoint but the last in a thread while training goes on (auto: on CUDA; at "
-        "Kimi-K2.5's draft size a checkpoint is 12 GB, 22-24 s on an H200 with its export)",
+        help="write each checkpoint but the last in a thread while training goes on (auto: on CUDA, where "
+        "a Kimi-K2.5 draft's checkpoint is 12 GB)",
     )
     p.add_argument(
         "--on-bad-sample",

@@ -82,7 +82,7 @@ ATTENTIONS = ("sdpa", "varlen", "flex")  # train --attn, TrainConfig.attn_impl: 
 
 def train_attention(attn: str, compile: bool, device: str) -> None:
     """`train --attn flex` where it can train: on CUDA (torch has no flex attention backward on the CPU) and compiled
-    (unfused, flex attention computes each query's scores whole: 768 GiB asked for at 32k tokens on the H200)."""
+    (unfused, flex attention computes each query's scores whole: hundreds of GiB at 32k tokens)."""
     if attn not in ATTENTIONS:
         raise UsageError(f"--attn {attn}: use one of {', '.join(ATTENTIONS)}")
     if attn != "flex":

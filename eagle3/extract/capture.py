@@ -600,8 +600,8 @@ class Capturer:
         )
         # The consumer issues the copies once the stage is computed, not the forward now: a device-to-host copy
         # issued here would sit ahead of the engine's own small copies of this step (sampled-token counts, on
-        # other streams), which its next step waits for, in the copy engine's queue (the 118974b run on the H200: the
-        # null sink lost ~the copies' time, 1.3 s per 60 GB, with the forward never waiting on the capture).
+        # other streams), which its next step waits for, in the copy engine's queue, and the engine would lose the
+        # copies' time.
         sources = [t for t in (staged, scales) if t is not None]
         self.queue.put((ready, sources, copies, arrivals, host))
 

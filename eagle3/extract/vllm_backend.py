@@ -189,8 +189,8 @@ class VLLMSession:
     """One extraction run over an open store: announce, generate, collect, commit. A submit makes at most one RPC
     before its prefill: the collect of the batches generated since the last one, which carries this batch's
     announcement and that of the batches the caller says come next (``ahead``, up to ANNOUNCE_TOKENS tokens and
-    ANNOUNCE_BYTES of states in all): their submits then make none (the engine idles during an RPC: 4.6 ms a batch
-    on the H200 in the 0ccc20f run, beside 122 ms of plain generate). Batches' shards, and their checks (tokens
+    ANNOUNCE_BYTES of states in all): their submits then make none (the engine idles during an RPC). Batches' shards,
+    and their checks (tokens
     computed, samples captured), come with the next collect or finish; their copies overlap the next prefill. A
     prefill that fails loses the uncollected batches' shards with its own (uncommitted: a rerun redoes them).
     Batches announced ahead and never submitted are withdrawn by finish. With ``seal_each_batch`` a batch is
@@ -202,9 +202,7 @@ class VLLMSession:
     ANNOUNCE_TOKENS = 1 << 18  # tokens announced in one RPC at most (64x512 batches: 8; the worker keeps them)
     # and states (bytes) announced in one RPC at most: a group's shards are committed only at the collect after it,
     # so the store holds up to a group more than it has committed (a reader of the manifest cannot have them yet).
-    # With 8 mini-Kimi 64x512 batches a group (15 GB; the 9f3c587 run, H200) the page-cache store's folder reached 21
-    # GB,
-    # past the kernel's writeback threshold (~12 GB), and fell to 0.27x vllm_ehs. 4 GiB: 2 of those batches.
+    # Larger groups let a page-cache store's folder pass the kernel's writeback threshold, and its rate collapses.
     ANNOUNCE_BYTES = 4 << 30
 
     def __init__(

@@ -93,8 +93,7 @@ def supports_direct_capture() -> bool:
 
 def pick_strategy(requested: str) -> str:
     """auto: direct where the runner can be wrapped (a plain engine: async scheduling, which vLLM 0.26 refuses
-    extract_hidden_states; on the H200, the ffdd6a0 run, its engine with nothing copied ran at 0.905x plain, aux's at
-    0.845x in the 90b2d70 run), else aux, else hooks."""
+    extract_hidden_states: the faster engine), else aux, else hooks."""
     if requested == "auto":
         if supports_direct_capture():
             return "direct"
@@ -112,11 +111,10 @@ def prepare_environment(log_level: str | None = None) -> None:
       architectures from 0.2x on);
     - the log level for eagle3's logger inside worker processes (they start at vLLM's WARNING);
     - spawned workers: a forked worker dies with "Cannot re-initialize CUDA in forked subprocess" when the
-      driver process touched CUDA first (seen on the H200 with the kimi-depth engine); spawn is always safe;
+      driver process touched CUDA first; spawn is always safe;
     - vLLM's own top-p/top-k sampler instead of FlashInfer's (unless the user chose): extraction samples one greedy
       token, which never uses either, but the engine warms FlashInfer's up at start, JIT-compiling it on a host
-      without flashinfer's jit-cache wheel (the H200 host; suspected in the 128 s between "Initial profiling/warmup
-      run" and the CUDA-graph profile of a fresh host's first engine start, the 6e3f68b run's log; not yet shown)."""
+      without flashinfer's jit-cache wheel (a slow first engine start)."""
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")

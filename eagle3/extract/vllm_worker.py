@@ -335,7 +335,7 @@ class CaptureExtension:
         ~1e-3 shrink each layer's update far below the bf16 resolution of the residual: ids 2 and 30 of the
         kimi-depth profile came back equal to 1e-6. With unit norms each layer's update is a few percent.
         The final norm keeps its weights: with a unit weight RMSNorm is idempotent, and the self-check could not
-        tell a post-norm state from the pre-norm one (seen on the H200)."""
+        tell a post-norm state from the pre-norm one."""
         model = compat.get_model(self)
         final = compat.final_norm_module(model)
         n = 0

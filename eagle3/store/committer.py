@@ -1,10 +1,8 @@
 """Commits in a thread: the manifest's fsync overlaps the next batch's prefill instead of idling the GPU.
 
 On ext4 (data=ordered) fsyncing the small manifest waits for the writers' dirty shard data, so a commit in the
-extraction loop stalled the engine between batches: on the H200 (the 118974b run, mini-Kimi 64x512, 60 GB) the loop
-spent 25.5 of 33.6 s committing and the fsynced store reached 0.85x of its disk limit; committed by a thread,
-0.98x. With a thread two commits deep the loop still waited on a slower disk (the 90b2d70 run: 28.7 of 57.9 s, 0.83x),
-so the loop never waits now: batches handed over while a commit runs are committed together by the next
+extraction loop stalled the engine between batches. With a thread two commits deep the loop still waited on a
+slower disk, so the loop never waits now: batches handed over while a commit runs are committed together by the next
 manifest write (one fsync for all of them). Shards are committed in the order they were handed over; a failed
 commit is raised by the next ``commit`` or by ``close``, and nothing after it is committed (a rerun redoes those
 samples: files the manifest does not name are removed when the store opens).

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 
 def writer_threads(fsync: bool) -> int:
-    """The shard writer's threads on a vLLM engine's owner rank. Fsynced shards: 4, the disk's queue (the 118974b run:
-    the store reached 0.98x of 4 fsynced writers). Page-cache shards: 8; a thread copies ~2.4 GB/s into the
-    page cache, and 4 reached 9.7 GB/s = 169,000 tok/s at Kimi's 57,344 B a token, under the 175,000 of vLLM's
-    own extract_hidden_states connector (H200 host, the ffdd6a0 run)."""
+    """The shard writer's threads on a vLLM engine's owner rank. Fsynced shards: 4, what the disk's queue takes.
+    Page-cache shards: 8, since one thread copies only ~2.4 GB/s into the page cache."""
     return 4 if fsync else 8

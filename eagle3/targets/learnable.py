@@ -93,16 +93,15 @@ LEARNABLE_DEEPSEEK = TargetProfile(
     chat_format="kimi",
     seq_len=4608,  # trained on windows of 4608 tokens (several conversations run together):
     # the long-context prompts (LONG_CONTEXT, 4096 tokens) and their answers sit at positions it learned. A target
-    # trained on shorter windows than its prompts never learns the positions they reach: on 256-token windows (the
-    # 103a15f run) tool prompts of ~420-490 tokens accepted 1.60 against chat's 3.57; on 1024 (the 51f9ba4 run) 3.09
+    # trained on shorter windows than its prompts never learns the positions they reach, and drafts served on them
+    # accept less for it
 )
 LONG_CONTEXT = 4096  # tokens of a long-context prompt (issue 41: drafts compared at >= 4k tokens of context)
 ARCHES = {"llama": LEARNABLE, "deepseek": LEARNABLE_DEEPSEEK}
 TRAIN_SEED, HELD_OUT_SEED = 100, 999  # conversation seeds: training text vs evaluation prompts
-# Held-out prompts to serve a draft on when two drafts' acceptance is compared against a bar of 0.05. The 8ec8ff9 run
-# served 64 (~9 answer tokens each): 162 drafts, a standard error of ~0.05 on each acceptance, the size of the bar
-# itself (3.764 fp8 vs 3.821 bf16 could not be told apart). 1024 give ~2,600 drafts: ~0.013 each, ~0.018 on a
-# difference of two.
+# Held-out prompts to serve a draft on when two drafts' acceptance is compared against a bar of 0.05: 64 prompts
+# (~9 answer tokens each) give a standard error of ~0.05 on each acceptance, the size of the bar itself; 1024 give
+# ~0.013 each, ~0.018 on a difference of two.
 EVAL_PROMPTS = 1024
 
 

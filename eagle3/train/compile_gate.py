@@ -3,8 +3,7 @@
 While dynamo and AOTAutograd trace a graph, torch.fx marks the whole process as tracing and patches
 torch.nn.Module.__call__ for every thread. vLLM's forward, run by the producer thread at that moment, then goes
 through the tracer and fails in its first torch.compile'd helper ("Detected that you are using FX to symbolically
-trace a dynamo-optimized function": the trainer's first compiled step beside kimi-depth's engine on an H200,
-2026-12-05, at 08e9a75).
+trace a dynamo-optimized function").
 
 The gate is dynamo's own compile lock (torch._dynamo.convert_frame.compile_lock, a re-entrant lock that every frame's
 compile holds from its tracing to its compiled code): the producer holds it while the engine runs a batch, so a

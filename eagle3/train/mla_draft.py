@@ -233,7 +233,7 @@ def hf_config(shape: MLAShape, spec_config: dict, dtype: str) -> dict:
     layer = spec_config["transformer_layer_config"]
     ids = list(spec_config["eagle_aux_hidden_state_layer_ids"])
     # model_type deepseek_v2: vLLM 0.26 turns every draft of model_type deepseek_v3 into DeepSeekMTPModel
-    # (config/speculative.py hf_config_override; "Eagle3DeepSeekMTPModel ... not supported", seen on the H200)
+    # (config/speculative.py hf_config_override; "Eagle3DeepSeekMTPModel ... not supported")
     out = {
         "architectures": ["Eagle3DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v2",

@@ -4,8 +4,7 @@ At TTT step s (0-based) speculators' draft attends, for the query at packed posi
 - the step-0 keys of i's own sample up to i (causal within the sample: the packed samples do not see each other),
 - and i's own key from each later step j = 1..s (one key per step: the "diagonal" of speculators' mask).
 Its sdpa path expresses this as a dense mask over all (s + 1) x T keys: the kernel then computes every key of the
-cache, 4.8 GFLOP a token at 8k tokens where 1.2 are useful, and on the H200 the attention took 37 % of an eager
-step (results/2026-12-05-c5ebd37-h200-vllm0.26.0). Here the two parts are computed apart and merged exactly:
+cache, four times the useful work at 8k tokens. Here the two parts are computed apart and merged exactly:
 - the causal part by flash attention over the samples (varlen: cu_seqlens) -> output O_A and its log-sum-exp L_A;
 - each diagonal key's score q_i . k_j[i] and value v_j[i], elementwise: s scores per query;
 - merged by their log-sum-exps: o = (e^{L_A} O_A + sum_j e^{s_j} v_j) / (e^{L_A} + sum_j e^{s_j}), L = log(...).
