@@ -85,9 +85,10 @@ def _add_engine_args(p, gpu_mem: float) -> None:
     p.add_argument("--data", nargs="+", help="JSONL conversations (OpenAI messages or ShareGPT)")
     p.add_argument(
         "--backend",
-        choices=["hf", "vllm"],
-        default="hf",
-        help="hf: transformers reference (CPU or one GPU); vllm: production engine",
+        choices=["auto", "hf", "vllm"],
+        default="auto",
+        help="hf: transformers reference (CPU or one GPU); vllm: production engine; auto: vllm where vLLM and a "
+        "CUDA GPU are here, else hf (said at the start)",
     )
     p.add_argument("--layer-ids", type=_layer_ids, default=None, help="e.g. 2,30,58,61; default (2, L//2, L-3, L)")
     p.add_argument(
@@ -275,12 +276,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pack-tokens",
         type=NON_NEGATIVE,
-        default=0,
-        help="pack samples into rows of up to this many tokens (default 0: one sample per forward)",
+        default=None,
+        help="pack samples into rows of up to this many tokens; 0: one sample per forward (default: 8192 on CUDA, "
+        "0 on the CPU)",
     )
     p.add_argument("--draft-vocab", type=POSITIVE, default=32000, help="draft vocabulary size (default 32000)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", default="float32", help="training dtype (default float32)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto: cuda where there is one, else cpu")
     p.add_argument(
         "--draft-arch",
         choices=["llama", "mla"],
@@ -300,13 +301,15 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "--precision",
         choices=["auto", "fp32", "bf16-mixed"],
         default="auto",
-        help="auto: bf16 matmuls under autocast on CUDA (float32 weights and optimizer), fp32 on the CPU",
+        help="bf16-mixed: bf16 matmuls under autocast, float32 weights and optimizer; auto: bf16-mixed on CUDA, "
+        "fp32 on the CPU",
     )
     p.add_argument(
         "--attn",
-        choices=ATTENTIONS,
-        default="sdpa",
-        help="the draft's training attention: sdpa over speculators' dense mask (default); varlen: "
+        choices=("auto", *ATTENTIONS),
+        default="auto",
+        help="the draft's training attention (auto: varlen on CUDA in bf16-mixed, else sdpa): sdpa over "
+        "speculators' dense mask; varlen: "
         "flash attention within each packed sample plus each TTT step's own key, no mask (the same "
         "loss and gradients; on CUDA in bf16); flex: speculators' flex attention, a block mask (CUDA, "
         "with --compile)",
@@ -398,7 +401,6 @@ def _train_config(a):
         pack_tokens=a.pack_tokens,
         draft_vocab_size=a.draft_vocab,
         device=a.device,
-        dtype=a.dtype,
         precision=a.precision,
         fc_norm=a.fc_norm or a.eagle31,
         norm_output=a.norm_output or a.eagle31,
@@ -853,7 +855,7 @@ OUT_KIND = {"train": "train", "eval": "eval", "make-target": "target", "demo": "
 
 def preflight(a) -> None:
     """Argument and environment checks that need no model, torch or vLLM: under a second, nothing created."""
-    from eagle3 import ownership
+    from eagle3 import machine, ownership
     from eagle3 import preflight as pf
     from eagle3.store import checks
 
@@ -869,6 +871,8 @@ def preflight(a) -> None:
             defaults = _extract_defaults()
             recipe.resume(a, defaults)
             print(f"resuming: {recipe.command(a.out, recipe.from_args(a), defaults)}", file=sys.stderr)
+        a.backend, why = machine.extract_backend(a.backend)
+        print(f"extract: {why}", file=sys.stderr)
         missing = [f"--{k}" for k in ("model", "data", "out") if not getattr(a, k)]
         if missing:
             raise pf.UsageError(f"extract needs {', '.join(missing)} (or --resume STORE to continue a store)")
@@ -903,7 +907,11 @@ def preflight(a) -> None:
         elif a.device.startswith("cuda"):
             pf.cuda_available(f"regenerate --device {a.device}")
     elif a.cmd == "train":
+        choice = machine.train_choice(a.device, a.precision, a.attn, a.pack_tokens, a.compile)
+        a.device, a.precision, a.attn, a.pack_tokens = choice.device, choice.precision, choice.attn, choice.pack_tokens
         if a.online:
+            a.backend, why = machine.extract_backend(a.backend)
+            print(f"train --online: extraction {why}", file=sys.stderr)
             missing = [f for f, v in (("--target", a.target), ("--data", a.data)) if not v]
             if missing or a.store:
                 raise pf.UsageError(

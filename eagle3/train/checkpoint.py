@@ -40,7 +40,11 @@ CKPT_FILES = ("config.json", "model.safetensors", "optimizer.safetensors", "opti
 FILES = "files.json"  # {name: {"bytes": n, "checksum": "xxh3_128:..."}} of every file in CKPT_FILES
 # Parameters that come from the target and are never saved: verifier_* (training targets only) and the embedding.
 NOT_SAVED = ("verifier_lm_head.weight", "verifier_norm.weight", "embed_tokens.weight")
-DRAFT_FILES = ("config.json", "model.safetensors")  # what publish writes into OUT/draft, which it replaces whole
+DRAFT_FILES = (
+    "config.json",
+    "model.safetensors",
+    "README.md",
+)  # what publish writes into OUT/draft, which it replaces whole
 
 
 class NonFiniteWeights(RuntimeError):
@@ -318,7 +322,7 @@ def refuse_foreign_draft_files(out: Path) -> None:
         )
 
 
-def publish(ckpt: Path, out: Path, dtype: str = "bfloat16", serve_tps=()) -> Path:
+def publish(ckpt: Path, out: Path, dtype: str = "bfloat16", serve_tps=(), readme: str | None = None) -> Path:
     """Write the servable draft to OUT/draft atomically: floating tensors in ``dtype`` (vLLM serves in the
     target's dtype; bf16 halves the bytes of a float32 checkpoint), config.json saying so. Refuses a draft with
     non-finite weights or one vLLM would refuse at any of ``serve_tps`` (None: the trainer's defaults, SERVE_TPS or
@@ -356,6 +360,8 @@ def publish(ckpt: Path, out: Path, dtype: str = "bfloat16", serve_tps=()) -> Pat
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    if readme:
+        (tmp / "README.md").write_text(readme)
     from eagle3.train.draft import DraftShapeError
     from eagle3.train.vllm_reads import problems
 

@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -35,13 +36,14 @@ from pathlib import Path
 import torch
 
 from eagle3 import faults, interrupt, ownership, preflight
+from eagle3.machine import TrainChoice
 from eagle3.store.files import checksum_matches
 from eagle3.store.finite import all_finite, nonfinite_layers
 from eagle3.store.folder import Store
 from eagle3.store.format import FP8, StoreError, StoreMismatch, read_states
 from eagle3.targets.layers import aux_ids
 from eagle3.targets.presets import config_hash, read_model_config
-from eagle3.train import checkpoint, compile_watch
+from eagle3.train import checkpoint, compile_watch, serve_line
 from eagle3.train.draft import SERVE_TPS, DraftShape, check_servable, draft_vocab, speculators_config
 from eagle3.train.shard_checks import ShardChecks
 
@@ -130,6 +132,8 @@ class TrainResult:
     timeline: list[tuple[float, int]] = field(default_factory=list)  # per step of this run: (seconds from the first
     # step's start to this step's end, before any checkpoint; tokens the step trained, every rank's)
     started_at: float = 0.0  # time.perf_counter() when the first step began (to line the timeline up with other clocks)
+    setup: str = ""  # device, precision, attention, compile, packing
+    serve: str = ""  # the `vllm serve` command for the published draft ("" until the last step published it)
 
     @property
     def tokens_per_s(self) -> float:
@@ -165,6 +169,7 @@ class TrainResult:
         )
         lines = [
             f"draft      {self.draft}",
+            f"setup      {self.setup}",
             f"steps      {self.steps} ({self.samples_seen} samples, {self.tokens_seen} tokens); this run: {run}",
             f"loss       {a:.4f} -> {b:.4f}",
             f"accuracy   {acc}",
@@ -181,6 +186,8 @@ class TrainResult:
                 )
             )
         lines += [f"note       {n}" for n in self.notes]
+        if self.serve:
+            lines.append(f"serve      {self.serve}")
         if self.skipped:
             lines.append(
                 f"skipped    {len(self.skipped)} bad samples, e.g. "
@@ -606,8 +613,11 @@ class Run:
     dist: object  # torch.distributed under torchrun, else None
     rank: int
     world: int
+    target: str = ""  # the target's folder, as the store or --target names it
+    custom_code: bool = False  # the target's config names custom code (auto_map): vLLM needs --trust-remote-code
     resumed_from: int = 0
     accept_sums: dict[str, float] = field(default_factory=dict)  # speculators' acceptance counts, this run
+    serve: list[str] = field(default_factory=list)  # `vllm serve`'s argv for the published draft
 
     @property
     def skipped(self) -> dict | None:
@@ -673,7 +683,7 @@ def build(cfg: TrainConfig, source=None) -> Run:
     return Run(
         cfg, samples, model, model, params, optimizer, _lr_lambda(cfg, total),
         chunked_loss.loss_config(cfg.loss, cfg.loss_impl, cfg.device), state, ownership.claim(cfg.out, "train"),
-        total, steps_per_epoch, notes, dist, rank, world,
+        total, steps_per_epoch, notes, dist, rank, world, target, "auto_map" in tcfg,
     )  # fmt: skip
 
 
@@ -864,7 +874,8 @@ class Checkpointer:
             else:
                 path = save()
                 if last:
-                    checkpoint.publish(path, run.out, cfg.export_dtype, cfg.serve_tps)
+                    run.serve = serve_argv(run)
+                    checkpoint.publish(path, run.out, cfg.export_dtype, cfg.serve_tps, serve_line.readme(run.serve))
         if run.dist is not None:
             run.dist.barrier()
         return path
@@ -886,6 +897,20 @@ class StepClock:
         self.tokens += tokens
 
 
+def serve_argv(run: Run) -> list[str]:
+    """`vllm serve` for this run's draft: the target at the largest --serve-tp (1 where none was named)."""
+    cfg = run.cfg
+    tp = max(cfg.serve_tps) if cfg.serve_tps else 1
+    k = cfg.speculative_tokens or cfg.ttt_steps
+    draft = str((run.out / "draft").resolve())
+    return serve_line.vllm_serve_argv(run.target, draft, tp, k, run.custom_code)
+
+
+def setup_line(cfg: TrainConfig) -> str:
+    precision = "bf16-mixed" if mixed_precision(cfg) else cfg.dtype
+    return TrainChoice(cfg.device, precision, cfg.attn_impl, cfg.pack_tokens, cfg.compile).line()
+
+
 def finish(run: Run, watch, clock: StepClock) -> TrainResult:
     for n in watch.notes():
         run.notes.append(n)
@@ -896,7 +921,7 @@ def finish(run: Run, watch, clock: StepClock) -> TrainResult:
         str(run.out), str(run.out / "draft"), state["step"], state["samples_seen"], state["tokens_seen"],
         time.perf_counter() - clock.t0, state["losses"], state.get("accept", {}), run.resumed_from,
         dict(state["skipped"]), clock.tokens, run.notes, {k: round(v, 3) for k, v in clock.phases.items()},
-        clock.timeline, clock.t0,
+        clock.timeline, clock.t0, setup_line(run.cfg), shlex.join(run.serve) if run.serve else "",
     )  # fmt: skip
 
 

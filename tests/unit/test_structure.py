@@ -12,7 +12,7 @@ import eagle3
 PKG = Path(eagle3.__file__).parent
 # the order a module may import in: base helpers, then the pipeline's stages, then the commands on top
 ORDER = ["base", "data", "targets", "store", "extract", "train", "serve", "commands"]
-BASE = {"preflight", "faults", "ownership", "interrupt"}
+BASE = {"preflight", "faults", "ownership", "interrupt", "machine"}
 COMMANDS = {"cli", "doctor", "bench"}
 
 
