@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -547,9 +548,25 @@ def cmd_verify(a) -> int:
     return 0 if ok else 1
 
 
+def cmd_eval_server(a) -> int:
+    from eagle3 import ownership
+    from eagle3.serve import server_eval
+
+    out = ownership.claim(a.out, "eval")
+    with open(a.prompts) as f:
+        conversations = [json.loads(line) for line, _ in zip(f, range(a.num_prompts))]
+    report = server_eval.measure(a.server, conversations, a.max_tokens, a.served_model)
+    (out / "eval.md").write_text("\n".join(report.lines()) + "\n")
+    (out / "eval.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
+    print("\n".join(report.lines()))
+    return 0
+
+
 def cmd_eval(a) -> int:
     from eagle3.serve import evaluate
 
+    if a.server:
+        return cmd_eval_server(a)
     report = evaluate.run(_eval_config(a))
     for line in report.lines():
         print(line)
@@ -601,6 +618,7 @@ def _eval_config(a):
         max_tokens=a.max_tokens,
         num_prompts=a.num_prompts,
         gpu_memory_utilization=a.gpu_mem,
+        tp=a.tp,
         shifted=not a.no_shifted,
         baseline=not a.no_baseline,
         cuda_graphs=a.cuda_graphs,
@@ -735,8 +753,17 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "eval", formatter_class=_Help, help="serve target + draft in vLLM; acceptance length and speedup"
     )
-    e.add_argument("--target", required=True, help="target model folder")
-    e.add_argument("--draft", required=True, help="draft folder (OUT/draft of `eagle3 train`)")
+    e.add_argument("--target", help="target model folder (not with --server)")
+    e.add_argument("--draft", help="draft folder (OUT/draft of `eagle3 train`; not with --server)")
+    e.add_argument(
+        "--server",
+        metavar="URL",
+        default=None,
+        help="measure a running OpenAI-compatible vLLM server instead (e.g. http://localhost:8000): --prompts "
+        "through its chat completions, acceptance from its /metrics counters before and after each prompt",
+    )
+    e.add_argument("--served-model", default=None, help="--server: the model name to ask for (default: its first)")
+    e.add_argument("--tp", type=POSITIVE, default=1, help="tensor-parallel size of the engine eval starts")
     e.add_argument(
         "--prompts",
         default=None,
@@ -949,7 +976,18 @@ def preflight(a) -> None:
             checks.store_not_busy(a.store, "verify --fix")
     elif a.cmd == "demo":
         checks.output_store(Path(a.out) / "store", "demo")
+    elif a.cmd == "eval" and a.server:
+        if not a.prompts:
+            raise pf.UsageError("eval --server sends --prompts (JSONL conversations) to the server: give --prompts")
+        if a.target or a.draft:
+            raise pf.UsageError(
+                "eval --server measures the server's own target and draft: leave --target and --draft out"
+            )
+        pf.data_files([a.prompts])
     elif a.cmd == "eval":
+        missing = [f for f, v in (("--target", a.target), ("--draft", a.draft)) if not v]
+        if missing:
+            raise pf.UsageError(f"eval needs {' and '.join(missing)} (or --server URL to measure a running server)")
         if a.long_prompts and a.prompts:
             raise pf.UsageError(
                 f"--long-prompts makes long-context prompts from a learnable target's (make-target) "

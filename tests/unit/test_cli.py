@@ -88,3 +88,8 @@ def test_train_online_extracts_with_extract_s_own_options_and_config_builder(tmp
     assert on.data.rejects_path == str(tmp_path / "run" / "rejects.jsonl") and on.recipe is None
     defaults = p.parse_args(["train", "--online", "--target", "T", "--out", "o", "--data", "a.jsonl"])
     assert defaults.gpu_mem == 0.5 and p.parse_args(["extract"]).gpu_mem == 0.85  # the engine's share differs
+
+
+def test_eval_takes_the_tensor_parallel_size_of_its_engine():
+    a = cli.build_parser().parse_args(["eval", "--target", "T", "--draft", "D", "--out", "o", "--tp", "8"])
+    assert cli._eval_config(a).tp == 8

@@ -1,0 +1,148 @@
+"""Acceptance as operators measure it: a running OpenAI-compatible vLLM server, prompted through its chat
+completions API, its speculative-decoding counters read from its Prometheus /metrics before and after each prompt.
+
+The figures come from the counters' deltas over this run, not the server's cumulative average (other traffic before
+it is left out), one prompt at a time so each prompt's counts are its own. A prompt whose output falls into a loop
+(repeated n-grams over most of it) is counted apart: a loop is easy to draft and inflates acceptance."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+
+from eagle3.serve.evaluate import SpecRun, spec_run
+
+# vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py); Prometheus writes each as NAME_total
+COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
+
+
+def read_counters(text: str) -> dict:
+    """The spec-decode counters of a /metrics page, summed over engines: drafts, draft_tokens, accepted, per_pos."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    pos: dict[int, float] = {}
+    for line in text.splitlines():
+        m = SAMPLE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        name, labels, value = m.group(1).removesuffix("_total"), m.group(2) or "", float(m.group(3))
+        if name in COUNTERS:
+            out[COUNTERS[name]] += int(value)
+        elif name == PER_POSITION:
+            p = int(re.search(r'position="(\d+)"', labels).group(1))
+            pos[p] = pos.get(p, 0) + value
+    out["per_pos"] = [int(pos.get(p, 0)) for p in range(max(pos) + 1)] if pos else []
+    return out
+
+
+def repeated_share(text: str, n: int = 8) -> float:
+    """The share of the output's words inside an n-gram of words that occurs more than once in it."""
+    words = re.findall(r"\w+|[^\w\s]", text)
+    if len(words) < 2 * n:
+        return 0.0
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+    counts = Counter(grams)
+    covered = [False] * len(words)
+    for i, g in enumerate(grams):
+        if counts[g] > 1:
+            covered[i : i + n] = [True] * n
+    return sum(covered) / len(words)
+
+
+def is_loop(text: str, share: float = 0.5) -> bool:
+    return repeated_share(text) > share
+
+
+def prompt_messages(conversation: dict) -> tuple[list[dict], list | None]:
+    """The conversation up to its last assistant turn (the whole of it where it has none), and its tools."""
+    msgs = conversation["messages"]
+    turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    return (msgs[: turns[-1]] if turns else msgs), conversation.get("tools")
+
+
+@dataclass
+class ServerReport:
+    url: str
+    model: str
+    run: SpecRun  # the prompts whose outputs did not loop
+    prompts: int
+    loops: int  # prompts whose outputs looped, counted apart
+    looped: SpecRun | None = None
+    notes: list = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        r = self.run
+        out = [
+            f"server         {self.url} ({self.model}): {self.prompts} prompts, {self.loops} looped (counted apart)",
+            f"acceptance     {r.acceptance_length:.3f} +- {r.acceptance_se:.3f} tokens a step "
+            f"({r.accepted} of {r.draft_tokens} draft tokens in {r.drafts} drafts)",
+            "per position   " + ", ".join(f"{p:.3f}" for p in r.per_position),
+            f"throughput     {r.tokens / r.seconds if r.seconds else 0:,.1f} output tok/s, one prompt at a time",
+        ]
+        if self.looped is not None:
+            out.append(f"looped         acceptance {self.looped.acceptance_length:.3f} on the looping outputs")
+        return out + [f"note           {n}" for n in self.notes]
+
+
+def _get(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _zero() -> dict:
+    return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+
+
+def _sum(runs: list[tuple[dict, dict, int, float]]) -> SpecRun:
+    """One SpecRun over several prompts' (counters before, after, output tokens, seconds)."""
+    total = _zero()
+    for before, after, _, _ in runs:
+        for k in ("drafts", "draft_tokens", "accepted"):
+            total[k] += after[k] - before[k]
+        per = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))]
+        total["per_pos"] = [a + b for a, b in zip(total["per_pos"] or [0] * len(per), per)]
+    return spec_run(_zero(), total, sum(r[2] for r in runs), sum(r[3] for r in runs))
+
+
+def measure(url: str, conversations: list[dict], max_tokens: int = 256, model: str | None = None,
+            timeout: float = 600.0) -> ServerReport:  # fmt: skip
+    """Each conversation's prompt through the server's chat completions (greedy), its counters' deltas its own."""
+    base = url.rstrip("/")
+    model = model or _post_models(base, timeout)
+    runs: list[tuple[dict, dict, int, float]] = []
+    loops: list[tuple[dict, dict, int, float]] = []
+    for conv in conversations:
+        msgs, tools = prompt_messages(conv)
+        body = {"model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0}
+        if tools:
+            body["tools"] = tools
+        before, t0 = read_counters(_get(base + "/metrics", timeout)), time.perf_counter()
+        reply = _post(base + "/v1/chat/completions", body, timeout)
+        seconds = time.perf_counter() - t0
+        after = read_counters(_get(base + "/metrics", timeout))
+        text = reply["choices"][0]["message"].get("content") or ""
+        run = (before, after, int(reply.get("usage", {}).get("completion_tokens", 0)), seconds)
+        (loops if is_loop(text) else runs).append(run)
+    main = _sum(runs)
+    notes = [] if main.drafts else ["no drafts counted: is the server running with a speculative config?"]
+    return ServerReport(base, model, main, len(conversations), len(loops), _sum(loops) if loops else None, notes)
+
+
+def _post_models(base: str, timeout: float) -> str:
+    """The first model the server serves (GET /v1/models)."""
+    return json.loads(_get(base + "/v1/models", timeout))["data"][0]["id"]
