@@ -576,7 +576,10 @@ def cmd_eval(a) -> int:
 def cmd_make_target(a) -> int:
     from eagle3.targets import learnable
 
-    info = learnable.make_target(a.out, steps=a.steps, device=a.device, arch=a.arch)
+    try:
+        info = learnable.make_target(a.out, steps=a.steps, device=a.device, arch=a.arch, progress=True)
+    except learnable.TooSlow as e:
+        return _fail(a, e)
     prof = learnable.ARCHES[a.arch]
     print(
         f"target     {a.out} ({prof.name}: {prof.architecture}, hidden {prof.hidden_size}, {prof.num_hidden_layers} "

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from eagle3 import ownership
 from eagle3.data import corpus
@@ -132,6 +134,28 @@ def windows(arch: str, seq_len: int | None = None, batch: int | None = None) -> 
     return seq_len, batch or max(1, 64 * 256 // seq_len)
 
 
+CPU_LIMIT_S = 20 * 60  # longer than this on the CPU is refused: make the target on a GPU
+ESTIMATE_AFTER = 3  # steps timed before the whole run's time is estimated
+
+
+class TooSlow(RuntimeError):
+    pass
+
+
+def _check_time(began: Path | None, device: str, steps: int, per_step: float, cpu_limit_s: float, bar) -> None:
+    """Say how long the run will take; on the CPU refuse one over ``cpu_limit_s``, removing ``began`` (the folder
+    this run made; None where it was there before)."""
+    total = per_step * steps
+    bar.write(f"make-target: about {total / 60:.1f} min on {device} ({per_step:.2f} s a step, {steps} steps)")
+    if device == "cpu" and total > cpu_limit_s:
+        if began is not None:
+            shutil.rmtree(began)
+        raise TooSlow(
+            f"make-target on the CPU would take about {total / 60:.0f} min ({per_step:.1f} s a step x {steps} steps; "
+            f"the limit is {cpu_limit_s / 60:.0f} min): run it on a GPU, or give fewer --steps"
+        )
+
+
 def make_target(
     out: str | Path,
     steps: int = 1500,
@@ -142,16 +166,20 @@ def make_target(
     seed: int = 0,
     n_conversations: int = 30000,
     arch: str = "llama",
+    progress: bool = False,
+    cpu_limit_s: float = CPU_LIMIT_S,
 ) -> dict:
     """Build, train and save the learnable target (``arch``: llama or deepseek) in ``out``; returns {final_loss,
     first_loss, steps, seconds, tokens, arch}. Windows of the profile's seq_len (llama 256, deepseek 4608), as many a
-    step as fit in 16,384 tokens (deepseek: 3, 13,824 tokens), unless given."""
+    step as fit in 16,384 tokens (deepseek: 3, 13,824 tokens), unless given. On the CPU a run estimated (from its
+    first steps) to take more than ``cpu_limit_s`` is refused, and the folder it began is removed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if arch not in ARCHES:
         raise ValueError(f"arch {arch!r}: use {' or '.join(ARCHES)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     seq_len, batch = windows(arch, seq_len, batch)
+    fresh = not Path(out).exists() or not any(Path(out).iterdir())  # a refusal removes only a folder it began
     out = ownership.claim(out, "target")
     tiny.build_model(ARCHES[arch], out, seed=seed)
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -161,7 +189,10 @@ def make_target(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
     t0, losses = time.perf_counter(), []
+    bar = tqdm(total=steps, desc=f"target ({device})", unit="step", disable=not progress)
     for step in range(steps):
+        if step == ESTIMATE_AFTER:
+            _check_time(out if fresh else None, device, steps, (time.perf_counter() - t0) / step, cpu_limit_s, bar)
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
         starts = torch.randint(0, n_windows, (batch,), generator=g) * seq_len
@@ -174,8 +205,10 @@ def make_target(
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-        if step % 200 == 0:
-            log.info("target step %d loss %.3f", step, losses[-1])
+        bar.update(1)
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
     model.eval().to("cpu").save_pretrained(out)
     info = {
         "final_loss": sum(losses[-20:]) / len(losses[-20:]),
