@@ -81,6 +81,15 @@ def _setup_logging(verbosity: int, models: bool = True) -> None:
         pass
 
 
+def _add_trust(p) -> None:
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let the target's tokenizer and model run the code in its folder (its config's auto_map; Kimi-K2.5 "
+        "needs it); only for a folder you trust",
+    )
+
+
 def _add_engine_args(p, gpu_mem: float) -> None:
     """What extracts and what it captures: `extract`'s options, and `train --online`'s for its extraction."""
     p.add_argument("--data", nargs="+", help="JSONL conversations (OpenAI messages or ShareGPT)")
@@ -97,6 +106,7 @@ def _add_engine_args(p, gpu_mem: float) -> None:
     )
     p.add_argument("--tp", type=POSITIVE, default=1, help="vllm backend tensor parallel size")
     p.add_argument("--gpu-mem", type=FRACTION, default=gpu_mem, help="vllm backend: the engine's share of the GPU")
+    _add_trust(p)
     p.add_argument(
         "--state-dtype",
         choices=["bfloat16", "fp8"],
@@ -106,7 +116,8 @@ def _add_engine_args(p, gpu_mem: float) -> None:
     )
 
 
-ENGINE_ARGS = ("data", "backend", "layer_ids", "max_len", "tp", "gpu_mem", "state_dtype")  # _add_engine_args's
+# _add_engine_args's options, which train --online shares with extract
+ENGINE_ARGS = ("data", "backend", "layer_ids", "max_len", "tp", "gpu_mem", "trust_remote_code", "state_dtype")
 
 
 def _add_extract_args(p: argparse.ArgumentParser) -> None:
@@ -227,6 +238,7 @@ def _extract_config(a):
         fsync=not a.no_fsync,
         vllm_kwargs={"gpu_memory_utilization": a.gpu_mem},
         selfcheck=0 if a.no_selfcheck else a.selfcheck_prompts,
+        trust_remote_code=a.trust_remote_code,
         recipe=recipe.from_args(a),
         dtype=_state_dtype(a.state_dtype),
         regenerate=Generation(a.temperature, a.top_p, a.max_tokens, a.seed) if a.regenerate else None,
@@ -509,7 +521,7 @@ def cmd_show_mask(a) -> int:
     from eagle3.data import mask_view
     from eagle3.data.conversations import check_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    tokenizer = AutoTokenizer.from_pretrained(a.model, trust_remote_code=a.trust_remote_code)
     check_tokenizer(tokenizer, f"{a.model} (tokenizer)")
     color = a.color == "always" or a.color == "auto" and sys.stdout.isatty()
     bad = 0
@@ -606,6 +618,7 @@ def _regen_config(a):
         seed=a.seed,
         max_samples=a.max_samples,
         batch_size=a.batch_size,
+        trust_remote_code=a.trust_remote_code,
     )
 
 
@@ -622,6 +635,7 @@ def _eval_config(a):
         num_prompts=a.num_prompts,
         gpu_memory_utilization=a.gpu_mem,
         tp=a.tp,
+        trust_remote_code=a.trust_remote_code,
         shifted=not a.no_shifted,
         baseline=not a.no_baseline,
         cuda_graphs=a.cuda_graphs,
@@ -722,6 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a conversation file as the target renders it, the tokens the draft trains on marked",
     )
     sm.add_argument("--model", required=True, help="target folder (its tokenizer and chat template)")
+    _add_trust(sm)
     sm.add_argument("--data", required=True, help="JSONL conversations")
     sm.add_argument("--line", type=POSITIVE, default=None, help="only this line of --data (the first is 1)")
     sm.add_argument(
@@ -767,6 +782,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--served-model", default=None, help="--server: the model name to ask for (default: its first)")
     e.add_argument("--tp", type=POSITIVE, default=1, help="tensor-parallel size of the engine eval starts")
+    _add_trust(e)
     e.add_argument(
         "--prompts",
         default=None,
@@ -819,6 +835,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the target writes the assistant turns itself (resumable; never overwrites)",
     )
     g.add_argument("--target", required=True, help="the target model folder (its tokenizer and chat template)")
+    _add_trust(g)
     g.add_argument("--data", required=True, help="JSONL conversations")
     g.add_argument("--out", required=True, help="JSONL to write; rerun the same command to resume it")
     g.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="hf: transformers; vllm: the engine")
@@ -906,7 +923,9 @@ def preflight(a) -> None:
         missing = [f"--{k}" for k in ("model", "data", "out") if not getattr(a, k)]
         if missing:
             raise pf.UsageError(f"extract needs {', '.join(missing)} (or --resume STORE to continue a store)")
-        folder = pf.model_folder(a.model, tokenizer=True, weights=a.backend == "hf")
+        folder = pf.model_folder(
+            a.model, tokenizer=True, weights=a.backend == "hf", trust_remote_code=a.trust_remote_code
+        )
         pf.data_files(a.data)
         checks.output_store(a.out, "extract")
         if a.layer_ids:
@@ -928,7 +947,7 @@ def preflight(a) -> None:
     elif a.cmd == "regenerate":
         from eagle3.extract import regenerate
 
-        pf.model_folder(a.target, tokenizer=True, weights=a.backend == "hf")
+        pf.model_folder(a.target, tokenizer=True, weights=a.backend == "hf", trust_remote_code=a.trust_remote_code)
         pf.data_files([a.data])
         regenerate.check_output(_regen_config(a))
         if a.backend == "vllm":
@@ -949,7 +968,13 @@ def preflight(a) -> None:
                     if missing
                     else "train --online makes no use of --store (it reads a spool)"
                 )
-            pf.model_folder(a.target, weights=a.backend == "hf", tokenizer=True, what="--target")
+            pf.model_folder(
+                a.target,
+                weights=a.backend == "hf",
+                tokenizer=True,
+                what="--target",
+                trust_remote_code=a.trust_remote_code,
+            )
             pf.data_files(a.data)
             if a.backend == "vllm":
                 pf.vllm_installed("train --online --backend vllm")
@@ -971,7 +996,7 @@ def preflight(a) -> None:
         if a.device.startswith("cuda"):
             pf.cuda_available(f"train --device {a.device}")
     elif a.cmd == "show-mask":
-        pf.model_folder(a.model, tokenizer=True)
+        pf.model_folder(a.model, tokenizer=True, trust_remote_code=a.trust_remote_code)
         pf.data_files([a.data])
     elif a.cmd == "verify":
         pf.store_folder(a.store)
@@ -998,7 +1023,7 @@ def preflight(a) -> None:
                 "conversations and leave --long-prompts out"
             )
         pf.vllm_installed("eval")
-        pf.model_folder(a.target, weights=True, tokenizer=True, what="--target")
+        pf.model_folder(a.target, weights=True, tokenizer=True, what="--target", trust_remote_code=a.trust_remote_code)
         pf.model_folder(a.draft, weights=True, what="--draft")
         pf.cuda_available("eval")
     elif a.cmd == "bench" and a.bench_cmd == "disk":

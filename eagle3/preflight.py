@@ -21,8 +21,28 @@ WEIGHT_FILES = (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "tiktoken.model")
 
 
-def model_folder(path: str | Path, *, weights: bool = False, tokenizer: bool = False, what: str = "--model") -> Path:
-    """A target folder: config.json always; weights and tokenizer files when the caller needs them."""
+def custom_code(folder: Path) -> list[str]:
+    """The files of a model folder whose auto_map names code in the folder (transformers runs it only when trusted)."""
+    found = []
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            if json.loads((folder / name).read_text()).get("auto_map"):
+                found.append(name)
+        except (OSError, ValueError, AttributeError):
+            continue
+    return found
+
+
+def model_folder(
+    path: str | Path,
+    *,
+    weights: bool = False,
+    tokenizer: bool = False,
+    what: str = "--model",
+    trust_remote_code: bool | None = None,
+) -> Path:
+    """A target folder: config.json always; weights and tokenizer files when the caller needs them; where the
+    command takes --trust-remote-code (``trust_remote_code`` not None), custom code refused unless trusted."""
     p = Path(path)
     if not p.exists():
         raise UsageError(f"{what} {p}: no such folder. Give the target's folder (config.json, weights, tokenizer)")
@@ -44,6 +64,12 @@ def model_folder(path: str | Path, *, weights: bool = False, tokenizer: bool = F
         raise UsageError(
             f"{what} {p}: no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}) in it; conversations "
             "are turned into tokens with the target's tokenizer and chat template"
+        )
+    code = custom_code(p) if trust_remote_code is False else []
+    if code:
+        raise UsageError(
+            f"{what} {p}: its {' and '.join(code)} name code in the folder (auto_map), which runs only with "
+            "--trust-remote-code: add it if you trust that folder"
         )
     return p
 

@@ -53,6 +53,7 @@ class ExtractConfig:
     capture: str = "auto"  # vllm backend: auto (direct, else aux, else hooks) | hooks | aux | direct
     vllm_kwargs: dict = field(default_factory=dict)
     selfcheck: int = 4  # prompts for the final-state self-check before storing (0 = skip)
+    trust_remote_code: bool = False  # the target's tokenizer or model runs code from its folder (auto_map)
     recipe: dict | None = None  # the CLI options, recorded for `extract --resume` (recipe.py)
     regenerate: Generation | None = None  # the target writes each last assistant turn, captured in the same
     # pass (one_pass.py); None: the data's turns
@@ -135,11 +136,14 @@ def make_backend(cfg: ExtractConfig, spec: StoreSpec):
             device=cfg.device,
             compute_dtype=cfg.compute_dtype,
             out_dtype="bfloat16" if spec.fp8 else cfg.dtype,
+            trust_remote_code=cfg.trust_remote_code,
         )  # fp8: quantized by the shard writer
     if cfg.backend == "vllm":
         from eagle3.extract.vllm_backend import VLLMBackend
 
         kw = dict(cfg.vllm_kwargs)
+        if cfg.trust_remote_code:
+            kw["extra_engine_args"] = {"trust_remote_code": True, **(kw.get("extra_engine_args") or {})}
         if cfg.regenerate is not None:  # one pass: the last token's row from the prefix cache's tail (one_pass.py)
             kw["extra_engine_args"] = {"enable_prefix_caching": True, **(kw.get("extra_engine_args") or {})}
             if cfg.data is not None and not kw.get("max_model_len"):
@@ -151,7 +155,7 @@ def make_backend(cfg: ExtractConfig, spec: StoreSpec):
 def load_dataset(cfg: ExtractConfig):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     return load_samples(cfg.data, tokenizer, tokenizer_where=f"{cfg.model} (tokenizer)")
 
 
@@ -177,7 +181,11 @@ def run(
 
             from eagle3.extract import one_pass
 
-            samples, rep = one_pass.load_prompts(cfg.data, AutoTokenizer.from_pretrained(cfg.model), cfg.regenerate)
+            samples, rep = one_pass.load_prompts(
+                cfg.data,
+                AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code),
+                cfg.regenerate,
+            )
         else:
             samples, rep = load_dataset(cfg)
         report = rep.summary()
@@ -299,7 +307,7 @@ def _run_one_pass(
     from eagle3.data import masks
     from eagle3.extract import one_pass
 
-    stops = masks.stop_ids(AutoTokenizer.from_pretrained(cfg.model))
+    stops = masks.stop_ids(AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code))
     t0 = time.perf_counter()
     bar = _progress(progress, total=len(todo), unit="sample", desc=f"extract --regenerate ({cfg.backend})")
     committer = BackgroundCommitter(store, fsync=cfg.fsync, fault=fault)

@@ -67,11 +67,16 @@ class HFBackend:
         compute_dtype: str | None = None,
         out_dtype: str = "bfloat16",
         batch_size: int = 1,
+        trust_remote_code: bool = False,
     ):
         from transformers import AutoModelForCausalLM
 
         dtype = getattr(torch, compute_dtype) if compute_dtype else "auto"
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, trust_remote_code=trust_remote_code)
+            .to(device)
+            .eval()
+        )
         self.stack = decoder_stack(self.model)
         self.num_layers = len(self.stack.layers)
         self.layer_ids = validate_layer_ids(layer_ids, self.num_layers)

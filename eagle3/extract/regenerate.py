@@ -73,11 +73,12 @@ class RegenConfig:
     batch_size: int = 64  # conversations an engine call serves (one call per turn round)
     gpu_memory_utilization: float = 0.85  # vllm backend: its engine's share of each GPU
     max_model_len: int | None = None  # vllm backend: None = the target's
+    trust_remote_code: bool = False  # the target's tokenizer or model runs code from its folder (auto_map)
 
     def settings(self) -> dict:
         """What decides the output (recorded; a resume must match it): not where or how fast it runs."""
         d = asdict(self)
-        for k in ("device", "tp", "out", "batch_size", "gpu_memory_utilization", "max_model_len"):
+        for k in ("device", "tp", "out", "batch_size", "gpu_memory_utilization", "max_model_len", "trust_remote_code"):
             d.pop(k)
         d["target"], d["data"] = str(Path(self.target).resolve()), str(Path(self.data).resolve())
         return d
@@ -206,12 +207,13 @@ def open_output(cfg: RegenConfig) -> tuple[int, int]:
 class HFGenerator:
     """transformers generate, one prompt at a time (each with its own seed)."""
 
-    def __init__(self, target: str, device: str):
+    def __init__(self, target: str, device: str, trust_remote_code: bool = False):
         import torch
         from transformers import AutoModelForCausalLM
 
         self.device = device
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        self.model = model.to(device).eval()
 
     def __call__(self, prompts: list[list[int]], seeds: list[int], cfg: RegenConfig, stops: set[int]):
         from eagle3.extract.hf_backend import generate_turn
@@ -225,7 +227,14 @@ class HFGenerator:
 class VLLMGenerator:
     """vLLM's LLM.generate over a batch, a seed per request (TP as for extract)."""
 
-    def __init__(self, target: str, tp: int, gpu_memory_utilization: float = 0.85, max_model_len: int | None = None):
+    def __init__(
+        self,
+        target: str,
+        tp: int,
+        gpu_memory_utilization: float = 0.85,
+        max_model_len: int | None = None,
+        trust_remote_code: bool = False,
+    ):
         import vllm
 
         from eagle3.extract.vllm_compat import prepare_environment
@@ -239,6 +248,7 @@ class VLLMGenerator:
             enable_prefix_caching=True,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
+            trust_remote_code=trust_remote_code,
         )
 
     def close(self) -> None:
@@ -331,13 +341,13 @@ def run(
     if cfg.mode not in MODES:
         raise RegenError(f"mode {cfg.mode!r}: use {' or '.join(MODES)}")
     done, held = open_output(cfg)
-    tok = AutoTokenizer.from_pretrained(cfg.target)
+    tok = AutoTokenizer.from_pretrained(cfg.target, trust_remote_code=cfg.trust_remote_code)
     kimi = all(t in tok.get_vocab() for t in kimi_format.TOOL_TOKENS + kimi_format.THINK)
     stops = masks.stop_ids(tok)
     gen = generator or (
-        HFGenerator(cfg.target, cfg.device)
+        HFGenerator(cfg.target, cfg.device, cfg.trust_remote_code)
         if cfg.backend == "hf"
-        else VLLMGenerator(cfg.target, cfg.tp, cfg.gpu_memory_utilization, cfg.max_model_len)
+        else VLLMGenerator(cfg.target, cfg.tp, cfg.gpu_memory_utilization, cfg.max_model_len, cfg.trust_remote_code)
     )
     try:
         return _regenerate(cfg, gen, tok, kimi, stops, done, held, fault, progress_every_s)

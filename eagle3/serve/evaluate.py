@@ -40,6 +40,7 @@ class EvalConfig:
     baseline: bool = True
     gpu_memory_utilization: float = 0.3
     tp: int = 1
+    trust_remote_code: bool = False  # the target's tokenizer or model runs code from its folder (auto_map)
     load_format: str = "auto"  # "dummy": a config-only target (no weights; acceptance means nothing there)
     max_model_len: int | None = None  # None: 2048, or room for the long-context prompts and their answers
     context_tokens: int = 0  # the learnable target's prompts made this many tokens long by earlier conversations before
@@ -340,7 +341,7 @@ def run(cfg: EvalConfig) -> EvalReport:
         prompts = [list(p) for p in cfg.prompt_ids[: cfg.num_prompts]]
         groups = {"chat": list(range(len(prompts)))}
     else:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.target, trust_remote_code=cfg.trust_remote_code)
         prompts, groups = load_prompts(cfg, tokenizer)
         if cfg.long_prompts:
             long, long_groups = load_prompts(
@@ -355,6 +356,7 @@ def run(cfg: EvalConfig) -> EvalReport:
         enforce_eager=not cfg.cuda_graphs,
         max_model_len=cfg.max_model_len,
         tensor_parallel_size=cfg.tp,
+        trust_remote_code=cfg.trust_remote_code,
         load_format=cfg.load_format,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         enable_prefix_caching=False,

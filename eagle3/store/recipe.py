@@ -36,6 +36,7 @@ KEYS = (
     "selfcheck_prompts",
     "no_selfcheck",
     "state_dtype",
+    "trust_remote_code",
     "regenerate",
     "temperature",
     "top_p",
