@@ -222,22 +222,95 @@ def report(
     md.write_text("\n".join(lines) + "\n")
 
     png = out / "throughput.png"
-    trends(records, baselines, png)
-    bars(records, out / "throughput-latest.png", disks, baselines)
+    if extraction(records):
+        trends(records, baselines, png)
+        bars(records, out / "throughput-latest.png", disks, baselines)
+    if trainer(records):
+        training_figure(records, out / "training.png")
     return md, png
 
 
-def trends(records: list[Record], baselines: dict[str, dict], path: Path) -> list[tuple[str, str, str]]:
-    """tokens/s over runs: a panel per (profile, shape), a line per mode in a color of its own that it keeps in
-    every panel, each baseline dashed in its line's color, the legend beside the axes. Returns the lines drawn
-    as (panel "profile shape", key, color)."""
+# a benchmark mode's sink in the README's words (a mode is a sink, its variants, and _direct for the direct capture)
+SINK_WORDS = {
+    "plain": "plain prefill",
+    "plain_sync": "plain prefill, synchronous scheduling",
+    "vllm_ehs": "vLLM's extract_hidden_states",
+    "count": "capture, nothing copied",
+    "host": "capture to host memory",
+    "store": "fsynced store",
+    "store_nofsync": "page-cache store",
+    "store_fp8": "fp8 store",
+    "disk": "disk alone",
+    "hf": "hf reference backend",
+}
+VARIANT_WORDS = {
+    "slots8": "8 steps in flight",
+    "whole": "whole copies",
+    "gil": "GIL sampled",
+    "fp8": "fp8",
+    "auxout": "aux outputs",
+    "forward": "copies issued in the forward",
+    "bgcommit": "commits in a thread",
+}
+
+
+def mode_label(mode: str) -> str:
+    """A mode as the README names it: "store_nofsync_direct" -> "page-cache store (direct capture)"."""
+    sink, strategy = split_mode(mode)
+    if sink.startswith("hooks_"):
+        return mode_label(sink.removeprefix("hooks_")) + " (hooks capture)"
+    words = SINK_WORDS.get(sink)
+    if words is None:
+        base, *variants = sink.split("_")
+        words = ", ".join([SINK_WORDS.get(base, base)] + [VARIANT_WORDS.get(v, v) for v in variants])
+    return words + (" (direct capture)" if strategy == "direct" else "")
+
+
+def palette(n: int) -> list[str]:
+    """n colors told apart: tab10's, then tab20's lighter ones (never a color beside its own lighter twin first)."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_hex
 
-    keyed = [r for r in records if "/" in r.key]
+    if n > 20:
+        return [to_hex(plt.get_cmap("hsv", n + 1)(i)) for i in range(n)]
+    tab20 = [to_hex(c) for c in plt.get_cmap("tab20").colors]
+    return (tab20[0::2] + tab20[1::2])[:n]
+
+
+def extraction(records: list[Record]) -> list[Record]:
+    """The extraction benchmark's records (mode/BxT), not the trainer's."""
+    return [r for r in records if "/" in r.key and not r.key.startswith(TRAIN_PREFIX)]
+
+
+def describe(fig) -> list[dict]:
+    """What a figure shows a reader, per panel: its title, its legend's labels, the labels of what it draws
+    (lines and bars), and whether a dashed line is drawn."""
+    out = []
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        drawn = [a.get_label() for a in list(ax.lines) + list(ax.containers) + list(ax.collections)]
+        out.append(
+            {
+                "title": ax.get_title(),
+                "legend": [t.get_text() for t in legend.get_texts()] if legend else [],
+                "drawn": [d for d in drawn if d and not d.startswith("_")],
+                "dashed": any(line.get_linestyle() == "--" for line in ax.lines),
+            }
+        )
+    return out
+
+
+def trends(
+    records: list[Record], baselines: dict[str, dict], path: Path, described: list | None = None
+) -> list[tuple[str, str, str]]:
+    """Extraction tokens/s over runs: a panel per (profile, shape), a line per mode in a color of its own that it
+    keeps in every panel, each baseline dashed in its line's color, the legend beside the axes. Returns the lines
+    drawn as (panel "profile shape", key, color); ``described`` gets describe(figure)."""
+    import matplotlib.pyplot as plt
+
+    keyed = extraction(records)
     modes = sorted({r.key.split("/")[0] for r in keyed}, key=lambda m: (m != "plain", m))
-    cmap = plt.get_cmap("tab20") if len(modes) <= 20 else plt.get_cmap("hsv", len(modes) + 1)
-    color = {m: to_hex(cmap(i)) for i, m in enumerate(modes)}
+    color = dict(zip(modes, palette(len(modes))))
     panels = sorted({(r.profile, r.key.split("/")[1]) for r in keyed})
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.6 * max(1, len(panels))), squeeze=False)
     drawn = []
@@ -247,12 +320,13 @@ def trends(records: list[Record], baselines: dict[str, dict], path: Path) -> lis
         for mode in [m for m in modes if any(r.key == f"{m}/{shape}" for r in rs)]:
             key = f"{mode}/{shape}"
             pts = [(runs.index(r.run), r.tokens_per_s) for r in rs if r.key == key]
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=color[mode], label=mode)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=color[mode], label=mode_label(mode))
             drawn.append((f"{prof} {shape}", key, color[mode]))
             base = baselines.get(prof, {}).get("tokens_per_s", {}).get(key)
             if base:
                 ax.axhline(base, linestyle="--", color=color[mode], alpha=0.6)
-        ax.set_title(f"{prof} {shape}: extraction tokens/s per run (dashed: baseline)", fontsize=10)
+        dashed = " (dashed: its baseline)" if any(line.get_linestyle() == "--" for line in ax.lines) else ""
+        ax.set_title(f"{prof} {shape}: extraction tokens/s per run{dashed}", fontsize=10)
         ax.set_xticks(range(len(runs)))
         ax.set_xticklabels([r[:16] for r in runs], rotation=15, fontsize=7)
         ax.set_ylabel("tokens/s")
@@ -261,6 +335,8 @@ def trends(records: list[Record], baselines: dict[str, dict], path: Path) -> lis
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    if described is not None:
+        described += describe(fig)
     plt.close(fig)
     return drawn
 
@@ -316,6 +392,51 @@ def _reader_line(r: Record, rows: list[Record]) -> str:
     )
 
 
+def trainer(records: list[Record]) -> list[Record]:
+    """The trainer benchmark's records (the store reader's left out)."""
+    return [r for r in records if r.key.startswith(TRAIN_PREFIX) and not r.key.startswith(READER_KEY)]
+
+
+def train_label(r: Record) -> str:
+    """A trainer figure as the README names it: "llama, varlen attention, compiled, 8k tokens"."""
+    e = r.extra
+    parts = [str(e.get("draft", "llama")), f"{e.get('attn', 'sdpa')} attention", str(e.get("precision", ""))]
+    parts.append("compiled" if e.get("compiled") else "eager")
+    seq = e.get("seq", r.key.split("/")[-1])
+    return ", ".join(p for p in parts if p) + (f", {int(seq) // 1024}k tokens" if str(seq).isdigit() else "")
+
+
+def training_figure(records: list[Record], path: Path, described: list | None = None) -> list[str]:
+    """The newest run of each profile's trainer figures: tokens/s per GPU and MFU, one bar each, named in words.
+    Returns the bars' names."""
+    import matplotlib.pyplot as plt
+
+    rows = trainer(records)
+    profiles = sorted({r.profile for r in rows})
+    fig, axes = plt.subplots(len(profiles), 2, figsize=(14, 0.5 + 0.45 * len(rows)), squeeze=False)
+    names: list[str] = []
+    for (left, right), prof in zip(axes, profiles):
+        latest = max(r.run for r in rows if r.profile == prof)
+        rs = sorted((r for r in rows if r.profile == prof and r.run == latest), key=lambda r: r.key)
+        labels = [train_label(r) for r in rs]
+        colors = palette(len(rs))
+        left.barh(labels, [per_gpu(r) for r in rs], color=colors)
+        left.set_title(f"{prof}, run {latest}: trainer tokens/s per GPU")
+        mfu = [100 * float(r.extra.get("mfu") or 0) for r in rs]
+        right.barh(labels, mfu, color=colors)
+        right.set_title(f"{prof}, run {latest}: trainer MFU (%)")
+        right.set_yticklabels([])
+        for ax in (left, right):
+            ax.grid(True, axis="x", alpha=0.3)
+        names += labels
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    if described is not None:
+        described += describe(fig)
+    plt.close(fig)
+    return names
+
+
 def per_gpu(r: Record) -> float:
     return r.tokens_per_s / max(1, int(r.extra.get("gpus", 1) or 1))
 
@@ -353,7 +474,13 @@ def cluster_lines(records: list[Record], baselines: dict[str, dict]) -> list[str
     return out
 
 
-def bars(records: list[Record], path: Path, disks: dict | None = None, cluster: dict | None = None) -> list[str]:
+def bars(
+    records: list[Record],
+    path: Path,
+    disks: dict | None = None,
+    cluster: dict | None = None,
+    described: list | None = None,
+) -> list[str]:
     """One figure a person can read from one run: the newest run of each profile, a bar per mode for each
     shape, each labelled with its ratio to plain prefill of the same shape, and a disk-bound mode's bar with its
     limit (a black tick and the ratio to it; ``disks`` as load_disks returns). With ``cluster`` (baselines
@@ -364,15 +491,17 @@ def bars(records: list[Record], path: Path, disks: dict | None = None, cluster: 
     lim = limits(records, disks or {})
     fig_cluster = cluster_figure(cluster or {})
     per_gpu_cluster = fig_cluster[0] / fig_cluster[1] if fig_cluster else None
+    records = extraction(records)
     profiles = sorted({r.profile for r in records})
     labels: list[str] = []
     fig, axes = plt.subplots(len(profiles), 1, figsize=(12, 4.5 * len(profiles)), squeeze=False)
     for ax, prof in zip(axes[:, 0], profiles):
         latest = max(r.run for r in records if r.profile == prof)
-        rs = [r for r in records if r.profile == prof and r.run == latest and "/" in r.key]
+        rs = [r for r in records if r.profile == prof and r.run == latest]
         shapes = sorted({r.key.split("/")[1] for r in rs})
         modes = sorted({r.key.split("/")[0] for r in rs}, key=lambda m: (m != "plain", m))
         width = 0.8 / max(1, len(modes))
+        colors = palette(len(modes))
         for i, mode in enumerate(modes):
             named = False  # the legend names a mode at its first bar, whichever shape that is
             for j, shape in enumerate(shapes):
@@ -381,7 +510,7 @@ def bars(records: list[Record], path: Path, disks: dict | None = None, cluster: 
                     continue
                 plain = next((x.tokens_per_s for x in rs if x.key == f"plain/{shape}"), None)
                 x = j + (i - (len(modes) - 1) / 2) * width
-                ax.bar(x, r.tokens_per_s, width, color=f"C{i}", label=None if named else mode)
+                ax.bar(x, r.tokens_per_s, width, color=colors[i], label=None if named else mode_label(mode))
                 named = True
                 if plain:
                     text = f"{r.tokens_per_s / plain:.2f}x"
@@ -415,12 +544,14 @@ def bars(records: list[Record], path: Path, disks: dict | None = None, cluster: 
                 label=f"cluster: {per_gpu_cluster:,.0f} tok/s per GPU ({base:,} on {gpus} GPUs)",
             )
         ax.set_ylabel("tokens/s (sustained)")
-        ax.set_title(f"{prof}, run {latest}: tokens/s per mode, labelled with the ratio to plain prefill")
+        ax.set_title(f"{prof}, run {latest}: extraction tokens/s per mode, labelled with the ratio to plain prefill")
         legend = ax.legend(fontsize=7, ncol=4, loc="upper left")
         labels += [f"{prof} legend {t.get_text()}" for t in legend.get_texts()]
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    if described is not None:
+        described += describe(fig)
     plt.close(fig)
     return labels
 

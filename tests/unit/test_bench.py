@@ -388,9 +388,9 @@ def test_the_latest_run_as_bars_per_gpu_beside_the_cluster_and_updated_baselines
         "h200-kimi-depth plain/64x512 1.00x",
         "h200-kimi-depth hooks_host/64x512 0.74x",
         "h200-kimi-depth store/16x512 0.97x",
-        "h200-kimi-depth legend plain",
-        "h200-kimi-depth legend hooks_host",
-        "h200-kimi-depth legend store",
+        "h200-kimi-depth legend plain prefill",
+        "h200-kimi-depth legend capture to host memory (hooks capture)",
+        "h200-kimi-depth legend fsynced store",
     ]  # the newest run; a mode measured at one shape only is named
     # with the cluster's figure, the kimi-depth panel draws its per-GPU line and puts a store bar beside it
     labels = bench.bars(bench.load_history([tmp_path / "h"]), tmp_path / "c.png", cluster=bench.load_baselines())
@@ -509,7 +509,7 @@ def test_the_trend_plot_has_a_panel_per_profile_and_shape_and_one_color_per_mode
     for panel, key, color in drawn:
         panels.setdefault(panel, []).append((key, color))
     assert "h200-mini-kimi 64x512" in panels and "h200-kimi-depth 64x512" in panels
-    assert set(panels) == {f"{r.profile} {r.key.split('/')[1]}" for r in records}
+    assert set(panels) == {f"{r.profile} {r.key.split('/')[1]}" for r in bench.extraction(records)}
     color_of = {}
     for panel, lines in panels.items():
         assert all(key.endswith("/" + panel.split()[1]) for key, _ in lines), panel
@@ -1287,3 +1287,43 @@ def test_the_benchmark_s_acceptance_test_fails_on_a_compile_in_a_clock_or_a_log_
     gb.test_ratios_acceptance_and_baseline(target, tmp_path, lambda *a: None)
     summary = json.loads((tmp_path / "bench_summary.json").read_text())
     assert summary["jit_in_clock"] == {"plain/64x512": [], "host_direct/64x512": []}
+
+
+def test_each_picture_answers_one_question_titled_and_named_in_the_readme_s_words(tmp_path):
+    """The bundled runs' history (results/) and a trainer run: the extraction history, the latest extraction run and
+    the trainer each in a figure of their own; every title says what its panel shows (no trainer panel titled as
+    extraction, "dashed" only where a dashed line is), every legend names a drawn line or bar in words (no
+    internal mode names), and the colors of one figure are told apart."""
+    records = bench.load_history([Path(__file__).parents[2] / "results"])
+    rows = [
+        {"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "attn": "varlen", "tok_per_s": 24400, "mfu": 0.392},
+        {"draft": "llama", "seq": 8192, "precision": "bf16-mixed", "attn": "flex", "compiled": True,
+         "tok_per_s": 30944, "mfu": 0.497},
+    ]  # fmt: skip
+    (tmp_path / "train.json").write_text(json.dumps(history.train_history(rows, "2026-12-05T10:00", "h200-draft")))
+    records += bench.load_history([tmp_path / "train.json"])
+    hist, latest, train = [], [], []
+    bench.trends(records, bench.load_baselines(), tmp_path / "t.png", hist)
+    bench.bars(records, tmp_path / "b.png", described=latest)
+    names = bench.training_figure(records, tmp_path / "tr.png", train)
+    modes = {r.key.split("/")[0] for r in bench.extraction(records)}
+    words = {bench.mode_label(m) for m in modes}
+    assert not words & modes and all("_" not in w.replace("extract_hidden_states", "") for w in words), words
+    for panel in hist:
+        assert "extraction tokens/s per run" in panel["title"] and ("dashed" in panel["title"]) == panel["dashed"]
+        assert panel["legend"] and set(panel["legend"]) <= words and panel["legend"] == panel["drawn"], panel
+    assert any(p["dashed"] for p in hist)
+    bare = []
+    bench.trends(records, {}, tmp_path / "t2.png", bare)  # no baselines: no dashed line, and no title that says one
+    assert bare and not any(p["dashed"] or "dashed" in p["title"] for p in bare)
+    for panel in latest:
+        assert "extraction tokens/s per mode" in panel["title"]
+        named = [label for label in panel["legend"] if not label.startswith(("limit", "cluster"))]
+        assert named and set(named) <= words and set(panel["legend"]) <= set(panel["drawn"]), panel
+    assert {p["title"].split(": ")[1] for p in train} == {"trainer tokens/s per GPU", "trainer MFU (%)"}
+    ours = [p["title"].split(": ")[1] for p in train if p["title"].startswith("h200-draft,")]
+    assert ours == ["trainer tokens/s per GPU", "trainer MFU (%)"]
+    assert {"llama, flex attention, bf16-mixed, compiled, 8k tokens",
+            "llama, varlen attention, bf16-mixed, eager, 8k tokens"} <= set(names)  # fmt: skip
+    assert not any("extraction" in p["title"] for p in train)
+    assert len(set(bench.palette(20))) == 20 and len(set(bench.palette(10))) == 10
