@@ -141,11 +141,12 @@ def generate(n: int, seed: int = 0) -> list[dict]:
 
 def prompts(conversations: list[dict]) -> list[tuple[str, list[dict], list | None]]:
     """(traffic, messages before an assistant turn, tools) per conversation: chat and thinking up to their last
-    assistant turn; tool conversations alternately up to the call and up to the answer after the reply."""
+    assistant turn; tool conversations alternately up to the call and up to the answer after the reply; one with
+    no assistant turn whole."""
     out = []
     for k, c in enumerate(conversations):
         msgs = c["messages"]
-        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"] or [len(msgs)]
         at = turns[-1] if c.get("traffic") != "tool" or k % 2 else turns[0]
         out.append((c.get("traffic", "chat"), msgs[:at], c.get("tools")))
     return out

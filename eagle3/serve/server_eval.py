@@ -14,6 +14,7 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 
+from eagle3.data import kimi_traffic
 from eagle3.serve.evaluate import SpecRun, spec_run
 
 # vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py); Prometheus writes each as NAME_total
@@ -60,13 +61,6 @@ def repeated_share(text: str, n: int = 8) -> float:
 
 def is_loop(text: str, share: float = 0.5) -> bool:
     return repeated_share(text) > share
-
-
-def prompt_messages(conversation: dict) -> tuple[list[dict], list | None]:
-    """The conversation up to its last assistant turn (the whole of it where it has none), and its tools."""
-    msgs = conversation["messages"]
-    turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-    return (msgs[: turns[-1]] if turns else msgs), conversation.get("tools")
 
 
 @dataclass
@@ -126,8 +120,7 @@ def measure(url: str, conversations: list[dict], max_tokens: int = 256, model: s
     model = model or _post_models(base, timeout)
     runs: list[tuple[dict, dict, int, float]] = []
     loops: list[tuple[dict, dict, int, float]] = []
-    for conv in conversations:
-        msgs, tools = prompt_messages(conv)
+    for _, msgs, tools in kimi_traffic.prompts(conversations):  # the prompts `eval --prompts` serves offline
         body = {"model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0}
         if tools:
             body["tools"] = tools

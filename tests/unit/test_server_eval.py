@@ -105,11 +105,18 @@ def test_acceptance_is_the_counters_deltas_over_this_run_with_loops_counted_apar
     assert r.tokens == 120 and r.seconds > 0
 
 
-def test_the_prompt_is_the_conversation_up_to_its_last_assistant_turn():
+def test_the_server_gets_the_prompts_offline_eval_serves(server):
+    """Each conversation up to its last assistant turn (kimi_traffic.prompts, as `eval --prompts`), the whole of one
+    that has none, with its tools."""
+    url, fake = server
+    sent = []
+    complete = fake.complete
+    fake.complete = lambda body: sent.append(body) or complete(body)
     turns = [("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")]
-    conv = {"messages": [{"role": r, "content": c} for r, c in turns], "tools": [1]}
-    assert server_eval.prompt_messages(conv) == (conv["messages"][:3], [1])
-    assert server_eval.prompt_messages({"messages": conv["messages"][:1]}) == (conv["messages"][:1], None)
+    conv = {"messages": [{"role": r, "content": c} for r, c in turns], "tools": [{"type": "function"}]}
+    server_eval.measure(url, [conv, {"messages": conv["messages"][:1]}], max_tokens=8)
+    assert [b["messages"] for b in sent] == [conv["messages"][:3], conv["messages"][:1]]
+    assert sent[0]["tools"] == conv["tools"] and "tools" not in sent[1] and sent[0]["temperature"] == 0
 
 
 @pytest.mark.parametrize(
