@@ -245,14 +245,22 @@ def _extract_config(a):
     )
 
 
-def _tp_list(text: str) -> tuple[int, ...]:
-    try:
-        tps = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--serve-tp wants comma-separated integers, got {text!r}") from None
-    if any(t < 1 for t in tps):
-        raise argparse.ArgumentTypeError(f"--serve-tp sizes must be >= 1, got {text!r}")
-    return tps
+def _int_list(option: str):
+    """argparse type: comma-separated integers >= 1, e.g. 1,2,4,8."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{option} wants comma-separated integers, got {text!r}") from None
+        if any(v < 1 for v in values):
+            raise argparse.ArgumentTypeError(f"{option} values must be >= 1, got {text!r}")
+        return values
+
+    return parse
+
+
+_tp_list = _int_list("--serve-tp")
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
@@ -574,11 +582,30 @@ def cmd_eval_server(a) -> int:
     return 0
 
 
+def cmd_eval_each_k(a) -> int:
+    """`eval --k 3,4,5`: an engine and a report for each k, in EVAL/kK, then the acceptance at each."""
+    from dataclasses import replace
+
+    from eagle3 import ownership
+    from eagle3.serve import evaluate
+
+    out, cfg, lines = ownership.claim(a.out, "eval"), _eval_config(a), []
+    for k in a.k:
+        report = evaluate.run(replace(cfg, k=k, out=str(out / f"k{k}")))
+        d = report.draft
+        lines.append(f"k {k}: acceptance length {d.acceptance_length:.3f} +- {d.acceptance_se:.3f} ({out / f'k{k}'})")
+    print("\n".join(lines))
+    (out / "eval.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
 def cmd_eval(a) -> int:
     from eagle3.serve import evaluate
 
     if a.server:
         return cmd_eval_server(a)
+    if len(a.k) > 1:
+        return cmd_eval_each_k(a)
     report = evaluate.run(_eval_config(a))
     for line in report.lines():
         print(line)
@@ -630,7 +657,7 @@ def _eval_config(a):
         draft=a.draft,
         prompts=a.prompts,
         out=a.out,
-        k=a.k,
+        k=a.k[0],
         max_tokens=a.max_tokens,
         num_prompts=a.num_prompts,
         gpu_memory_utilization=a.gpu_mem,
@@ -790,7 +817,13 @@ def build_parser() -> argparse.ArgumentParser:
         "target's held-out prompts)",
     )
     e.add_argument("--out", required=True, help="folder for eval.json and eval.md")
-    e.add_argument("--k", type=POSITIVE, default=3, help="draft tokens per step (num_speculative_tokens)")
+    e.add_argument(
+        "--k",
+        type=_int_list("--k"),
+        default=(3,),
+        help="draft tokens per step (num_speculative_tokens); several (3,4,5): an engine and a report for each, "
+        "in EVAL/k3, EVAL/k4, ... and the acceptance at each said together",
+    )
     e.add_argument("--max-tokens", type=POSITIVE, default=128, help="tokens generated per prompt")
     e.add_argument("--num-prompts", type=POSITIVE, default=64, help="prompts evaluated")
     e.add_argument("--gpu-mem", type=FRACTION, default=0.3, help="vLLM gpu_memory_utilization")

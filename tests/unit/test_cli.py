@@ -3,6 +3,9 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from eagle3 import cli, doctor
 from eagle3.extract import vllm_compat
@@ -93,3 +96,28 @@ def test_train_online_extracts_with_extract_s_own_options_and_config_builder(tmp
 def test_eval_takes_the_tensor_parallel_size_of_its_engine():
     a = cli.build_parser().parse_args(["eval", "--target", "T", "--draft", "D", "--out", "o", "--tp", "8"])
     assert cli._eval_config(a).tp == 8
+
+
+def test_eval_at_several_k_serves_each_in_an_engine_and_a_folder_of_its_own(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from eagle3.serve import evaluate
+
+    seen = []
+
+    def run(cfg):  # the engine's run, stood in for: which k, into which folder
+        seen.append((cfg.k, cfg.out))
+        Path(cfg.out).mkdir(parents=True)
+        return SimpleNamespace(draft=SimpleNamespace(acceptance_length=1 + cfg.k / 2, acceptance_se=0.01))
+
+    monkeypatch.setattr(evaluate, "run", run)
+    p = cli.build_parser()
+    out = tmp_path / "e"
+    assert cli.cmd_eval(p.parse_args(["eval", "--target", "T", "--draft", "D", "--out", str(out), "--k", "3,5,4"])) == 0
+    assert seen == [(k, str(out / f"k{k}")) for k in (3, 5, 4)]
+    said = capsys.readouterr().out
+    assert "k 3: acceptance length 2.500" in said and "k 5: acceptance length 3.500" in said
+    assert (out / "eval.md").read_text().count("acceptance length") == 3
+    assert cli._eval_config(p.parse_args(["eval", "--target", "T", "--draft", "D", "--out", "o", "--k", "4"])).k == 4
+    with pytest.raises(SystemExit):
+        p.parse_args(["eval", "--target", "T", "--draft", "D", "--out", "o", "--k", "3,0"])
