@@ -253,8 +253,9 @@ def _int_list(option: str):
             values = tuple(int(x) for x in text.split(","))
         except ValueError:
             raise argparse.ArgumentTypeError(f"{option} wants comma-separated integers, got {text!r}") from None
-        if any(v < 1 for v in values):
-            raise argparse.ArgumentTypeError(f"{option} values must be >= 1, got {text!r}")
+        for v in values:
+            if v < 1:
+                raise argparse.ArgumentTypeError(f"{v} is not a positive integer (in {text!r})")
         return values
 
     return parse
