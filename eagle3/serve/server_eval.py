@@ -98,6 +98,19 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(r.read())
 
 
+def settled_counters(base: str, timeout: float, tries: int = 40, pause: float = 0.05) -> dict:
+    """The counters once two reads in a row agree: the engine may record a request's last steps just after the
+    reply, and a late count would be taken for the next prompt's."""
+    last = read_counters(_get(base + "/metrics", timeout))
+    for _ in range(tries):
+        time.sleep(pause)
+        now = read_counters(_get(base + "/metrics", timeout))
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def _zero() -> dict:
     return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
 
@@ -117,7 +130,7 @@ def measure(url: str, conversations: list[dict], max_tokens: int = 256, model: s
             timeout: float = 600.0) -> ServerReport:  # fmt: skip
     """Each conversation's prompt through the server's chat completions (greedy), its counters' deltas its own."""
     base = url.rstrip("/")
-    model = model or _post_models(base, timeout)
+    model = model or _first_model(base, timeout)
     runs: list[tuple[dict, dict, int, float]] = []
     loops: list[tuple[dict, dict, int, float]] = []
     for _, msgs, tools in kimi_traffic.prompts(conversations):  # the prompts `eval --prompts` serves offline
@@ -127,7 +140,7 @@ def measure(url: str, conversations: list[dict], max_tokens: int = 256, model: s
         before, t0 = read_counters(_get(base + "/metrics", timeout)), time.perf_counter()
         reply = _post(base + "/v1/chat/completions", body, timeout)
         seconds = time.perf_counter() - t0
-        after = read_counters(_get(base + "/metrics", timeout))
+        after = settled_counters(base, timeout)
         text = reply["choices"][0]["message"].get("content") or ""
         run = (before, after, int(reply.get("usage", {}).get("completion_tokens", 0)), seconds)
         (loops if is_loop(text) else runs).append(run)
@@ -136,6 +149,6 @@ def measure(url: str, conversations: list[dict], max_tokens: int = 256, model: s
     return ServerReport(base, model, main, len(conversations), len(loops), _sum(loops) if loops else None, notes)
 
 
-def _post_models(base: str, timeout: float) -> str:
+def _first_model(base: str, timeout: float) -> str:
     """The first model the server serves (GET /v1/models)."""
     return json.loads(_get(base + "/v1/models", timeout))["data"][0]["id"]

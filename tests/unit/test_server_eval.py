@@ -21,11 +21,16 @@ PROSE = (
 class FakeVLLM:
     """Counters per engine: [drafts, draft tokens, accepted, per position x3]; earlier traffic already counted."""
 
-    def __init__(self):
+    def __init__(self, lag: int = 0):
         self.engines = {"0": [100, 300, 50, 30, 15, 5], "1": [40, 120, 90, 35, 30, 25]}
-        self.calls = 0
+        self.calls, self.lag, self.pending = 0, lag, []  # lag: /metrics reads before a reply's counts show
 
     def metrics(self) -> str:
+        if self.pending:
+            self.pending[0][0] -= 1
+            if self.pending[0][0] < 0:
+                _, e, step = self.pending.pop(0)
+                e[:] = [a + b for a, b in zip(e, step)]
         names = ["spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"]
         out = []
         for i, name in enumerate(names):
@@ -47,14 +52,17 @@ class FakeVLLM:
         self.calls += 1
         # a normal prompt: 10 drafts, 20 of 30 accepted (9, 7, 4 by position); a loop: every draft token accepted
         step = [10, 30, 30, 10, 10, 10] if looping else [10, 30, 20, 9, 7, 4]
-        e[:] = [a + b for a, b in zip(e, step)]
+        if self.lag:
+            self.pending.append([self.lag, e, step])
+        else:
+            e[:] = [a + b for a, b in zip(e, step)]
         text = LOOP if looping else PROSE
         return {"choices": [{"message": {"role": "assistant", "content": text}}], "usage": {"completion_tokens": 30}}
 
 
-@pytest.fixture
-def server():
-    fake = FakeVLLM()
+@pytest.fixture(params=[0, 1], ids=["counted-at-once", "counted-a-read-late"])
+def server(request):
+    fake = FakeVLLM(lag=request.param)
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, body: str, kind: str = "application/json"):
