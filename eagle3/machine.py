@@ -13,9 +13,14 @@ DRIVER_PATHS = ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia", "/dev/k
 PACK_TOKENS_CUDA = 8192  # tokens a training pack holds on a GPU (the trainer benchmark's 8k rows)
 
 
+def has_driver() -> bool:
+    """A GPU driver's device files: without them there is no GPU, known without importing torch."""
+    return any(os.path.exists(p) for p in DRIVER_PATHS)
+
+
 def has_cuda() -> bool:
     """A CUDA device torch can use; without a GPU driver, answered without importing torch."""
-    if not any(os.path.exists(p) for p in DRIVER_PATHS):
+    if not has_driver():
         return False
     import torch
 

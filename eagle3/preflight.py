@@ -3,9 +3,10 @@ second, with nothing created. Importing this module imports neither torch, trans
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from eagle3 import machine
 
 
 class UsageError(ValueError):
@@ -75,9 +76,7 @@ def model_folder(
 
 
 def vllm_installed(command: str) -> None:
-    import sys
-
-    if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
+    if not machine.has_vllm():
         raise UsageError(
             f"{command} needs vLLM, which is not installed here (pip install 'eagle3[gpu]' on a GPU "
             "host; `eagle3 doctor` shows what is installed)"
@@ -85,11 +84,7 @@ def vllm_installed(command: str) -> None:
 
 
 def cuda_available(command: str) -> None:
-    import os
-
-    if not any(
-        os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
-    ):
+    if not machine.has_driver():
         raise UsageError(
             f"{command} needs a CUDA GPU and this machine has no GPU driver (no /dev/nvidia*); run it "
             "on a GPU host (`eagle3 doctor` lists the GPUs)"
