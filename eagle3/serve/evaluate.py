@@ -177,18 +177,26 @@ class EvalReport:
         return out
 
 
+# vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py) and the names they are kept under here
+COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def no_counters() -> dict:
+    return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+
+
 def spec_counters(llm) -> dict:
     """Sum vLLM's spec-decode counters over engines: drafts, draft tokens, accepted, accepted per position."""
-    totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-    names = {
-        "vllm:spec_decode_num_drafts": "drafts",
-        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "accepted",
-    }
+    totals = no_counters()
     for m in llm.get_metrics():
-        if m.name in names:
-            totals[names[m.name]] += int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+        if m.name in COUNTERS:
+            totals[COUNTERS[m.name]] += int(m.value)
+        elif m.name == PER_POSITION:
             vals = list(m.values)
             totals["per_pos"] = [a + b for a, b in zip(totals["per_pos"] or [0] * len(vals), vals)]
     return totals

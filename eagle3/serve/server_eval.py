@@ -15,21 +15,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from eagle3.data import kimi_traffic
-from eagle3.serve.evaluate import SpecRun, spec_run
+from eagle3.serve.evaluate import COUNTERS, PER_POSITION, SpecRun, no_counters, spec_run
 
-# vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py); Prometheus writes each as NAME_total
-COUNTERS = {
-    "vllm:spec_decode_num_drafts": "drafts",
-    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "accepted",
-}
-PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
 
 
 def read_counters(text: str) -> dict:
-    """The spec-decode counters of a /metrics page, summed over engines: drafts, draft_tokens, accepted, per_pos."""
-    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    """The spec-decode counters of a /metrics page (Prometheus writes each as NAME_total), summed over engines:
+    drafts, draft_tokens, accepted, per_pos."""
+    out = no_counters()
     pos: dict[int, float] = {}
     for line in text.splitlines():
         m = SAMPLE.match(line)
@@ -111,19 +105,15 @@ def settled_counters(base: str, timeout: float, tries: int = 40, pause: float = 
     return last
 
 
-def _zero() -> dict:
-    return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-
-
 def _sum(runs: list[tuple[dict, dict, int, float]]) -> SpecRun:
     """One SpecRun over several prompts' (counters before, after, output tokens, seconds)."""
-    total = _zero()
+    total = no_counters()
     for before, after, _, _ in runs:
         for k in ("drafts", "draft_tokens", "accepted"):
             total[k] += after[k] - before[k]
         per = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))]
         total["per_pos"] = [a + b for a, b in zip(total["per_pos"] or [0] * len(per), per)]
-    return spec_run(_zero(), total, sum(r[2] for r in runs), sum(r[3] for r in runs))
+    return spec_run(no_counters(), total, sum(r[2] for r in runs), sum(r[3] for r in runs))
 
 
 def measure(url: str, conversations: list[dict], max_tokens: int = 256, model: str | None = None,
