@@ -2,6 +2,9 @@
 CUDA in bf16-mixed with the varlen attention and 8k-token packs, and `extract` uses vLLM where it is installed; on a
 machine without a GPU both behave as before. CUDA and vLLM are mocked here; the summary names what was chosen."""
 
+import subprocess
+import sys
+
 import pytest
 
 from eagle3 import cli, machine
@@ -80,6 +83,10 @@ def test_the_summary_names_device_precision_attention_and_compile(trained_run):
     assert choice.line() == "device cuda, precision bf16-mixed, attention varlen (compiled), packs of 8,192 tokens"
 
 
-def test_the_cpu_default_needs_no_torch_to_know_there_is_no_gpu(monkeypatch):
-    monkeypatch.setattr(machine, "DRIVER_PATHS", ("/nonexistent/nvidia0",))
-    assert machine.has_cuda() is False
+def test_the_cpu_default_needs_no_torch_to_know_there_is_no_gpu():
+    code = (
+        "import sys; from eagle3 import machine; machine.DRIVER_PATHS = ('/nonexistent/nvidia0',); "
+        "print(machine.has_cuda(), 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.stdout.split() == ["False", "False"], done.stderr[-2000:]
