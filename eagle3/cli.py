@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -573,10 +574,18 @@ def cmd_eval_server(a) -> int:
     from eagle3 import ownership
     from eagle3.serve import server_eval
 
+    fresh = not Path(a.out).exists()
     out = ownership.claim(a.out, "eval")
     with open(a.prompts) as f:
         conversations = [json.loads(line) for line, _ in zip(f, range(a.num_prompts))]
-    report = server_eval.measure(a.server, conversations, a.max_tokens, a.served_model)
+    try:
+        report = server_eval.measure(a.server, conversations, a.max_tokens, a.served_model)
+    except server_eval.ServerError as e:
+        if fresh:
+            shutil.rmtree(out)  # nothing measured: leave no folder behind
+        where = f"{a.prompts} line {e.index + 1}: " if e.index is not None else ""
+        print(f"eagle3 eval: {where}{e}", file=sys.stderr)
+        return 1
     (out / "eval.md").write_text("\n".join(report.lines()) + "\n")
     (out / "eval.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
     print("\n".join(report.lines()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
@@ -86,10 +87,27 @@ def _get(url: str, timeout: float) -> str:
         return r.read().decode()
 
 
+class ServerError(RuntimeError):
+    """The server refused a prompt (``index``: its place in the conversations given) or could not be reached."""
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.index = index
+
+
 def _post(url: str, body: dict, timeout: float) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def _refusal(e: urllib.error.HTTPError) -> str:
+    """The server's own message from an error reply (vLLM: {"error": {"message": ...}}), else its text."""
+    text = e.read().decode(errors="replace")
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:500] or e.reason
 
 
 def settled_counters(base: str, timeout: float, tries: int = 40, pause: float = 0.05) -> dict:
@@ -120,15 +138,24 @@ def measure(url: str, conversations: list[dict], max_tokens: int = 256, model: s
             timeout: float = 600.0) -> ServerReport:  # fmt: skip
     """Each conversation's prompt through the server's chat completions (greedy), its counters' deltas its own."""
     base = url.rstrip("/")
-    model = model or _first_model(base, timeout)
+    try:
+        model = model or _first_model(base, timeout)
+        read_counters(_get(base + "/metrics", timeout))
+    except urllib.error.HTTPError as e:
+        raise ServerError(f"{e.url} answered HTTP {e.code}: is {base} a vLLM server?") from None
+    except urllib.error.URLError as e:
+        raise ServerError(f"cannot reach {base} ({e.reason}): is `vllm serve` running there?") from None
     runs: list[tuple[dict, dict, int, float]] = []
     loops: list[tuple[dict, dict, int, float]] = []
-    for _, msgs, tools in kimi_traffic.prompts(conversations):  # the prompts `eval --prompts` serves offline
+    for k, (traffic, msgs, tools) in enumerate(kimi_traffic.prompts(conversations)):  # as `eval --prompts` offline
         body = {"model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0}
         if tools:
             body["tools"] = tools
         before, t0 = read_counters(_get(base + "/metrics", timeout)), time.perf_counter()
-        reply = _post(base + "/v1/chat/completions", body, timeout)
+        try:
+            reply = _post(base + "/v1/chat/completions", body, timeout)
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"{traffic} prompt: {base} answered HTTP {e.code}: {_refusal(e)}", k) from None
         seconds = time.perf_counter() - t0
         after = settled_counters(base, timeout)
         text = reply["choices"][0]["message"].get("content") or ""

@@ -65,7 +65,7 @@ def _acceptance(folder: Path) -> tuple[float, float]:
     return run["acceptance_length"], run["acceptance_se"]
 
 
-def test_the_cli_chain_as_typed_serves_a_draft_that_vllm_accepts(tmp_path, report):
+def test_the_cli_chain_as_typed_serves_a_draft_that_vllm_accepts(tmp_path, report, gpu_out):
     target, store, run = tmp_path / "target", tmp_path / "store", tmp_path / "run"
     _eagle3("make-target", "--arch", "deepseek", "--out", str(target))
     train_data, held_out = tmp_path / "train.jsonl", tmp_path / "held-out.jsonl"
@@ -82,10 +82,15 @@ def test_the_cli_chain_as_typed_serves_a_draft_that_vllm_accepts(tmp_path, repor
 
     port = _free_port()
     argv = shlex.split(serve) + ["--port", str(port), "--gpu-memory-utilization", "0.5"]
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = gpu_out / "vllm-serve.log"  # kept: what the server said of any request it refused
+    with open(log, "w") as sink:
+        server = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, server)
+        try:
+            _wait_healthy(url, server)
+        except (AssertionError, TimeoutError) as e:
+            raise AssertionError(f"{e}\n{log.read_text()[-4000:]}") from None
         _eagle3("eval", "--server", url, "--prompts", str(held_out), "--out", str(tmp_path / "eval-server"),
                 "--num-prompts", str(N_HELD_OUT))  # fmt: skip
     finally:

@@ -81,6 +81,14 @@ def server(request):
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if "refused" in body["messages"][-1]["content"]:  # vLLM's answer to a request it will not serve
+                error = {"error": {"message": "the prompt is refused", "type": "BadRequestError", "code": 400}}
+                data = json.dumps(error).encode()
+                self.send_response(400)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             self._send(json.dumps(fake.complete(body)))
 
         def log_message(self, *args):
@@ -151,3 +159,20 @@ def test_eval_server_writes_its_report_and_refuses_what_it_cannot_use(server, tm
     )
     assert cli.main(["eval", "--prompts", str(data), "--out", str(tmp_path / "h")]) == 2
     assert "eval needs --target and --draft" in capsys.readouterr().err
+
+
+def test_a_request_the_server_refuses_is_named_with_the_server_s_message_and_leaves_nothing(server, tmp_path, capsys):
+    """A 400 from the server names the prompt's line in --prompts and vLLM's own message, in one line, exit 1; the
+    --out folder the run began is removed. A server that is not there is said so."""
+    url, _ = server
+    convs = _conversations(3, 0)
+    convs[1]["messages"][0]["content"] = "this one is refused"
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    out = tmp_path / "e"
+    assert cli.main(["eval", "--server", url, "--prompts", str(data), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"{data} line 2" in err and "HTTP 400" in err and "the prompt is refused" in err, err
+    assert "Traceback" not in err and not out.exists()
+    with pytest.raises(server_eval.ServerError, match="cannot reach"):
+        server_eval.measure("http://127.0.0.1:9", convs[:1], max_tokens=4, model="m", timeout=5)
