@@ -5,6 +5,17 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
+
+KIMI_TOOL_CALL = "<|tool_calls_section_begin|>"  # Kimi-K2's tool-call section token (targets/kimi_format.py)
+KIMI_PARSERS = ["--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2", "--reasoning-parser", "kimi_k2"]
+
+
+def parsers(target: str) -> list[str]:
+    """vLLM's Kimi-K2 parsers where the target's tokenizer is in Kimi's format (as Kimi-K2.5 is served): without a
+    tool parser vLLM refuses every chat request that carries tools. None for a target that is not a local folder."""
+    config = Path(target) / "tokenizer_config.json"
+    return KIMI_PARSERS if config.is_file() and KIMI_TOOL_CALL in config.read_text() else []
 
 
 def vllm_serve_argv(target: str, draft: str, tp: int, k: int, trust_remote_code: bool) -> list[str]:
@@ -13,7 +24,7 @@ def vllm_serve_argv(target: str, draft: str, tp: int, k: int, trust_remote_code:
     argv = ["vllm", "serve", target, "--tensor-parallel-size", str(tp)]
     if trust_remote_code:
         argv.append("--trust-remote-code")  # the target's config names custom code (auto_map)
-    return argv + ["--speculative-config", json.dumps(spec)]
+    return argv + parsers(target) + ["--speculative-config", json.dumps(spec)]
 
 
 def readme(argv: list[str]) -> str:

@@ -15,6 +15,7 @@ def test_training_ends_with_the_serve_line_and_writes_it_beside_the_draft(traine
     draft = Path(out, "draft").resolve()
     assert argv[:2] == ["vllm", "serve"] and Path(argv[2]).is_dir() and (Path(argv[2]) / "config.json").is_file()
     assert argv[argv.index("--tensor-parallel-size") + 1] == "1" and "--trust-remote-code" not in argv
+    assert "--tool-call-parser" not in argv  # the tiny target's ChatML has no tool-call tokens
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec == {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
     assert (draft / "config.json").is_file() and result.serve in (draft / "README.md").read_text()
@@ -28,15 +29,40 @@ def test_a_target_with_custom_code_is_served_with_trust_remote_code_at_the_tp_as
     assert shlex.split(shlex.join(argv)) == argv  # the printed line is one the shell gives back as is
 
 
-def test_vllm_s_own_parser_reads_the_serve_line_as_eagle3_meant_it():
+def _tokenizer_config(folder: Path, tokens: list[str]) -> str:
+    folder.mkdir()
+    added = {str(1000 + i): {"content": t, "special": True} for i, t in enumerate(tokens)}
+    (folder / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": added}))
+    return str(folder)
+
+
+def test_a_target_in_kimi_s_format_is_served_with_its_tool_call_and_reasoning_parsers(tmp_path):
+    """As Kimi-K2.5 is served: without a tool parser vLLM refuses every request that carries tools (HTTP 400,
+    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser')."""
+    from eagle3.targets import kimi_format
+
+    kimi = _tokenizer_config(tmp_path / "kimi", kimi_format.SPECIAL_TOKENS)
+    argv = serve_line.vllm_serve_argv(kimi, "/r/draft", 8, 3, False)
+    assert argv[argv.index("--tool-call-parser") + 1] == "kimi_k2" and "--enable-auto-tool-choice" in argv
+    assert argv[argv.index("--reasoning-parser") + 1] == "kimi_k2" and argv[-2] == "--speculative-config"
+    think_only = _tokenizer_config(tmp_path / "think", kimi_format.THINK + kimi_format.ROLE_TOKENS)
+    for target in (think_only, str(tmp_path / "missing"), "moonshotai/Kimi-K2.5"):
+        assert "--tool-call-parser" not in serve_line.vllm_serve_argv(target, "/r/draft", 8, 3, False), target
+
+
+def test_vllm_s_own_parser_reads_the_serve_line_as_eagle3_meant_it(tmp_path):
     """Where vLLM is installed (a GPU host): its `vllm serve` argument parser, not ours, reads the line."""
     pytest.importorskip("vllm")
     from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    argv = serve_line.vllm_serve_argv("/m/Kimi-K2.5", "/r/draft", 8, 3, True)
+    from eagle3.targets import kimi_format
+
+    kimi = _tokenizer_config(tmp_path / "Kimi-K2.5", kimi_format.SPECIAL_TOKENS)
+    argv = serve_line.vllm_serve_argv(kimi, "/r/draft", 8, 3, True)
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
-    assert (args.model_tag, args.tensor_parallel_size, args.trust_remote_code) == ("/m/Kimi-K2.5", 8, True)
+    assert (args.model_tag, args.tensor_parallel_size, args.trust_remote_code) == (kimi, 8, True)
+    assert (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser) == (True, "kimi_k2", "kimi_k2")
     spec = args.speculative_config
     spec = json.loads(spec) if isinstance(spec, str) else spec
     assert spec == {"method": "eagle3", "model": "/r/draft", "num_speculative_tokens": 3}
