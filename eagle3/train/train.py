@@ -506,7 +506,7 @@ def draft_shape(cfg: TrainConfig, store: Store) -> tuple[DraftShape, dict, str]:
 def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples, shape: DraftShape, tcfg: dict, target: str):
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    from eagle3.train import ttt_attention
+    from eagle3.train import dense_mask, ttt_attention
 
     n_draft = min(cfg.draft_vocab_size, shape.vocab_size)
     t2d, d2t = draft_vocab(samples.token_counts(shape.vocab_size), n_draft)
@@ -532,6 +532,8 @@ def build_draft(cfg: TrainConfig, store: Store, samples: StoreSamples, shape: Dr
         model = Eagle3DraftModel(config)
     if varlen:
         ttt_attention.install(model)
+    elif attn == "sdpa":
+        dense_mask.install(model)
     if cfg.draft_arch == "mla":
         from eagle3.train import mla_draft
 
