@@ -132,6 +132,61 @@ def tool(r: random.Random) -> dict:
     }
 
 
+def task(r: random.Random, calls: int, thinking: bool) -> list[dict]:
+    """One agentic task: a user asks ``calls`` questions at once; the assistant calls a tool for each (Kimi's ids
+    number the calls; renumbered by ``agentic``), reads the replies and answers them all. With ``thinking``, each
+    assistant turn carries its reasoning."""
+    uses = [_tool_use(r) for _ in range(calls)]
+    msgs: list[dict] = [{"role": "user", "content": " ".join(u[0] for u in uses)}]
+    for question, name, args, reply, _ in uses:
+        call = {"id": name, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+        turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+        if thinking:
+            turn["reasoning_content"] = f"The user asks: {question} I call {name} with {json.dumps(args)}."
+        msgs += [turn, {"role": "tool", "tool_call_id": name, "content": json.dumps(reply)}]
+    answer = {"role": "assistant", "content": " ".join(u[4] for u in uses)}
+    if thinking:
+        answer["reasoning_content"] = "Reading the replies: " + " ".join(json.dumps(u[3]) for u in uses)
+    return msgs + [answer]
+
+
+def agentic(r: random.Random, tasks: int) -> dict:
+    """A long agentic session: ``tasks`` tasks (1-4 tool calls each), a chat exchange between some, thinking in the
+    last task only (Kimi's template drops the thinking of turns before the last user message, so an earlier turn
+    keeps its rendering and the whole session is one sample). Call ids ``functions.NAME:K``, K counting the
+    session's calls."""
+    msgs: list[dict] = []
+    for t in range(tasks):
+        if t and r.random() < 0.3:
+            msgs += corpus.conversation(r)["messages"][:2]
+        msgs += task(r, r.randint(1, 4), thinking=t == tasks - 1)
+    k = 0
+    for m in msgs:
+        for call in m.get("tool_calls", []):
+            call["id"] = f"functions.{call['function']['name']}:{k}"
+            k += 1
+        if m["role"] == "tool":
+            m["tool_call_id"] = f"functions.{m['tool_call_id']}:{k - 1}"  # replies follow their calls one by one
+    return {"traffic": "agentic", "tools": TOOLS, "messages": msgs}
+
+
+def long_conversations(tokenizer, n: int, tokens: int, seed: int = 0) -> list[dict]:
+    """``n`` agentic sessions of at least ``tokens`` tokens each as the tokenizer's chat template renders them
+    (tasks added until they reach it)."""
+    r, out = random.Random(seed), []
+    for _ in range(n):
+        tasks = max(1, tokens // 250)  # a task renders to ~100-300 tokens in Kimi's format
+        while True:
+            conv = agentic(random.Random(r.random()), tasks)
+            text = tokenizer.apply_chat_template(conv["messages"], tools=conv["tools"], tokenize=False)
+            got = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if got >= tokens:
+                break
+            tasks = int(tasks * tokens / got) + 1
+        out.append(conv)
+    return out
+
+
 def generate(n: int, seed: int = 0) -> list[dict]:
     """n conversations, the three kinds in turn (chat, thinking, tool, chat, ...)."""
     r = random.Random(seed)
