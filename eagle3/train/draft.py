@@ -28,6 +28,18 @@ class DraftShapeError(ValueError):
     """A draft shape vLLM would refuse at a tensor-parallel size."""
 
 
+def _yarn(rs: dict) -> dict:
+    """DraftShape's YaRN fields from a rope_scaling / rope_parameters dict (none unless YaRN with a factor > 1)."""
+    if (rs.get("rope_type") or rs.get("type")) not in ("yarn", "deepseek_yarn") or float(rs.get("factor", 1)) <= 1:
+        return {}
+    return {
+        "rope_factor": float(rs["factor"]),
+        "rope_original_max": int(rs["original_max_position_embeddings"]),
+        "rope_beta_fast": float(rs.get("beta_fast", 32)),
+        "rope_beta_slow": float(rs.get("beta_slow", 1)),
+    }
+
+
 def _round_up(x: int, k: int) -> int:
     return -(-x // k) * k
 
@@ -46,6 +58,10 @@ class DraftShape:
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     num_layers: int = 1
+    rope_factor: float = 1.0  # the target's YaRN (1: plain RoPE): factor over its original context
+    rope_original_max: int = 0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
 
     @classmethod
     def for_target(cls, target_config: dict) -> DraftShape:
@@ -53,10 +69,9 @@ class DraftShape:
         heads, so every TP in SERVE_TPS divides them; intermediate rounded up to a multiple of 16.
         Kimi-K2.5 (hidden 7168): 64 heads x 128 (attention width 8192), 8 KV heads, intermediate 18432.
 
-        RoPE: plain (rope_type default) with the target's theta, whatever rope_scaling the target has. The
-        target's YaRN belongs to its own attention (for Kimi, DeepSeek-YaRN on MLA's 64 rope dims); the draft is
-        trained from scratch, and a plain RoPE is computed identically by speculators (training) and vLLM's
-        get_rope (serving). max_position_embeddings is the target's: vLLM caps the draft's context at it."""
+        RoPE: the target's theta and YaRN (factor, original context, betas; Kimi: x64 from 4k), so the draft's
+        positions stretch as the target's do; plain where the target has no YaRN. max_position_embeddings is the
+        target's: vLLM caps the draft's context at it."""
         text = target_config.get("text_config") or target_config
         hidden = int(text["hidden_size"])
         head_dim = 128 if hidden >= 2048 else 64 if hidden >= 512 else 32
@@ -73,6 +88,7 @@ class DraftShape:
             float(text.get("rms_norm_eps", 1e-6)),
             int(text.get("max_position_embeddings", 4096)),
             float(rope),
+            **_yarn(text.get("rope_scaling") or text.get("rope_parameters") or {}),
         )
 
     @classmethod
@@ -90,7 +106,17 @@ class DraftShape:
             int(layer.get("max_position_embeddings", 4096)),
             float(rope),
             int(layer.get("num_hidden_layers", 1)),
+            **_yarn(layer.get("rope_parameters") or {}),
         )
+
+    def rope_parameters(self) -> dict:
+        """As a Llama config carries them. DeepSeek's mscale keys stay out: vLLM's "yarn" ignores them and scales
+        cos and sin by 0.1 ln(factor) + 1, as transformers does without them (with them, by 1.0)."""
+        if self.rope_factor <= 1:
+            return {"rope_type": "default", "rope_theta": self.rope_theta}
+        return {"rope_type": "yarn", "rope_theta": self.rope_theta, "factor": self.rope_factor,
+                "original_max_position_embeddings": self.rope_original_max, "beta_fast": self.rope_beta_fast,
+                "beta_slow": self.rope_beta_slow}  # fmt: skip
 
     def llama_config(self, attn_implementation: str = "sdpa"):
         from transformers import LlamaConfig
@@ -105,7 +131,7 @@ class DraftShape:
             intermediate_size=self.intermediate_size,
             rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rope_parameters=self.rope_parameters(),
             hidden_act="silu",
             attention_bias=False,
             mlp_bias=False,

@@ -95,43 +95,40 @@ def test_fourteen_kv_heads_are_refused_at_tp_8_naming_the_rule():
         check_servable(shape, [16])
 
 
-def test_the_draft_ignores_the_targets_yarn_and_keeps_plain_rope_at_the_targets_length():
-    """Kimi-K2.5's MLA uses DeepSeek-YaRN (factor 64 from 4k) on its 64 rope dims. The draft is a Llama layer
-    trained from scratch: it carries plain RoPE (rope_type default, the target's theta) so the rotary speculators
-    trains with and the one vLLM builds from transformer_layer_config are the same function."""
+def test_the_draft_takes_the_targets_yarn_at_the_targets_length():
+    """Kimi-K2.5 stretches its positions by YaRN (x64 from 4k); the draft's Llama layer carries the same YaRN
+    (tests/unit/test_draft_rope.py: the tables equal vLLM's at long positions) and the target's length."""
     cfg = presets.from_name("kimi-k2.5").hf_config
     assert cfg["rope_scaling"]["type"] == "yarn"
     layer = DraftShape.for_target(cfg).llama_config().to_dict()
-    assert layer["rope_parameters"] == {"rope_type": "default", "rope_theta": 50000.0}
-    assert "rope_scaling" not in layer or layer["rope_scaling"] in (None, layer["rope_parameters"])
+    rope = layer["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 64.0, 4096)
+    assert rope["rope_theta"] == 50000.0 and "mscale" not in rope and "mscale_all_dim" not in rope
     assert layer["max_position_embeddings"] == 262144
 
 
-def test_speculators_rotary_is_plain_rope_with_the_exported_theta():
-    """What speculators computes at training time equals inv_freq = theta^(-2i/d), the default RoPE vLLM's
-    get_rope builds from rope_parameters {'rope_type': 'default', 'rope_theta': theta}."""
+@pytest.mark.parametrize("yarn", [True, False], ids=["yarn", "plain"])
+def test_speculators_rotary_is_the_rope_vllm_builds_from_the_export(yarn):
+    """What speculators computes at training time equals the tables vLLM builds from the exported rope_parameters:
+    YaRN (tests/unit/vllm_yarn_ref.py) for a target with YaRN, else plain inv_freq = theta^(-2i/d)."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
     from eagle3.train.draft import speculators_config
 
-    target = dict(
-        presets.from_name("tiny-kimi").hf_config,
-        rope_theta=12345.0,
-        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
-    )
+    from .vllm_yarn_ref import cos_sin
+
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024} if yarn else None
+    target = dict(presets.from_name("tiny-kimi").hf_config, rope_theta=12345.0, rope_scaling=scaling)
     shape = DraftShape.for_target(target)
     config = speculators_config(shape, [2, 4, 5], 64, 3, "/nonexistent", ["DeepseekV3ForCausalLM"])
     model = Eagle3DraftModel(config)
     pos = torch.tensor([[0, 1, 7, 100, 3000]])
-    x = torch.zeros(1, 5, 2 * shape.hidden_size)
-    cos, sin = model.rotary_emb(x, pos)
+    cos, sin = model.rotary_emb(torch.zeros(1, 5, 2 * shape.hidden_size), pos)
     d = shape.head_dim
-    inv = 12345.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = pos[0, :, None].double() * inv[None]
-    want = torch.cat([ang, ang], dim=-1)
-    # float32 angles at position 3000 carry ~1e-5 rounding; another theta or any scaling is off by O(1)
-    torch.testing.assert_close(cos[0].double(), want.cos(), atol=1e-4, rtol=0)
-    torch.testing.assert_close(sin[0].double(), want.sin(), atol=1e-4, rtol=0)
+    want_cos, want_sin = cos_sin(pos[0], d, 12345.0, 4.0 if yarn else 1.0, 1024)
+    # float32 angles at position 3000 carry ~1e-5 rounding; another theta or scaling is off by O(1)
+    torch.testing.assert_close(cos[0].double(), torch.cat([want_cos, want_cos], -1).double(), atol=1e-4, rtol=0)
+    torch.testing.assert_close(sin[0].double(), torch.cat([want_sin, want_sin], -1).double(), atol=1e-4, rtol=0)
     other = (pos[0, :, None].double() * (10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d))[None]).cos()
     assert (torch.cat([other, other], -1) - cos[0].double()).abs().max() > 0.1
 
