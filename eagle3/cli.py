@@ -864,10 +864,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--arch",
-        choices=["llama", "deepseek"],
+        choices=["llama", "deepseek", "deepseek-long"],
         default="llama",
         help="llama (hidden 256, 8 layers) or deepseek (DeepseekV3: Kimi's MLA latent sizes, MoE 8 experts "
-        "top-2 + 1 shared, first layer dense; hidden 256, 8 layers)",
+        "top-2 + 1 shared, first layer dense; hidden 256, 8 layers); deepseek-long: the same with Kimi's YaRN "
+        "over 32k positions, trained on 16k-token windows with long agentic sessions",
     )
     m.add_argument("--out", required=True, help="folder for the trained target")
     m.add_argument("--steps", type=POSITIVE, default=1500, help="training steps of the target")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import shutil
 import time
 from pathlib import Path
@@ -98,8 +99,32 @@ LEARNABLE_DEEPSEEK = TargetProfile(
     # trained on shorter windows than its prompts never learns the positions they reach, and drafts served on them
     # accept less for it
 )
+# The same target for long context: Kimi-K2.5's YaRN form (from a 4k original context; x8 here for 32k positions, as
+# Kimi's x64 for 256k), trained on 16k-token windows of its traffic with long agentic sessions among it.
+LEARNABLE_DEEPSEEK_LONG = TargetProfile(
+    "learnable-deepseek-long",
+    "DeepseekV3ForCausalLM",
+    256,
+    8,
+    1024,
+    hf_config=dict(
+        LEARNABLE_DEEPSEEK.hf_config,
+        max_position_embeddings=32768,
+        rope_scaling=dict(
+            type="yarn",
+            factor=8.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    ),
+    chat_format="kimi",
+    seq_len=16384,
+)
 LONG_CONTEXT = 4096  # tokens of a long-context prompt (issue 41: drafts compared at >= 4k tokens of context)
-ARCHES = {"llama": LEARNABLE, "deepseek": LEARNABLE_DEEPSEEK}
+ARCHES = {"llama": LEARNABLE, "deepseek": LEARNABLE_DEEPSEEK, "deepseek-long": LEARNABLE_DEEPSEEK_LONG}
 TRAIN_SEED, HELD_OUT_SEED = 100, 999  # conversation seeds: training text vs evaluation prompts
 # Held-out prompts to serve a draft on when two drafts' acceptance is compared against a bar of 0.05: 64 prompts
 # (~9 answer tokens each) give a standard error of ~0.05 on each acceptance, the size of the bar itself; 1024 give
@@ -108,10 +133,17 @@ EVAL_PROMPTS = 1024
 
 
 def conversations(arch: str, n: int, seed: int) -> list[dict]:
-    """The learnable target's text: templated dialogues (llama), or Kimi-style traffic (deepseek)."""
+    """The learnable target's text: templated dialogues (llama), Kimi-style traffic (deepseek), with one in eight a
+    long agentic session of 10-60 tasks (~2k-15k tokens) for deepseek-long."""
     from eagle3.data import kimi_traffic
 
-    return kimi_traffic.generate(n, seed=seed) if ARCHES[arch].chat_format == "kimi" else corpus.generate(n, seed=seed)
+    if ARCHES[arch].chat_format != "kimi":
+        return corpus.generate(n, seed=seed)
+    convs = kimi_traffic.generate(n, seed=seed)
+    if arch == "deepseek-long":
+        r = random.Random(seed + 1)
+        convs = [kimi_traffic.agentic(r, r.randint(10, 60)) if i % 8 == 7 else c for i, c in enumerate(convs)]
+    return convs
 
 
 def rendered(tokenizer, conversation: dict) -> list[int]:

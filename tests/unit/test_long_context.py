@@ -67,3 +67,33 @@ def test_a_16k_session_is_one_whole_sample_with_exactly_its_assistant_turns_lear
         assert all(a in text for a in answers) and text.count("<think>") == len(turns)
         thoughts = [m["reasoning_content"] for m in turns if m.get("reasoning_content")]
         assert thoughts and all(f"<think>{r}</think>" in text for r in thoughts)  # the last task's, kept
+
+
+def test_the_long_context_target_stretches_its_positions_as_kimi_does_and_trains_on_long_sessions(tmp_path):
+    """`make-target --arch deepseek-long`: the learnable DeepseekV3 with Kimi-K2.5's YaRN form (type, original 4k
+    context, betas, mscale keys) over 32k positions, trained on 16k-token windows of its traffic with long agentic
+    sessions among it; its draft carries the same YaRN (tests/unit/test_draft_rope.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.targets import learnable
+    from eagle3.targets.presets import KIMI_K25_TEXT
+    from eagle3.train.draft import DraftShape
+
+    long, short = learnable.ARCHES["deepseek-long"], learnable.ARCHES["deepseek"]
+    cfg, kimi = long.hf_config, KIMI_K25_TEXT["rope_scaling"]
+    assert cfg["max_position_embeddings"] == 32768 and long.seq_len == 16384 and long.chat_format == "kimi"
+    assert cfg["rope_scaling"] == dict(kimi, factor=8.0)  # 4k x 8 = 32k, as Kimi's 4k x 64 = 256k
+    same = {k: v for k, v in cfg.items() if k not in ("max_position_embeddings", "rope_scaling")}
+    assert same == {k: v for k, v in short.hf_config.items() if k != "max_position_embeddings"}
+    rope = DraftShape.for_target(cfg).llama_config().rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 8.0, 4096)
+    convs = learnable.conversations("deepseek-long", 64, seed=1)
+    agentic = [c for c in convs if c["traffic"] == "agentic"]
+    assert len(agentic) == 8 and {c["traffic"] for c in convs} == {"chat", "thinking", "tool", "agentic"}
+    assert learnable.conversations("deepseek", 64, seed=1) == kimi_traffic.generate(64, seed=1)  # unchanged
+    tiny.build_model(long, tmp_path / "t", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[5] * 8]), position_ids=torch.tensor([[30000 + i for i in range(8)]]))
+    assert torch.isfinite(logits.logits).all()
