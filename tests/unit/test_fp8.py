@@ -133,7 +133,7 @@ def test_the_trainer_reads_fp8_and_follows_the_bf16_curve(stores, tmp_path):
                 store=str(stores[name]),
                 out=str(tmp_path / name),
                 batch_samples=8,
-                epochs=2,
+                epochs=1,  # a reader without the scales parts the curves from the first step
                 seed=1,
                 draft_vocab_size=256,
                 checkpoint_minutes=0,
