@@ -143,7 +143,7 @@ def test_the_training_benchmark_runs_its_whole_table(monkeypatch, tmp_path):
     } <= keys, keys
 
 
-def test_a_short_lease_measures_only_the_parts_it_names(monkeypatch, tmp_path):
+def test_a_short_run_measures_only_the_parts_it_names(monkeypatch, tmp_path):
     """EAGLE3_BENCH_TRAIN_PARTS="varlen,compiled": the varlen rows and the compiled rows, no table, MLA rows nor
     searches (a GPU run with minutes left measures what it still lacks); an unknown part is refused by name."""
     import dataclasses
