@@ -86,7 +86,8 @@ def test_ci_runs_exactly_the_readme_s_test_command():
 _L, _D, _O = "lea" + "se", "dev" + "ice", "$" + "OUT"
 BUILD_WORDS = re.compile(
     rf"(?<![a-z]){_L}[sd]?(?![a-z])|{_D}[- ]time|{_D} machines?|\bgiven back\b|\bl" + r"ent\b|\bfl" + r"eet\b"
-    rf"|{re.escape(_O)}\b|\bnext sess" + r"ion\b|\bthis sess" + r"ion's\b|\btak" + r"en back\b",
+    rf"|{re.escape(_O)}\b|\bnext sess" + r"ion\b|\bthis sess" + r"ion's\b|\btak" + r"en back\b"
+    r"|\bidle rel" + r"ease\b|\bs charg" + r"ed\b|\bgot no mach" + r"ine\b|\bloss of the mach" + r"ine\b",
     re.IGNORECASE,
 )
 
@@ -120,6 +121,10 @@ def test_no_tracked_file_speaks_of_the_machines_the_project_was_built_on():
         ("the host was tak" + "en back for other work", True),
         ("no H200 was l" + "ent", True),
         (f"def test_a_short_{_L}_measures_only(", True),  # inside a name, between underscores
+        ("two runs lost to the idle rel" + "ease", True),
+        ("the first call got no mach" + "ine (91 s charg" + "ed)", True),
+        ("cut by the loss of the mach" + "ine during count", True),
+        ("a machine without a GPU; the charged particle", False),
         ("the release of the lock", False),  # words that merely contain them
         ("a silent failure; the talent", False),
         ("a session's GIL sampler", False),
