@@ -282,6 +282,17 @@ def extraction(records: list[Record]) -> list[Record]:
     return [r for r in records if "/" in r.key and not r.key.startswith(TRAIN_PREFIX)]
 
 
+def _save(fig, path, described: list | None) -> None:
+    """The figure written at 110 dpi and closed; where ``described`` is a list, its titles and labels added to it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    if described is not None:
+        described += describe(fig)
+    plt.close(fig)
+
+
 def describe(fig) -> list[dict]:
     """What a figure shows a reader, per panel: its title, its legend's labels, the labels of what it draws
     (lines and bars), and whether a dashed line is drawn."""
@@ -333,11 +344,7 @@ def trends(
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    if described is not None:
-        described += describe(fig)
-    plt.close(fig)
+    _save(fig, path, described)
     return drawn
 
 
@@ -429,11 +436,7 @@ def training_figure(records: list[Record], path: Path, described: list | None = 
         for ax in (left, right):
             ax.grid(True, axis="x", alpha=0.3)
         names += labels
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    if described is not None:
-        described += describe(fig)
-    plt.close(fig)
+    _save(fig, path, described)
     return names
 
 
@@ -548,11 +551,7 @@ def bars(
         legend = ax.legend(fontsize=7, ncol=4, loc="upper left")
         labels += [f"{prof} legend {t.get_text()}" for t in legend.get_texts()]
         ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    if described is not None:
-        described += describe(fig)
-    plt.close(fig)
+    _save(fig, path, described)
     return labels
 
 
