@@ -23,7 +23,7 @@ from tqdm import tqdm
 from eagle3 import ownership
 from eagle3.data import corpus
 from eagle3.targets import tiny
-from eagle3.targets.presets import TargetProfile
+from eagle3.targets.presets import KIMI_K25_TEXT, TargetProfile
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +110,7 @@ LEARNABLE_DEEPSEEK_LONG = TargetProfile(
     hf_config=dict(
         LEARNABLE_DEEPSEEK.hf_config,
         max_position_embeddings=32768,
-        rope_scaling=dict(
-            type="yarn",
-            factor=8.0,
-            original_max_position_embeddings=4096,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-        ),
+        rope_scaling=dict(KIMI_K25_TEXT["rope_scaling"], factor=8.0),
     ),
     chat_format="kimi",
     seq_len=16384,
