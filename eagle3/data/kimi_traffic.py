@@ -111,39 +111,39 @@ def thinking(r: random.Random) -> dict:
     }
 
 
+def _call_and_reply(name: str, args: dict, reply: dict, k: int) -> list[dict]:
+    """An assistant turn calling tool ``name`` (Kimi's id ``functions.NAME:K``, K counting the conversation's calls)
+    and the tool's reply to it."""
+    call_id = f"functions.{name}:{k}"
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": json.dumps(reply)},
+    ]
+
+
 def tool(r: random.Random) -> dict:
     question, name, args, reply, answer = _tool_use(r)
-    call_id = f"functions.{name}:0"
     return {
         "traffic": "tool",
         "tools": TOOLS,
-        "messages": [
-            {"role": "user", "content": question},
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
-                ],
-            },
-            {"role": "tool", "tool_call_id": call_id, "content": json.dumps(reply)},
-            {"role": "assistant", "content": answer},
-        ],
+        "messages": [{"role": "user", "content": question}]
+        + _call_and_reply(name, args, reply, 0)
+        + [{"role": "assistant", "content": answer}],
     }
 
 
-def task(r: random.Random, calls: int, thinking: bool) -> list[dict]:
-    """One agentic task: a user asks ``calls`` questions at once; the assistant calls a tool for each (Kimi's ids
-    number the calls; renumbered by ``agentic``), reads the replies and answers them all. With ``thinking``, each
-    assistant turn carries its reasoning."""
+def task(r: random.Random, calls: int, thinking: bool, first: int = 0) -> list[dict]:
+    """One agentic task: a user asks ``calls`` questions at once; the assistant calls a tool for each (the
+    conversation's calls ``first``, ``first`` + 1, ...), reads the replies and answers them all. With ``thinking``,
+    each assistant turn carries its reasoning."""
     uses = [_tool_use(r) for _ in range(calls)]
     msgs: list[dict] = [{"role": "user", "content": " ".join(u[0] for u in uses)}]
-    for question, name, args, reply, _ in uses:
-        call = {"id": name, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
-        turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+    for i, (question, name, args, reply, _) in enumerate(uses):
+        turns = _call_and_reply(name, args, reply, first + i)
         if thinking:
-            turn["reasoning_content"] = f"The user asks: {question} I call {name} with {json.dumps(args)}."
-        msgs += [turn, {"role": "tool", "tool_call_id": name, "content": json.dumps(reply)}]
+            turns[0]["reasoning_content"] = f"The user asks: {question} I call {name} with {json.dumps(args)}."
+        msgs += turns
     answer = {"role": "assistant", "content": " ".join(u[4] for u in uses)}
     if thinking:
         answer["reasoning_content"] = "Reading the replies: " + " ".join(json.dumps(u[3]) for u in uses)
@@ -156,17 +156,13 @@ def agentic(r: random.Random, tasks: int) -> dict:
     keeps its rendering and the whole session is one sample). Call ids ``functions.NAME:K``, K counting the
     session's calls."""
     msgs: list[dict] = []
+    calls = 0
     for t in range(tasks):
         if t and r.random() < 0.3:
             msgs += corpus.conversation(r)["messages"][:2]
-        msgs += task(r, r.randint(1, 4), thinking=t == tasks - 1)
-    k = 0
-    for m in msgs:
-        for call in m.get("tool_calls", []):
-            call["id"] = f"functions.{call['function']['name']}:{k}"
-            k += 1
-        if m["role"] == "tool":
-            m["tool_call_id"] = f"functions.{m['tool_call_id']}:{k - 1}"  # replies follow their calls one by one
+        n = r.randint(1, 4)
+        msgs += task(r, n, thinking=t == tasks - 1, first=calls)
+        calls += n
     return {"traffic": "agentic", "tools": TOOLS, "messages": msgs}
 
 
