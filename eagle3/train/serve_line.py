@@ -7,7 +7,8 @@ import json
 import shlex
 from pathlib import Path
 
-KIMI_TOOL_CALL = "<|tool_calls_section_begin|>"  # Kimi-K2's tool-call section token (targets/kimi_format.py)
+from eagle3.targets.kimi_format import TOOL_TOKENS
+
 KIMI_PARSERS = ["--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2", "--reasoning-parser", "kimi_k2"]
 
 
@@ -15,7 +16,7 @@ def parsers(target: str) -> list[str]:
     """vLLM's Kimi-K2 parsers where the target's tokenizer is in Kimi's format (as Kimi-K2.5 is served): without a
     tool parser vLLM refuses every chat request that carries tools. None for a target that is not a local folder."""
     config = Path(target) / "tokenizer_config.json"
-    return KIMI_PARSERS if config.is_file() and KIMI_TOOL_CALL in config.read_text() else []
+    return KIMI_PARSERS if config.is_file() and TOOL_TOKENS[0] in config.read_text() else []  # Kimi's section start
 
 
 def vllm_serve_argv(target: str, draft: str, tp: int, k: int, trust_remote_code: bool) -> list[str]:
