@@ -46,6 +46,12 @@ def pytest_addoption(parser):
         default=None,
         help="GPU suite: target profile name (kimi-k2.5, mini-kimi, ...); default from --target-model",
     )
+    g.addoption(
+        "--target-quantize",
+        choices=["int4"],
+        default=None,
+        help="GPU suite: the built target with its routed experts in INT4 as Kimi-K2.5's are (make-target --quantize)",
+    )
     g.addoption("--tp", type=int, default=1, help="GPU suite: tensor-parallel size")
     g.addoption("--gpu-out", default=None, help="GPU suite: folder for logs, reports and benchmark JSON")
 

@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -574,20 +573,17 @@ def cmd_eval_server(a) -> int:
     from eagle3 import ownership
     from eagle3.serve import server_eval
 
-    fresh = not Path(a.out).exists()
-    out = ownership.claim(a.out, "eval")
     with open(a.prompts) as f:
         conversations = [json.loads(line) for line, _ in zip(f, range(a.num_prompts))]
     try:
-        report = server_eval.measure(a.server, conversations, a.max_tokens, a.served_model)
+        with ownership.claimed(a.out, "eval") as out:  # nothing measured: no folder left behind
+            report = server_eval.measure(a.server, conversations, a.max_tokens, a.served_model)
+            (out / "eval.md").write_text("\n".join(report.lines()) + "\n")
+            (out / "eval.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
     except server_eval.ServerError as e:
-        if fresh:
-            shutil.rmtree(out)  # nothing measured: leave no folder behind
         where = f"{a.prompts} line {e.index + 1}: " if e.index is not None else ""
         print(f"eagle3 eval: {where}{e}", file=sys.stderr)
         return 1
-    (out / "eval.md").write_text("\n".join(report.lines()) + "\n")
-    (out / "eval.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
     print("\n".join(report.lines()))
     return 0
 
@@ -625,15 +621,24 @@ def cmd_eval(a) -> int:
 def cmd_make_target(a) -> int:
     from eagle3.targets import learnable
 
+    if a.source:
+        from eagle3.targets import int4
+
+        counts = int4.quantize_target(a.source, a.out)
+        print(f"target     {a.out}: {a.source} with {counts['quantized']} routed expert weights in INT4, "
+              f"{counts['kept']} tensors in bf16")  # fmt: skip
+        return 0
     try:
-        info = learnable.make_target(a.out, steps=a.steps, device=a.device, arch=a.arch, progress=True)
+        info = learnable.make_target(
+            a.out, steps=a.steps, device=a.device, arch=a.arch, progress=True, quantize=a.quantize
+        )
     except learnable.TooSlow as e:
         return _fail(a, e)
     prof = learnable.ARCHES[a.arch]
     print(
         f"target     {a.out} ({prof.name}: {prof.architecture}, hidden {prof.hidden_size}, {prof.num_hidden_layers} "
         f"layers) trained {info['steps']} steps in {info['seconds']} s; loss {info['first_loss']:.3f} -> "
-        f"{info['final_loss']:.3f}"
+        f"{info['final_loss']:.3f}" + (f"; routed experts in {a.quantize.upper()}" if a.quantize else "")
     )
     return 0
 
@@ -873,6 +878,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, help="folder for the trained target")
     m.add_argument("--steps", type=POSITIVE, default=1500, help="training steps of the target")
     m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    m.add_argument(
+        "--quantize",
+        choices=["int4"],
+        default=None,
+        help="int4: the routed experts written as Kimi-K2.5 ships them (compressed-tensors pack-quantized, group 32, "
+        "symmetric; attention, shared experts and the dense MLP in bf16), served by vLLM's WNA16 MoE kernels",
+    )
+    m.add_argument(
+        "--from",
+        dest="source",
+        default=None,
+        metavar="TARGET",
+        help="with --quantize: quantize this trained target (a make-target folder) instead of training one, so "
+        "both numeric forms hold the same weights",
+    )
     g = sub.add_parser(
         "regenerate",
         formatter_class=_Help,
@@ -1039,6 +1059,8 @@ def preflight(a) -> None:
         pf.train_attention(a.attn, a.compile, a.device)
         if a.device.startswith("cuda"):
             pf.cuda_available(f"train --device {a.device}")
+    elif a.cmd == "make-target":
+        _preflight_make_target(a)
     elif a.cmd == "show-mask":
         pf.model_folder(a.model, tokenizer=True, trust_remote_code=a.trust_remote_code)
         pf.data_files([a.data])
@@ -1082,6 +1104,20 @@ def preflight(a) -> None:
                 f"--history {' '.join(missing)}: no such file or folder; give the benchmark JSON "
                 "written by pytest --benchmark-json, or a folder of them"
             )
+
+
+def _preflight_make_target(a) -> None:
+    from eagle3 import preflight as pf
+
+    if a.source and not a.quantize:
+        raise pf.UsageError("--from TARGET is the target --quantize quantizes: add --quantize int4")
+    if a.quantize and not a.source and a.arch == "llama":
+        raise pf.UsageError("--quantize int4 quantizes routed experts, as Kimi-K2.5's are; --arch llama has none: use "
+                            "--arch deepseek or deepseek-long")  # fmt: skip
+    if a.source:
+        pf.model_folder(a.source, weights=True, tokenizer=True, what="--from")
+    if a.quantize:
+        pf.compressed_tensors_installed("make-target --quantize int4")
 
 
 def _fail(a, e: Exception) -> int:

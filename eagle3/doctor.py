@@ -32,6 +32,7 @@ def collect() -> dict[str, str]:
         "speculators": _version("speculators") or "not installed",
         "safetensors": _version("safetensors") or "not installed",
         "tokenizers": _version("tokenizers") or "not installed",
+        "compressed-tensors": _version("compressed-tensors") or "not installed (make-target --quantize int4 needs it)",
         "vllm": vllm_compat.support_verdict(vllm_compat.installed_version()),
     }
     for extra in ("torchvision", "torchaudio"):
@@ -51,6 +52,7 @@ CHECKS = [
     ("safetensors.torch", "safetensors"),
     ("tokenizers", "tokenizers"),
     ("speculators.models.eagle3", "speculators' EAGLE-3 model"),
+    ("compressed_tensors.compressors.pack_quantized", "compressed-tensors' INT4 packer (Kimi-K2.5's experts)"),
 ]
 
 

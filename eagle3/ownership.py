@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from eagle3.preflight import UsageError
@@ -83,6 +86,24 @@ def claim(folder: str | Path, kind: str, option: str = "--out") -> Path:
     if owner(p) != kind:
         write_new(p / MARK, json.dumps({"kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
     return p
+
+
+@contextmanager
+def claimed(folder: str | Path, kind: str, option: str = "--out") -> Iterator[Path]:
+    """claim ``folder``; where the block raises, put it back as it was: removed where this made it, emptied where it
+    was empty. A folder of ``kind`` from an earlier run is left as it is (a rerun resumes or rewrites it)."""
+    p = Path(folder)
+    before = "new" if not p.exists() else "empty" if p.is_dir() and not any(p.iterdir()) else "kept"
+    p = claim(p, kind, option)
+    try:
+        yield p
+    except BaseException:
+        if before == "new":
+            shutil.rmtree(p, ignore_errors=True)
+        elif before == "empty":
+            for child in p.iterdir():
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        raise
 
 
 def write_new(path: Path, data: bytes) -> None:

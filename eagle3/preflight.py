@@ -83,6 +83,16 @@ def vllm_installed(command: str) -> None:
         )
 
 
+def compressed_tensors_installed(command: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("compressed_tensors") is None:
+        raise UsageError(
+            f"{command} needs compressed-tensors, which is not installed here: pip install compressed-tensors==0.17.0 "
+            "(the version vLLM 0.26 pins; vLLM installs it)"
+        )
+
+
 def cuda_available(command: str) -> None:
     if not machine.has_driver():
         raise UsageError(

@@ -56,6 +56,17 @@ def generate_turn(
     return y[0, len(ids) :].tolist()
 
 
+def load_model(path: str | Path, dtype: str | None, device: str, trust_remote_code: bool = False):
+    """transformers' model of a target folder, every parameter in ``dtype`` (None: the checkpoint's), in eval mode.
+    An INT4 target's experts come out of compressed-tensors in their scales' dtype (bf16), so the cast is explicit."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=getattr(torch, dtype) if dtype else "auto", trust_remote_code=trust_remote_code
+    )
+    return model.to(device=device, dtype=getattr(torch, dtype) if dtype else None).eval()
+
+
 class HFBackend:
     name = "hf"
 
@@ -69,14 +80,7 @@ class HFBackend:
         batch_size: int = 1,
         trust_remote_code: bool = False,
     ):
-        from transformers import AutoModelForCausalLM
-
-        dtype = getattr(torch, compute_dtype) if compute_dtype else "auto"
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, trust_remote_code=trust_remote_code)
-            .to(device)
-            .eval()
-        )
+        self.model = load_model(model_path, compute_dtype, device, trust_remote_code)
         self.stack = decoder_stack(self.model)
         self.num_layers = len(self.stack.layers)
         self.layer_ids = validate_layer_ids(layer_ids, self.num_layers)

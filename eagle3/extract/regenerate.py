@@ -208,12 +208,10 @@ class HFGenerator:
     """transformers generate, one prompt at a time (each with its own seed)."""
 
     def __init__(self, target: str, device: str, trust_remote_code: bool = False):
-        import torch
-        from transformers import AutoModelForCausalLM
+        from eagle3.extract.hf_backend import load_model
 
         self.device = device
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, trust_remote_code=trust_remote_code)
-        self.model = model.to(device).eval()
+        self.model = load_model(target, "float32", device, trust_remote_code)
 
     def __call__(self, prompts: list[list[int]], seeds: list[int], cfg: RegenConfig, stops: set[int]):
         from eagle3.extract.hf_backend import generate_turn

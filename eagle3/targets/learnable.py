@@ -10,10 +10,10 @@ builds it (a minute on a GPU; the CPU works for a few steps in tests).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from eagle3 import ownership
 from eagle3.data import corpus
-from eagle3.targets import tiny
+from eagle3.preflight import UsageError
+from eagle3.targets import int4, tiny
 from eagle3.targets.presets import KIMI_K25_TEXT, TargetProfile
 
 log = logging.getLogger(__name__)
@@ -166,14 +167,11 @@ class TooSlow(RuntimeError):
     pass
 
 
-def _check_time(began: Path | None, device: str, steps: int, per_step: float, cpu_limit_s: float, bar) -> None:
-    """Say how long the run will take; on the CPU refuse one over ``cpu_limit_s``, removing ``began`` (the folder
-    this run made; None where it was there before)."""
+def _check_time(device: str, steps: int, per_step: float, cpu_limit_s: float, bar) -> None:
+    """Say how long the run will take; on the CPU refuse one over ``cpu_limit_s``."""
     total = per_step * steps
     bar.write(f"make-target: about {total / 60:.1f} min on {device} ({per_step:.2f} s a step, {steps} steps)")
     if device == "cpu" and total > cpu_limit_s:
-        if began is not None:
-            shutil.rmtree(began)
         raise TooSlow(
             f"make-target on the CPU would take about {total / 60:.0f} min ({per_step:.1f} s a step x {steps} steps; "
             f"the limit is {cpu_limit_s / 60:.0f} min): run it on a GPU, or give fewer --steps"
@@ -192,19 +190,34 @@ def make_target(
     arch: str = "llama",
     progress: bool = False,
     cpu_limit_s: float = CPU_LIMIT_S,
+    quantize: str | None = None,
 ) -> dict:
     """Build, train and save the learnable target (``arch``: llama or deepseek) in ``out``; returns {final_loss,
     first_loss, steps, seconds, tokens, arch}. Windows of the profile's seq_len (llama 256, deepseek 4608), as many a
     step as fit in 16,384 tokens (deepseek: 3, 13,824 tokens), unless given. On the CPU a run estimated (from its
-    first steps) to take more than ``cpu_limit_s`` is refused, and the folder it began is removed."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    first steps) to take more than ``cpu_limit_s`` is refused, and the folder it began is removed. ``quantize``
+    "int4": the routed experts saved as Kimi-K2.5's are (targets/int4.py)."""
     if arch not in ARCHES:
         raise ValueError(f"arch {arch!r}: use {' or '.join(ARCHES)}")
+    if quantize not in (None, "int4"):
+        raise ValueError(f"quantize {quantize!r}: use int4")
+    if quantize and not ARCHES[arch].hf_config.get("n_routed_experts"):
+        raise UsageError(f"--quantize int4 quantizes routed experts, as Kimi-K2.5's are; --arch {arch} has none: "
+                         f"use --arch deepseek or deepseek-long")  # fmt: skip
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     seq_len, batch = windows(arch, seq_len, batch)
-    fresh = not Path(out).exists() or not any(Path(out).iterdir())  # a refusal removes only a folder it began
-    out = ownership.claim(out, "target")
+    with ownership.claimed(out, "target") as out:  # a refusal or a failure leaves no folder it began
+        info = _train_and_save(out, steps, batch, seq_len, lr, device, seed, n_conversations, arch, progress,
+                               cpu_limit_s)  # fmt: skip
+        if quantize:
+            info.update(int4.quantize_files(out, out, device), quantize=quantize)
+            (out / "eagle3_target.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+def _train_and_save(out: Path, steps, batch, seq_len, lr, device, seed, n_conversations, arch, progress, cpu_limit_s):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tiny.build_model(ARCHES[arch], out, seed=seed)
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device).train()
@@ -216,7 +229,7 @@ def make_target(
     bar = tqdm(total=steps, desc=f"target ({device})", unit="step", disable=not progress)
     for step in range(steps):
         if step == ESTIMATE_AFTER:
-            _check_time(out if fresh else None, device, steps, (time.perf_counter() - t0) / step, cpu_limit_s, bar)
+            _check_time(device, steps, (time.perf_counter() - t0) / step, cpu_limit_s, bar)
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
         starts = torch.randint(0, n_windows, (batch,), generator=g) * seq_len
@@ -245,7 +258,7 @@ def make_target(
         "batch": batch,
         "profile": ARCHES[arch].name,
     }
-    (out / "eagle3_target.json").write_text(__import__("json").dumps(info, indent=1))
+    (out / "eagle3_target.json").write_text(json.dumps(info, indent=1))
     return info
 
 

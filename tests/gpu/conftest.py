@@ -87,6 +87,12 @@ def target(request, tmp_path_factory, report) -> TargetUnderTest:
     folder = tiny.build_model(
         profile, tmp_path_factory.mktemp(profile.name), seed=0, dtype="bfloat16", device="cuda", fixed_routing=True
     )
+    if request.config.getoption("--target-quantize"):  # the same weights, routed experts in INT4 (Kimi's scheme)
+        from eagle3.targets import int4
+
+        counts = int4.quantize_target(folder, folder.parent / f"{folder.name}-int4", device="cuda")
+        folder = folder.parent / f"{folder.name}-int4"
+        report("target_int4", counts)
     report("target_build_s", round(time.perf_counter() - t0, 1))
     return TargetUnderTest(folder, profile, tp, local=True)
 

@@ -171,3 +171,29 @@ def test_a_folder_another_command_made_is_refused_naming_what_it_holds(world, tm
     err = capsys.readouterr().err
     assert f"holds {ownership.KINDS[other]}, not {ownership.KINDS[KIND[command]]}" in err, err
     assert snapshot(folder) == before
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("before", ["new", "empty", "earlier run"])
+def test_a_failed_command_leaves_its_out_folder_as_it_found_it(tmp_path, before):
+    """ownership.claimed: a folder this run made is removed, an empty one is emptied back, a folder of the same kind
+    from an earlier run (a rerun) keeps what it held."""
+    out = tmp_path / "parent" / "out"
+    if before != "new":
+        out.mkdir(parents=True)
+    if before == "earlier run":
+        with ownership.claimed(out, "eval"):
+            (out / "eval.json").write_text("{}")
+    with pytest.raises(Boom), ownership.claimed(out, "eval") as folder:
+        (folder / "half-written.json").write_text("{")
+        (folder / "sub").mkdir()
+        raise Boom
+    if before == "new":
+        assert not out.exists()
+    elif before == "empty":
+        assert out.is_dir() and list(out.iterdir()) == []
+    else:
+        assert (out / "eval.json").read_text() == "{}" and ownership.owner(out) == "eval"
