@@ -17,9 +17,10 @@ import torch
 
 from eagle3 import ownership
 from eagle3.preflight import UsageError, compressed_tensors_installed
+from eagle3.targets.presets import KIMI_K25_QUANT
 
 GROUP = 32
-KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]
+KIMI_IGNORE = KIMI_K25_QUANT["ignore"]
 NOT_LINEAR = (".embed_tokens.weight", ".mlp.gate.weight")  # embeddings and the router: no Linear in either engine
 
 

@@ -127,6 +127,38 @@ KIMI_K25_TEXT = dict(
 )
 
 
+# Kimi-K2.5's quantization_config (in its text_config): routed experts int4, group 32, symmetric, pack-quantized;
+# attention, shared experts, the dense MLP and lm_head kept (the ignore list). targets/int4.py writes it.
+KIMI_K25_QUANT = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "group_size": 32, "symmetric": True, "strategy": "group"},
+        }
+    },
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
+}
+
+
+def _kimi_k25_class(name: str, text: dict, **kw) -> TargetProfile:
+    """Kimi-K2.5's own class (vLLM 0.26 kimi_k25.py: a MoonViT vision tower and the DeepseekV3 language model, which
+    it hands the aux layers to) around ``text``, a one-layer vision tower. config.json only, served with
+    load_format="dummy" and no tokenizer (text-only: token-id prompts)."""
+    vision = dict(model_type="kimi_k25_vision", patch_size=14, num_hidden_layers=1, hidden_size=256,
+                  num_attention_heads=4, intermediate_size=512, merge_kernel_size=[2, 2])  # fmt: skip
+    cfg = dict(
+        architectures=["KimiK25ForConditionalGeneration"],
+        model_type="kimi_k25",
+        media_placeholder_token_id=163605,
+        vision_config=vision,
+        text_config=dict(text, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"),
+    )
+    return TargetProfile(name, "KimiK25ForConditionalGeneration", 7168, int(text["num_hidden_layers"]), 163840,
+                         build="config", hf_config=cfg, **kw)  # fmt: skip
+
+
 PRESETS: dict[str, TargetProfile] = {
     # The production target: states are asserted, never built here. 4 x [512, 7168] bf16 per sample.
     "kimi-k2.5": TargetProfile(
@@ -147,32 +179,6 @@ PRESETS: dict[str, TargetProfile] = {
         mla=KIMI_MLA,
         max_pos=16384,
         build="config",
-    ),
-    # Kimi-K2.5's own class: KimiK25ForConditionalGeneration (vLLM 0.26 kimi_k25.py: a MoonViT vision tower and the
-    # DeepseekV3 language model, which it hands the aux layers to), text_config = kimi-depth's, a one-layer vision
-    # tower. config.json only, served with load_format="dummy" and no tokenizer (text-only: token-id prompts).
-    "kimi-k25-depth": TargetProfile(
-        "kimi-k25-depth",
-        "KimiK25ForConditionalGeneration",
-        7168,
-        61,
-        163840,
-        build="config",
-        hf_config=dict(
-            architectures=["KimiK25ForConditionalGeneration"],
-            model_type="kimi_k25",
-            text_config=None,
-            media_placeholder_token_id=163605,
-            vision_config=dict(
-                model_type="kimi_k25_vision",
-                patch_size=14,
-                num_hidden_layers=1,
-                hidden_size=256,
-                num_attention_heads=4,
-                intermediate_size=512,
-                merge_kernel_size=[2, 2],
-            ),
-        ),
     ),
     # Same layer shapes as Kimi-K2.5 (hidden 7168, Kimi's MLA dims), 8 layers and 8 experts: one GPU.
     "mini-kimi": _deepseek(
@@ -236,8 +242,15 @@ PRESETS: dict[str, TargetProfile] = {
         ),
     ),
 }
-PRESETS["kimi-k25-depth"].hf_config["text_config"] = dict(
-    PRESETS["kimi-depth"].hf_config, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"
+# Kimi-K2.5's class around kimi-depth (61 layers, 8 experts): 61 GB of bf16 weights.
+PRESETS["kimi-k25-depth"] = _kimi_k25_class("kimi-k25-depth", PRESETS["kimi-depth"].hf_config)
+# Kimi-K2.5's class at its full expert width and quantization: its own text_config (384 routed experts of 2048, top-8)
+# and quantization_config, 6 layers (the first dense; ~9.5 GB of int4 experts a layer, ~56 GB in all): the WNA16
+# MoE kernels Kimi-K2.5 runs, on one GPU.
+PRESETS["kimi-k25-int4"] = _kimi_k25_class(
+    "kimi-k25-int4",
+    dict(KIMI_K25_TEXT, num_hidden_layers=6, quantization_config=KIMI_K25_QUANT),
+    layer_ids=(2, 3, 4, 6),  # (2, L//2, L-3, L) repeats an id below 7 layers
 )
 
 

@@ -58,20 +58,25 @@ def write_verifier_weights(folder, head_files, prefix: str = "language_model.") 
     )
 
 
-def test_kimi_k25_class_captures_self_checks_and_serves_a_draft(tmp_path_factory, tmp_path, report, gpu_out):
+def needs_gpu_memory(gb: float, what: str) -> None:
+    """Skip, saying how much it needs, a test whose engine does not fit this GPU."""
+    have = torch.cuda.get_device_properties(0).total_memory / 1e9
+    if have < gb:
+        pytest.skip(f"{what} needs a GPU of about {gb:.0f} GB; this one has {have:.0f} GB")
+
+
+def capture_and_selfcheck(prof, folder, ids, tmp_path, report, key: str, gpu_memory_utilization: float):
+    """Start the engine on ``folder`` (dummy weights), capture 32 x 512 random-token samples at ``ids``, check the
+    store and every state ([512, 7168] bf16, finite, layers distinct), and run the final-state self-check on the
+    engine's own head (the last id's state passes, its post-norm form fails). Returns (store, head files)."""
     from eagle3.extract.vllm_backend import VLLMBackend
 
-    prof = presets.from_name("kimi-k25-depth")
-    folder = tiny.build_model(prof, tmp_path_factory.mktemp("kimi-k25-depth"), dtype="bfloat16")
-    cfg = json.loads((folder / "config.json").read_text())
-    assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"] and cfg["text_config"]["num_hidden_layers"] == 61
-    spec = extract.store_spec(folder, None, "bfloat16")
-    assert spec.layer_ids == IDS
+    spec = extract.store_spec(folder, ids, "bfloat16")
     t0 = time.perf_counter()
     backend = VLLMBackend(
         str(folder),
         spec,
-        gpu_memory_utilization=0.85,
+        gpu_memory_utilization=gpu_memory_utilization,
         max_model_len=4096,
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
         load_format="dummy",
@@ -79,40 +84,65 @@ def test_kimi_k25_class_captures_self_checks_and_serves_a_draft(tmp_path_factory
         extra_engine_args={"enforce_eager": True},
     )  # compiled capture at this depth: test_kimi_depth;
     # eager saves the 67 s of torch.compile and 55 s of CUDA graphs this engine took (2026-12-04 run, init 145.7 s)
-    report("kimi_k25_engine_start_s", round(time.perf_counter() - t0, 1))
-    report("kimi_k25_capture", backend.strategy)
-    report("kimi_k25_unit_norms", backend.unit_norms())
+    report(f"{key}_engine_start_s", round(time.perf_counter() - t0, 1))
+    report(f"{key}_capture", backend.strategy)
+    report(f"{key}_unit_norms", backend.unit_norms())
     try:
         samples = random_samples(32, 512, prof.vocab_size, seed=81)
         store = tmp_path / "store"
         ex = extract.run(
-            extract.ExtractConfig(model=str(folder), out=str(store), backend="vllm", batch_size=16, selfcheck=0),
+            extract.ExtractConfig(
+                model=str(folder), out=str(store), backend="vllm", batch_size=16, selfcheck=0, layer_ids=ids
+            ),
             samples=samples,
             backend=backend,
             progress=False,
         )
-        report("kimi_k25_extract", {"samples": ex.samples_written, "tokens_per_s": round(ex.tokens_per_s)})
+        report(f"{key}_extract", {"samples": ex.samples_written, "tokens_per_s": round(ex.tokens_per_s)})
         assert verify.verify(store).ok
         st = Store.open(store)
-        assert tuple(st.spec.layer_ids) == IDS
+        assert tuple(st.spec.layer_ids) == ids
         got = {s["sample_id"]: s for s in st.iter_samples()}
         assert len(got) == 32
         for s in got.values():
-            states = [s["states"][i] for i in IDS]
-            assert all(tuple(t.shape) == (512, 7168) and torch.isfinite(t).all() for t in states)
+            states = [s["states"][i] for i in ids]
+            assert all(tuple(t.shape) == (512, 7168) and t.dtype == torch.bfloat16 for t in states)
+            assert all(torch.isfinite(t).all() for t in states)
             assert all(rel_err(states[a], states[b]) > 1e-3 for a in range(4) for b in range(a + 1, 4)), s["sample_id"]
         first = samples[:8]
         engine = backend.top_logprobs(first, selfcheck.K)
         head_files = backend.dump_head(tmp_path)
         head = selfcheck.load_head_files(head_files, 1e-6)
-        right = selfcheck.last_states([got[s.sample_id] for s in first], 61)
+        right = selfcheck.last_states([got[s.sample_id] for s in first], ids[-1])
         h = right.float()
         post = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm).bfloat16()
         ok, bad = selfcheck.compare(head, right, engine), selfcheck.compare(head, post, engine)
-        report("kimi_k25_selfcheck", {"id 61": ok.line(), "post-norm": bad.line()})
+        report(f"{key}_selfcheck", {f"id {ids[-1]}": ok.line(), "post-norm": bad.line()})
         assert ok.ok and not bad.ok, (ok.line(), bad.line())
     finally:
         backend.close()
+    return store, head_files
+
+
+def test_kimi_k25_class_at_full_expert_width_in_int4_captures_and_self_checks(tmp_path_factory, tmp_path, report):
+    """Kimi-K2.5's class with its own text_config (384 routed experts of 2048, top-8) and quantization_config (INT4
+    experts: vLLM's compressed-tensors WNA16 MoE kernels, as Kimi-K2.5 is served), 6 layers: ~56 GB of weights."""
+    needs_gpu_memory(75, "Kimi-K2.5's class at 6 layers of 384 INT4 experts")
+    prof = presets.from_name("kimi-k25-int4")
+    folder = tiny.build_model(prof, tmp_path_factory.mktemp("kimi-k25-int4"), dtype="bfloat16")
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    assert text["n_routed_experts"] == 384 and text["quantization_config"]["format"] == "pack-quantized"
+    capture_and_selfcheck(prof, folder, prof.layer_ids, tmp_path, report, "kimi_k25_int4", 0.9)
+
+
+def test_kimi_k25_class_captures_self_checks_and_serves_a_draft(tmp_path_factory, tmp_path, report, gpu_out):
+    needs_gpu_memory(100, "Kimi-K2.5's class at 61 layers (61 GiB of bf16 weights at 0.85 of the GPU)")
+    prof = presets.from_name("kimi-k25-depth")
+    folder = tiny.build_model(prof, tmp_path_factory.mktemp("kimi-k25-depth"), dtype="bfloat16")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"] and cfg["text_config"]["num_hidden_layers"] == 61
+    assert extract.store_spec(folder, None, "bfloat16").layer_ids == IDS
+    store, head_files = capture_and_selfcheck(prof, folder, IDS, tmp_path, report, "kimi_k25", 0.85)
 
     write_verifier_weights(folder, head_files)
     tr = train.train(

@@ -107,17 +107,7 @@ def test_make_target_takes_the_arch_and_refuses_another():
 
 # Kimi-K2.5's published config.json, as vLLM 0.26's KimiK25Config reads it (the text model's shapes as in
 # eagle3.targets.presets.KIMI_K25_TEXT), with its INT4 experts' quantization_config at the top or in text_config.
-QUANT = {
-    "quant_method": "compressed-tensors",
-    "format": "pack-quantized",
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 4, "type": "int", "group_size": 32, "symmetric": True, "strategy": "group"},
-        }
-    },
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
-}
+QUANT = presets.KIMI_K25_QUANT
 
 
 def kimi_k25_config(quant_in_text: bool) -> dict:

@@ -55,7 +55,7 @@ def test_the_config_carries_kimi_k25_s_quantization_config_and_every_reader_take
     from eagle3.extract import extract
     from eagle3.targets import presets
     from eagle3.train.draft import DraftShape
-    from tests.unit.test_deepseek_target import QUANT  # Kimi-K2.5's own fields
+    QUANT = presets.KIMI_K25_QUANT  # Kimi-K2.5's own fields
 
     src, out, _ = pair
     cfg = json.loads((out / "config.json").read_text())
@@ -179,3 +179,29 @@ def test_a_quantized_target_is_not_quantized_again_and_the_folder_begun_is_remov
     assert cli.main(["make-target", "--quantize", "int4", "--from", str(q), "--out", str(tmp_path / "again")]) == 2
     assert "quantized already" in capsys.readouterr().err
     assert not (tmp_path / "again").exists()
+
+
+def test_kimi_k25_s_class_at_full_expert_width_reads_as_kimi_k25(tmp_path):
+    """The GPU suite's kimi-k25-int4 profile: Kimi-K2.5's own class, text_config (384 experts of 2048, top-8) and
+    quantization_config, 6 layers. Its config parses as compressed-tensors' own, and the readers take it."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from eagle3.extract import extract
+    from eagle3.targets import presets
+    from eagle3.train.draft import DraftShape, check_servable
+
+    prof = presets.from_name("kimi-k25-int4")
+    folder = tiny.build_model(prof, tmp_path / "k", dtype="bfloat16")
+    cfg = json.loads((folder / "config.json").read_text())
+    text = cfg["text_config"]
+    assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"]
+    kimi = {k: v for k, v in presets.KIMI_K25_TEXT.items() if k != "num_hidden_layers"}
+    assert {k: text[k] for k in kimi} == kimi and text["num_hidden_layers"] == 6
+    parsed = QuantizationConfig.model_validate(text["quantization_config"])
+    assert parsed.format == "pack-quantized" and parsed.ignore == int4.KIMI_IGNORE
+    assert parsed.config_groups["group_0"].weights.group_size == 32
+    spec = extract.store_spec(folder, prof.layer_ids, "bfloat16")
+    assert spec.layer_ids == (2, 3, 4, 6) and spec.hidden_size == 7168 and spec.bytes_per_token == 4 * 7168 * 2
+    shape = DraftShape.for_target(cfg)
+    assert shape.hidden_size == 7168
+    check_servable(shape, (1, 8))
