@@ -55,6 +55,7 @@ def test_the_config_carries_kimi_k25_s_quantization_config_and_every_reader_take
     from eagle3.extract import extract
     from eagle3.targets import presets
     from eagle3.train.draft import DraftShape
+
     QUANT = presets.KIMI_K25_QUANT  # Kimi-K2.5's own fields
 
     src, out, _ = pair
