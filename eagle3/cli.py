@@ -858,9 +858,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--long-context",
-        type=POSITIVE,
-        default=4096,
-        help="tokens of a long prompt in all: earlier conversations, then the held-out prompt",
+        type=_int_list("--long-context"),
+        default=(4096,),
+        help="tokens of a long prompt in all: earlier conversations, then the held-out prompt; several "
+        "(4096,8192,16384): --long-prompts prompts at each length, in the same engine",
     )
     m = sub.add_parser(
         "make-target",

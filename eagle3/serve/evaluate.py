@@ -47,9 +47,11 @@ class EvalConfig:
     # them (0: none)
     cuda_graphs: bool = False  # serve as production does (torch.compile + CUDA graphs); eager by default
     long_prompts: int = 0  # then, in the same engine, this many of the learnable target's held-out prompts made
-    long_context: int = 4096  # this many tokens long by earlier conversations (learnable.LONG_CONTEXT): report.long
+    long_context: int | tuple[int, ...] = 4096  # this many tokens long by earlier conversations, each length in turn
+    # (learnable.LONG_CONTEXT): report.long[str(length)]
 
     def __post_init__(self):
+        self.long_context = (self.long_context,) if isinstance(self.long_context, int) else tuple(self.long_context)
         if self.long_prompts and (self.prompts is not None or self.prompt_ids is not None):
             raise ValueError(
                 "long_prompts makes long-context prompts from the learnable target's held-out "
@@ -60,7 +62,7 @@ class EvalConfig:
             self.max_model_len = max(
                 2048,
                 self.context_tokens + self.max_tokens,
-                (self.long_context + self.max_tokens) if self.long_prompts else 0,
+                (max(self.long_context) + self.max_tokens) if self.long_prompts else 0,
             )
 
 
@@ -123,8 +125,9 @@ class EvalReport:
     drafter: dict = field(default_factory=dict)  # what vLLM loaded (eagle3_drafter_info)
     per_traffic: dict = field(default_factory=dict)  # traffic type (chat / thinking / tool) -> SpecRun of its prompts
     notes: list = field(default_factory=list)  # what the evaluation could not measure, and why
-    long: SpecRun | None = None  # the long_prompts, served after the others by the same engine
-    long_per_traffic: dict = field(default_factory=dict)
+    long: dict = field(default_factory=dict)  # str(tokens) -> SpecRun of the long_prompts of that length, served
+    # after the others by the same engine
+    long_per_traffic: dict = field(default_factory=dict)  # str(tokens) -> traffic type -> SpecRun
 
     def lines(self) -> list[str]:
         d = self.draft
@@ -140,16 +143,15 @@ class EvalReport:
                 f"  {name:<12} acceptance length {r.acceptance_length:.3f} +- {r.acceptance_se:.3f} over "
                 f"{r.drafts} drafts"
             )
-        if self.long:
-            r = self.long
+        for tokens, r in self.long.items():
             out.append(
                 f"long prompts   acceptance length {r.acceptance_length:.3f} +- {r.acceptance_se:.3f} over "
-                f"{r.drafts} drafts ({self.config['long_prompts']} prompts of {self.config['long_context']} "
-                "tokens: earlier conversations, then the prompt)"
+                f"{r.drafts} drafts ({self.config['long_prompts']} prompts of {tokens} tokens: earlier "
+                "conversations, then the prompt)"
             )
             out += [
                 f"  {name:<12} acceptance length {x.acceptance_length:.3f} over {x.drafts} drafts"
-                for name, x in self.long_per_traffic.items()
+                for name, x in self.long_per_traffic.get(tokens, {}).items()
             ]
         if self.shifted:
             s = self.shifted
@@ -344,17 +346,16 @@ def run(cfg: EvalConfig) -> EvalReport:
     from transformers import AutoTokenizer
 
     ownership.claim(cfg.out, "eval")  # before the engine starts: a user's folder is refused in a second
-    long: list = []
+    long: dict = {}  # str(tokens) -> (prompts, traffic groups)
     if cfg.prompt_ids is not None:
         prompts = [list(p) for p in cfg.prompt_ids[: cfg.num_prompts]]
         groups = {"chat": list(range(len(prompts)))}
     else:
         tokenizer = AutoTokenizer.from_pretrained(cfg.target, trust_remote_code=cfg.trust_remote_code)
         prompts, groups = load_prompts(cfg, tokenizer)
-        if cfg.long_prompts:
-            long, long_groups = load_prompts(
-                replace(cfg, num_prompts=cfg.long_prompts, context_tokens=cfg.long_context, long_prompts=0), tokenizer
-            )
+        for tokens in cfg.long_context if cfg.long_prompts else ():
+            at = replace(cfg, num_prompts=cfg.long_prompts, context_tokens=tokens, long_prompts=0)
+            long[str(tokens)] = load_prompts(at, tokenizer)
     prepare_environment()  # the V1 runner (V2 has no drafter) and spawned workers, as the capture's engines
     draft_cfg = json.loads((Path(cfg.draft) / "config.json").read_text())
     ids = list(draft_cfg["eagle_aux_hidden_state_layer_ids"])
@@ -406,9 +407,9 @@ def run(cfg: EvalConfig) -> EvalReport:
         per_traffic=per if len(per) > 1 else {},
         notes=notes,
     )
-    if long:  # the same engine: no second start for the long-context figure
-        _, report.long, counters, per_long = _run_by_traffic(llm, long, long_groups, cfg.max_tokens, counters)
-        report.long_per_traffic = per_long if len(per_long) > 1 else {}
+    for tokens, (rows, traffic) in long.items():  # the same engine: no start of its own for each length
+        _, report.long[tokens], counters, per_long = _run_by_traffic(llm, rows, traffic, cfg.max_tokens, counters)
+        report.long_per_traffic[tokens] = per_long if len(per_long) > 1 else {}
     if cfg.shifted:
         shifted = [i + 1 for i in ids]
         llm.collective_rpc("eagle3_set_aux_layers", args=(shifted,))

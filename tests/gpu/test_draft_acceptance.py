@@ -548,7 +548,9 @@ def test_draft_variants_are_served_on_the_deepseek_target(chain, report):
         if r is None:
             return
         row = table.setdefault(name, {})
-        for what, run, per in (("short", r.draft, r.per_traffic), ("long_4k", r.long, r.long_per_traffic)):
+        at = str(learnable.LONG_CONTEXT)
+        long, per_long = r.long.get(at), r.long_per_traffic.get(at, {})
+        for what, run, per in (("short", r.draft, r.per_traffic), ("long_4k", long, per_long)):
             if run is not None:
                 row.update({what: round(run.acceptance_length, 3), f"{what}_se": round(run.acceptance_se, 4)})
                 row.update(

@@ -275,9 +275,10 @@ def test_long_context_prompts_put_earlier_conversations_before_the_held_out_prom
 
 def test_long_prompts_are_served_by_the_short_prompts_engine_and_counted_apart(deepseek_target, monkeypatch):
     """Issue 41's long-context figures without an engine start of their own (~45-70 s each on the H200, one per draft):
-    ``long_prompts`` serves that many held-out prompts after ``long_context`` tokens in the same engine, after the short
-    ones. A stand-in engine accepts every draft token on prompts of long_context tokens and none on the others: each
-    figure counts only its own prompts' drafts; the engine was started once, long enough for them."""
+    ``long_prompts`` serves that many held-out prompts after each ``long_context`` length of tokens in the same engine,
+    after the short ones. A stand-in engine accepts every draft token on prompts of the first length, one of three on
+    the second's and none on the others: each figure counts only its own prompts' drafts; the engine was started
+    once, long enough for the longest."""
     import sys
     import types
 
@@ -288,7 +289,7 @@ def test_long_prompts_are_served_by_the_short_prompts_engine_and_counted_apart(d
     from .test_evaluate import CountingEngine
 
     out, _ = deepseek_target
-    k, long_context = 3, 1024  # a non-default context: the option reaches the prompts
+    k, long_context = 3, (1024, 2100)  # non-default lengths: the option reaches the prompts
     made, served = [], []
 
     class LLM(CountingEngine):
@@ -305,12 +306,12 @@ def test_long_prompts_are_served_by_the_short_prompts_engine_and_counted_apart(d
                 n = len(p["prompt_token_ids"])
                 assert n <= made[-1]["max_model_len"] - params["max_tokens"]
                 served.append(n)
-                full = n == long_context
+                accepted = {long_context[0]: k, long_context[1]: 1}.get(n, 0)  # a draft's accepted tokens
                 self.c = {
                     "drafts": self.c["drafts"] + 4,
                     "draft_tokens": self.c["draft_tokens"] + 4 * k,
-                    "accepted": self.c["accepted"] + (4 * k if full else 0),
-                    "per_pos": [x + (4 if full else 0) for x in self.c["per_pos"]],
+                    "accepted": self.c["accepted"] + 4 * accepted,
+                    "per_pos": [x + (4 if p < accepted else 0) for p, x in enumerate(self.c["per_pos"])],
                 }
             return [
                 types.SimpleNamespace(
@@ -335,25 +336,29 @@ def test_long_prompts_are_served_by_the_short_prompts_engine_and_counted_apart(d
         shifted=False,
         baseline=False,
     )
-    assert cfg.max_model_len == 2048  # the short prompts' floor covers 1024 + 8
+    assert cfg.max_model_len == 2100 + 8  # the longest prompt and its answer
     r = evaluate.run(cfg)
-    assert len(made) == 1
+    assert len(made) == 1 and made[0]["max_model_len"] == 2108
     tok = AutoTokenizer.from_pretrained(out)
     short = [len(ids) for _, ids in learnable.eval_prompts(tok, 6, arch="deepseek")]
     warm = min(8, len(short))  # the engine's warm-up: its first 8 prompts
-    assert sorted(served[warm:-3]) == sorted(short) and served[-3:] == [long_context] * 3  # short, then long
+    assert sorted(served[warm:-6]) == sorted(short)  # short, then each length in turn
+    assert served[-6:] == [1024] * 3 + [2100] * 3
     assert r.draft.acceptance_length == 1.0 and r.draft.drafts == 6 * 4
-    assert r.long.acceptance_length == 1.0 + k and r.long.drafts == 3 * 4
-    assert set(r.long_per_traffic) == {"chat", "thinking", "tool"}
-    assert any(f"3 prompts of {long_context} tokens" in line for line in r.lines())
-    assert json.loads((out / "eval" / "eval.json").read_text())["long"]["drafts"] == 12
+    assert r.long["1024"].acceptance_length == 1.0 + k and r.long["1024"].drafts == 3 * 4
+    assert r.long["2100"].acceptance_length == 2.0 and r.long["2100"].per_position == [1.0, 0.0, 0.0]
+    assert set(r.long_per_traffic["2100"]) == {"chat", "thinking", "tool"}
+    assert any("3 prompts of 2100 tokens" in line for line in r.lines())
+    assert json.loads((out / "eval" / "eval.json").read_text())["long"]["1024"]["drafts"] == 12
     # the default context is the learnable targets' LONG_CONTEXT, and the engine's length grows for it
     assert evaluate.EvalConfig(target="t", draft="d", long_prompts=1).max_model_len == learnable.LONG_CONTEXT + 128
     with pytest.raises(ValueError, match="long_prompts"):  # prompts from a file carry their own context
         evaluate.EvalConfig(target="t", draft="d", prompts="p.jsonl", long_prompts=4)
     argv = ["eval", "--target", "t", "--draft", "d", "--out", "o", "--long-prompts", "5", "--long-context", "2000"]
     got = cli._eval_config(cli.build_parser().parse_args(argv))
-    assert (got.long_prompts, got.long_context) == (5, 2000)
+    assert (got.long_prompts, got.long_context) == (5, (2000,))
+    got = cli._eval_config(cli.build_parser().parse_args(argv[:-1] + ["4096,8192,16384"]))
+    assert got.long_context == (4096, 8192, 16384) and got.max_model_len == 16384 + 128
 
 
 def test_make_target_on_the_cpu_says_how_long_and_refuses_what_would_take_too_long(tmp_path, capsys, monkeypatch):

@@ -64,8 +64,10 @@ def _stand_in_chain(served: list, fails: str | None = None) -> dict:
             run_of(acc),
             drafter={"draft_class": cls},
             per_traffic={"chat": run_of(acc), "tool": run_of(acc - 0.2)},
-            long=run_of(acc - 0.5) if cfg.long_prompts else None,
-            long_per_traffic={"chat": run_of(acc - 0.5)} if cfg.long_prompts else {},
+            long={str(n): run_of(acc - 0.5) for n in cfg.long_context} if cfg.long_prompts else {},
+            long_per_traffic={str(n): {"chat": run_of(acc - 0.5)} for n in cfg.long_context}
+            if cfg.long_prompts
+            else {},
         )
 
     fitted: list = []
