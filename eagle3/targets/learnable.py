@@ -125,15 +125,15 @@ TRAIN_SEED, HELD_OUT_SEED = 100, 999  # conversation seeds: training text vs eva
 EVAL_PROMPTS = 1024
 
 
-def conversations(arch: str, n: int, seed: int) -> list[dict]:
+def conversations(arch: str, n: int, seed: int, sessions: bool = True) -> list[dict]:
     """The learnable target's text: templated dialogues (llama), Kimi-style traffic (deepseek), with one in eight a
-    long agentic session of 10-60 tasks (~2k-15k tokens) for deepseek-long."""
+    long agentic session of 10-60 tasks (~2k-15k tokens) for deepseek-long (``sessions`` False: its short traffic)."""
     from eagle3.data import kimi_traffic
 
     if ARCHES[arch].chat_format != "kimi":
         return corpus.generate(n, seed=seed)
     convs = kimi_traffic.generate(n, seed=seed)
-    if arch == "deepseek-long":
+    if arch == "deepseek-long" and sessions:
         r = random.Random(seed + 1)
         convs = [kimi_traffic.agentic(r, r.randint(10, 60)) if i % 8 == 7 else c for i, c in enumerate(convs)]
     return convs
@@ -266,13 +266,14 @@ def eval_prompts(
     tokenizer, n: int, seed: int = HELD_OUT_SEED, arch: str = "llama", context_tokens: int = 0
 ) -> list[tuple[str, list[int]]]:
     """Held-out prompts, (traffic type, token ids): each conversation up to its last assistant turn (a tool
-    conversation alternately up to its call), with the generation prompt. With ``context_tokens``: each prompt
+    conversation alternately up to its call), with the generation prompt; short traffic only (deepseek-long's long
+    sessions come in as context). With ``context_tokens``: each prompt
     after other held-out conversations (seed + 1) as the training stream runs them together, ``context_tokens``
     tokens in all (the earliest conversation cut from the left, as a training window starts mid-stream); prompt i's
     context starts at conversation 7i of that pool, so contexts differ."""
     from eagle3.data import kimi_traffic
 
-    rows = kimi_traffic.prompt_ids(tokenizer, conversations(arch, n, seed))
+    rows = kimi_traffic.prompt_ids(tokenizer, conversations(arch, n, seed, sessions=False))  # short prompts
     if not context_tokens:
         return rows
     pool = [rendered(tokenizer, c) for c in conversations(arch, 256, seed + 1)]

@@ -4,8 +4,8 @@ Target: deepseek-long (make-target --arch deepseek-long: Kimi's YaRN form over 3
 windows of Kimi-style traffic with long agentic sessions among it). Drafts: the best two variants of the 4k table
 (llama + EAGLE-3.1, mla + EAGLE-3.1), each trained on short-only data (conversations of <= 512 tokens) or on the mix
 (the same traffic with one in eight a long agentic session of 2k-15k tokens, extracted whole at --max-len 16384),
-served at k = 3 on the target's held-out prompts ("short": its traffic, one conversation in eight a long session)
-and, by the same engine, on prompts of 4k, 8k and 16k tokens. Seed 1 of llama + 3.1
+served at k = 3 on the target's short held-out prompts and, by the same engine, on prompts of 4k, 8k and 16k tokens
+(earlier conversations, long sessions among them, then a held-out prompt). Seed 1 of llama + 3.1
 on each data gives the two seeds' spread.
 
 Asserted: every draft learned (short prompts >= the e2e bar), and the control discriminates: at 16k, llama + 3.1

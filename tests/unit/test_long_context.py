@@ -10,7 +10,7 @@ import pytest
 
 from eagle3.data import kimi_traffic
 from eagle3.data.conversations import DataConfig, load_samples
-from eagle3.targets import tiny
+from eagle3.targets import learnable, tiny
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,6 @@ def test_the_long_context_target_stretches_its_positions_as_kimi_does_and_trains
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3.targets import learnable
     from eagle3.targets.presets import KIMI_K25_TEXT
     from eagle3.train.draft import DraftShape
 
@@ -97,3 +96,15 @@ def test_the_long_context_target_stretches_its_positions_as_kimi_does_and_trains
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([[5] * 8]), position_ids=torch.tensor([[30000 + i for i in range(8)]]))
     assert torch.isfinite(logits.logits).all()
+
+
+def test_the_long_target_s_held_out_prompts_are_short_and_its_long_sessions_come_as_context(kimi_tokenizer):
+    """deepseek-long's held-out prompts are its short traffic (the "short" column of the long-context table), the same
+    as deepseek's; its long sessions reach a long prompt through the context before it."""
+    short = learnable.eval_prompts(kimi_tokenizer, 24, arch="deepseek-long")
+    assert short == learnable.eval_prompts(kimi_tokenizer, 24, arch="deepseek")
+    assert max(len(ids) for _, ids in short) < 1500
+    pool = learnable.conversations("deepseek-long", 256, learnable.HELD_OUT_SEED + 1)
+    assert sum(c.get("tools") is not None and len(c["messages"]) > 40 for c in pool) >= 16  # sessions in the context
+    long = learnable.eval_prompts(kimi_tokenizer, 4, arch="deepseek-long", context_tokens=8192)
+    assert all(len(ids) == 8192 and ids[-len(s) :] == s for (_, ids), (_, s) in zip(long, short))
