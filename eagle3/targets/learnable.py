@@ -211,7 +211,7 @@ def make_target(
                                cpu_limit_s)  # fmt: skip
         if quantize:
             info.update(int4.quantize_files(out, out, device), quantize=quantize)
-            (out / "eagle3_target.json").write_text(json.dumps(info, indent=1))
+        (out / "eagle3_target.json").write_text(json.dumps(info, indent=1))
     return info
 
 
@@ -258,7 +258,6 @@ def _train_and_save(out: Path, steps, batch, seq_len, lr, device, seed, n_conver
         "batch": batch,
         "profile": ARCHES[arch].name,
     }
-    (out / "eagle3_target.json").write_text(json.dumps(info, indent=1))
     return info
 
 
