@@ -25,7 +25,7 @@ from eagle3.serve import evaluate
 from eagle3.targets import int4, learnable
 from eagle3.train import train
 
-from .test_draft_acceptance import MIN_ACCEPTANCE_LENGTH, MIN_SPREAD, SPREAD_FACTOR, VLLM_KW, seed_spread
+from .test_draft_acceptance import E2E_TRAIN, MIN_ACCEPTANCE_LENGTH, MIN_SPREAD, SPREAD_FACTOR, VLLM_KW, seed_spread
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -36,10 +36,7 @@ N_PROMPTS = 512  # held-out prompts an evaluation (8 of them: each draft on each
 
 
 def _fit(store, out, seed):
-    cfg = train.TrainConfig(
-        store=str(store), out=str(out), device="cuda", batch_samples=32, pack_tokens=4096, epochs=3, lr=3e-3,
-        warmup_steps=20, draft_vocab_size=512, ttt_steps=3, seed=seed,
-    )  # fmt: skip
+    cfg = train.TrainConfig(store=str(store), out=str(out), seed=seed, **E2E_TRAIN)
     return train.train(cfg, progress=False).draft
 
 

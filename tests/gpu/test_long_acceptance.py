@@ -26,7 +26,7 @@ from eagle3.serve import evaluate
 from eagle3.targets import learnable
 from eagle3.train import train
 
-from .test_draft_acceptance import MIN_ACCEPTANCE_LENGTH, MIN_SPREAD, SPREAD_FACTOR, seed_spread
+from .test_draft_acceptance import E2E_TRAIN, MIN_ACCEPTANCE_LENGTH, MIN_SPREAD, SPREAD_FACTOR, seed_spread
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -39,11 +39,8 @@ RUNS = [(v, d, 0) for v in VARIANTS for d in DATA] + [("llama + 3.1", d, 1) for 
 
 
 def _fit(store, out, seed, variant):
-    cfg = train.TrainConfig(
-        store=str(store), out=str(out), device="cuda", batch_samples=32, pack_tokens=16384, epochs=3, lr=3e-3,
-        warmup_steps=20, draft_vocab_size=512, ttt_steps=3, seed=seed, **VARIANTS[variant],
-    )  # fmt: skip
-    return train.train(cfg, progress=False).draft
+    options = {**E2E_TRAIN, "pack_tokens": 16384, **VARIANTS[variant]}  # a pack holds a whole 16k sample
+    return train.train(train.TrainConfig(store=str(store), out=str(out), seed=seed, **options), progress=False).draft
 
 
 def _serve(target, draft, out):
