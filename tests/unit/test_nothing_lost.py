@@ -589,6 +589,12 @@ def test_every_refusal_comes_in_under_a_second(world, tmp_path, partial_store):
             ("extract into a foreign folder", "extract --model {model} --data {data} --out {tmp}/mine"),
             ("train into a folder of the user's files", "train --store {store} --out {tmp}/mine"),
             ("make-target into a folder of the user's files", "make-target --out {tmp}/mine"),
+            ("make-target --quantize int4 of a target without experts", "make-target --quantize int4 --out {tmp}/q"),
+            ("make-target --from without --quantize", "make-target --from {model} --out {tmp}/q"),
+            (
+                "make-target --quantize int4 --from a missing folder",
+                "make-target --quantize int4 --from {tmp}/nope --out {tmp}/q",
+            ),
             ("demo into a folder of the user's files", "demo --out {tmp}/mine"),
             ("regenerate over a user's file", "regenerate --target {model} --data {data} --out {tmp}/mine/notes.txt"),
             ("train on an incomplete store", f"train --store {partial_store} --out {{tmp}}/t"),
