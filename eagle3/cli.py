@@ -1112,9 +1112,8 @@ def _preflight_make_target(a) -> None:
 
     if a.source and not a.quantize:
         raise pf.UsageError("--from TARGET is the target --quantize quantizes: add --quantize int4")
-    if a.quantize and not a.source and a.arch == "llama":
-        raise pf.UsageError("--quantize int4 quantizes routed experts, as Kimi-K2.5's are; --arch llama has none: use "
-                            "--arch deepseek or deepseek-long")  # fmt: skip
+    if a.quantize and not a.source:
+        pf.experts_to_quantize(a.arch, a.arch != "llama")
     if a.source:
         pf.model_folder(a.source, weights=True, tokenizer=True, what="--from")
     if a.quantize:

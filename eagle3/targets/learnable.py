@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from eagle3 import ownership
 from eagle3.data import corpus
-from eagle3.preflight import UsageError
+from eagle3.preflight import experts_to_quantize
 from eagle3.targets import int4, tiny
 from eagle3.targets.presets import KIMI_K25_TEXT, TargetProfile
 
@@ -201,9 +201,8 @@ def make_target(
         raise ValueError(f"arch {arch!r}: use {' or '.join(ARCHES)}")
     if quantize not in (None, "int4"):
         raise ValueError(f"quantize {quantize!r}: use int4")
-    if quantize and not ARCHES[arch].hf_config.get("n_routed_experts"):
-        raise UsageError(f"--quantize int4 quantizes routed experts, as Kimi-K2.5's are; --arch {arch} has none: "
-                         f"use --arch deepseek or deepseek-long")  # fmt: skip
+    if quantize:
+        experts_to_quantize(arch, bool(ARCHES[arch].hf_config.get("n_routed_experts")))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     seq_len, batch = windows(arch, seq_len, batch)
     with ownership.claimed(out, "target") as out:  # a refusal or a failure leaves no folder it began
