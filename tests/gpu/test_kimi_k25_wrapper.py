@@ -34,6 +34,7 @@ from .test_extract_vllm import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kimi_depth]
 IDS = (2, 30, 58, 61)
+BATCH = 16  # samples a capture step: 16 x 512 tokens, one engine step under MAX_BATCHED_TOKENS
 
 
 def write_verifier_weights(folder, head_files, prefix: str = "language_model.") -> None:
@@ -92,7 +93,7 @@ def capture_and_selfcheck(prof, folder, ids, tmp_path, report, key: str, gpu_mem
         store = tmp_path / "store"
         ex = extract.run(
             extract.ExtractConfig(
-                model=str(folder), out=str(store), backend="vllm", batch_size=16, selfcheck=0, layer_ids=ids
+                model=str(folder), out=str(store), backend="vllm", batch_size=BATCH, selfcheck=0, layer_ids=ids
             ),
             samples=samples,
             backend=backend,
@@ -109,7 +110,10 @@ def capture_and_selfcheck(prof, folder, ids, tmp_path, report, key: str, gpu_mem
             assert all(tuple(t.shape) == (512, 7168) and t.dtype == torch.bfloat16 for t in states)
             assert all(torch.isfinite(t).all() for t in states)
             assert all(rel_err(states[a], states[b]) > 1e-3 for a in range(4) for b in range(a + 1, 4)), s["sample_id"]
-        first = samples[:8]
+        # The capture's first batch, as extract's own check runs (final_state_check): the same prompts in one step.
+        # Dummy router weights leave 384 experts' scores within bf16 noise of each other, so another batch's
+        # kernels route some tokens elsewhere; that batch's figure is reported, not judged.
+        first, other = samples[:BATCH], samples[:8]
         engine = backend.top_logprobs(first, selfcheck.K)
         head_files = backend.dump_head(tmp_path)
         head = selfcheck.load_head_files(head_files, 1e-6)
@@ -117,7 +121,8 @@ def capture_and_selfcheck(prof, folder, ids, tmp_path, report, key: str, gpu_mem
         h = right.float()
         post = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm).bfloat16()
         ok, bad = selfcheck.compare(head, right, engine), selfcheck.compare(head, post, engine)
-        report(f"{key}_selfcheck", {f"id {ids[-1]}": ok.line(), "post-norm": bad.line()})
+        regrouped = selfcheck.compare(head, right[: len(other)], backend.top_logprobs(other, selfcheck.K))
+        report(f"{key}_selfcheck", {f"id {ids[-1]}": ok.line(), "post-norm": bad.line(), "8 of them": regrouped.line()})
         assert ok.ok and not bad.ok, (ok.line(), bad.line())
     finally:
         backend.close()
