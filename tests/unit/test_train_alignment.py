@@ -307,7 +307,7 @@ def test_bf16_mixed_precision_keeps_float32_weights_and_follows_the_fp32_curve(s
                 out=str(tmp_path / out),
                 draft_vocab_size=256,
                 batch_samples=4,
-                max_steps=6,
+                max_steps=3,
                 lr=3e-3,
                 seed=0,
                 precision=precision,
