@@ -66,6 +66,19 @@ def needs_gpu_memory(gb: float, what: str) -> None:
         pytest.skip(f"{what} needs a GPU of about {gb:.0f} GB; this one has {have:.0f} GB")
 
 
+def engine_repeat(a, b) -> dict:
+    """The same prompts asked of the engine twice: how many keep their greedy token and top-k set, and the largest
+    logprob difference on the tokens both share (0 where the engine is deterministic)."""
+    shared = [set(x.logprobs) & set(y.logprobs) for x, y in zip(a, b)]
+    diff = max((abs(x.logprobs[t] - y.logprobs[t]) for x, y, s in zip(a, b, shared) for t in s), default=0.0)
+    return {
+        "prompts": len(a),
+        "same_top1": sum(x.token == y.token for x, y in zip(a, b)),
+        "same_topk": sum(set(x.logprobs) == set(y.logprobs) for x, y in zip(a, b)),
+        "max_logprob_diff": diff,
+    }
+
+
 def capture_and_selfcheck(prof, folder, ids, tmp_path, report, key: str, gpu_memory_utilization: float):
     """Start the engine on ``folder`` (dummy weights), capture 32 x 512 random-token samples at ``ids``, check the
     store and every state ([512, 7168] bf16, finite, layers distinct), and run the final-state self-check on the
@@ -123,6 +136,7 @@ def capture_and_selfcheck(prof, folder, ids, tmp_path, report, key: str, gpu_mem
         ok, bad = selfcheck.compare(head, right, engine), selfcheck.compare(head, post, engine)
         regrouped = selfcheck.compare(head, right[: len(other)], backend.top_logprobs(other, selfcheck.K))
         report(f"{key}_selfcheck", {f"id {ids[-1]}": ok.line(), "post-norm": bad.line(), "8 of them": regrouped.line()})
+        report(f"{key}_engine_repeat", engine_repeat(engine, backend.top_logprobs(first, selfcheck.K)))
         assert ok.ok and not bad.ok, (ok.line(), bad.line())
     finally:
         backend.close()

@@ -4,7 +4,7 @@ make-target --arch deepseek; extract (auto: vLLM); train (auto: CUDA, bf16-mixed
 the `vllm serve` line; that line started as the real OpenAI server (a port added); eval --server against it; then,
 the server stopped, eval offline on the same held-out prompts. Both acceptance lengths at k = 3 must be >= 2.5 and
 agree within three standard errors of their difference. The data: the learnable target's own Kimi-style traffic
-(its training text and held-out conversations) written as JSONL, as a user brings theirs. ~15 min on one GPU.
+(its training text and held-out conversations) written as JSONL, as a user brings theirs. ~12 min on an H200.
 """
 
 from __future__ import annotations
