@@ -79,6 +79,20 @@ def engine_repeat(a, b) -> dict:
     }
 
 
+def capture_repeat(backend, folder, samples, got, ids, out) -> dict:
+    """The same batch captured a second time into ``out``: per layer id, the largest relative difference of a
+    sample's states from the first capture's (0 where the engine and the capture repeat themselves exactly)."""
+    extract.run(
+        extract.ExtractConfig(model=str(folder), out=str(out), backend="vllm", batch_size=len(samples), selfcheck=0,
+                              layer_ids=ids),
+        samples=samples, backend=backend, progress=False,
+    )  # fmt: skip
+    again = {s["sample_id"]: s for s in Store.open(out).iter_samples()}
+    worst = {i: max(rel_err(again[k]["states"][i], got[k]["states"][i]) for k in again) for i in ids}
+    last = max(rel_err(again[k]["states"][ids[-1]][-1], got[k]["states"][ids[-1]][-1]) for k in again)
+    return {"samples": len(again), "worst_by_id": worst, f"worst_last_row_id_{ids[-1]}": last}
+
+
 def capture_and_selfcheck(prof, folder, ids, tmp_path, report, key: str, gpu_memory_utilization: float):
     """Start the engine on ``folder`` (dummy weights), capture 32 x 512 random-token samples at ``ids``, check the
     store and every state ([512, 7168] bf16, finite, layers distinct), and run the final-state self-check on the
@@ -136,7 +150,9 @@ def capture_and_selfcheck(prof, folder, ids, tmp_path, report, key: str, gpu_mem
         ok, bad = selfcheck.compare(head, right, engine), selfcheck.compare(head, post, engine)
         regrouped = selfcheck.compare(head, right[: len(other)], backend.top_logprobs(other, selfcheck.K))
         report(f"{key}_selfcheck", {f"id {ids[-1]}": ok.line(), "post-norm": bad.line(), "8 of them": regrouped.line()})
+        report(f"{key}_per_prompt_shape_error", [round(p["shape_err"], 3) for p in ok.per])
         report(f"{key}_engine_repeat", engine_repeat(engine, backend.top_logprobs(first, selfcheck.K)))
+        report(f"{key}_capture_repeat", capture_repeat(backend, folder, first, got, ids, tmp_path / "again"))
         assert ok.ok and not bad.ok, (ok.line(), bad.line())
     finally:
         backend.close()
