@@ -15,6 +15,7 @@ from pathlib import Path
 
 from eagle3.interrupt import Interrupted
 from eagle3.preflight import ATTENTIONS
+from eagle3.targets import learnable_profiles
 
 log = logging.getLogger("eagle3")
 
@@ -870,7 +871,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--arch",
-        choices=["llama", "deepseek", "deepseek-long"],
+        choices=list(learnable_profiles.ARCHES),
         default="llama",
         help="llama (hidden 256, 8 layers) or deepseek (DeepseekV3: Kimi's MLA latent sizes, MoE 8 experts "
         "top-2 + 1 shared, first layer dense; hidden 256, 8 layers); deepseek-long: the same with Kimi's YaRN "
@@ -1113,7 +1114,7 @@ def _preflight_make_target(a) -> None:
     if a.source and not a.quantize:
         raise pf.UsageError("--from TARGET is the target --quantize quantizes: add --quantize int4")
     if a.quantize and not a.source:
-        pf.experts_to_quantize(a.arch, a.arch != "llama")
+        pf.experts_to_quantize(a.arch, learnable_profiles.has_routed_experts(a.arch))
     if a.source:
         pf.model_folder(a.source, weights=True, tokenizer=True, what="--from")
     if a.quantize:
