@@ -212,8 +212,10 @@ def test_a_compile_in_the_trainer_s_thread_no_longer_breaks_the_engine_s_forward
     prefill, like vLLM's forward, keeps calling a torch.compile'd helper for 0.2 s and fails as torch 2.11's dynamo
     does where any thread FX-traces (torch 2.13 no longer raises there, so the fake checks the flag itself); the
     trainer compiles a 20-layer module (aot_eager: AOTAutograd's tracing, its forward and backward graphs) before it
-    trains, while the producer extracts. With the gate every prefill ran outside the traces, and the producer's
-    waits behind them are kept. (Without it no compile is counted and no wait kept: tests/MUTATIONS.md.)"""
+    trains, while the producer extracts. With the gate the producer's waits behind the compile are kept; without it
+    no compile is counted and no wait kept (tests/MUTATIONS.md). The fake's raise cannot fire here even without the
+    gate: under torch 2.13 on the CPU a prefill's helper call waits on dynamo's compile lock through the trainer's
+    whole forward compile, its FX trace included, and aot_eager's backward traces nothing later."""
     import torch.fx._symbolic_trace as fx_trace
 
     from eagle3.data.conversations import random_samples
@@ -225,14 +227,13 @@ def test_a_compile_in_the_trainer_s_thread_no_longer_breaks_the_engine_s_forward
     torch._dynamo.reset()
     helper = torch.compile(lambda x: torch.topk(x.softmax(-1), 2).values, dynamic=True, backend="eager")
     helper(torch.randn(4, 8))  # compiled before the run, as vLLM's helpers are while the engine starts
-    generate, traced, extracting = fake_vllm.FakeLLM.generate, [], threading.Event()
+    generate, extracting = fake_vllm.FakeLLM.generate, threading.Event()
 
     def forward(self, *a, **k):
         extracting.set()
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < 0.2:
             if fx_trace._is_fx_tracing_flag:  # noqa: SLF001 - set for every thread while any traces
-                traced.append(threading.get_ident())
                 raise RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function")
             helper(torch.randn(4, 8))
         return generate(self, *a, **k)
@@ -267,6 +268,6 @@ def test_a_compile_in_the_trainer_s_thread_no_longer_breaks_the_engine_s_forward
         res = _train_online(ex, backend, samples, tmp_path, extract_batch=2)
     finally:
         torch._dynamo.reset()
-    assert traced == [] and res.train.samples_seen == 32, traced
+    assert res.train.samples_seen == 32
     assert res.compiles >= 1 and res.compile_waits, (res.compiles, res.compile_waits)  # the module (its backward
     # graph compiled with it, in the gate); the producer was extracting when the trainer compiled, and waited
