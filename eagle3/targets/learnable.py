@@ -24,7 +24,7 @@ from eagle3 import ownership
 from eagle3.data import corpus
 from eagle3.preflight import experts_to_quantize
 from eagle3.targets import int4, tiny
-from eagle3.targets.learnable_profiles import (  # noqa: F401 - the profiles, read here by their users
+from eagle3.targets.learnable_profiles import (  # noqa: F401 - the profiles, also read from here
     ARCHES,
     LEARNABLE,
     LEARNABLE_DEEPSEEK,
