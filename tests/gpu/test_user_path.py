@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -100,6 +101,8 @@ def test_the_cli_chain_as_typed_serves_a_draft_that_vllm_accepts(tmp_path, repor
             "--out", str(tmp_path / "eval-offline"), "--num-prompts", str(N_HELD_OUT), "--no-shifted",
             "--no-baseline")  # fmt: skip
     (a, sa), (b, sb) = _acceptance(tmp_path / "eval-server"), _acceptance(tmp_path / "eval-offline")
+    for name in ("eval-server", "eval-offline"):  # per-position acceptance, tok/s, loops: kept with the run
+        shutil.copy(tmp_path / name / "eval.json", gpu_out / f"user_path_{name}.json")
     report("user_path_acceptance", {"server": [a, sa], "offline": [b, sb]})
     assert a >= BAR and b >= BAR, (a, b)
     assert abs(a - b) <= 3 * math.hypot(sa, sb), (a, sa, b, sb)
