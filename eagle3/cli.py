@@ -1114,7 +1114,7 @@ def _preflight_make_target(a) -> None:
     if a.source and not a.quantize:
         raise pf.UsageError("--from TARGET is the target --quantize quantizes: add --quantize int4")
     if a.quantize and not a.source:
-        pf.experts_to_quantize(a.arch, learnable_profiles.has_routed_experts(a.arch))
+        learnable_profiles.experts_to_quantize(a.arch)
     if a.source:
         pf.model_folder(a.source, weights=True, tokenizer=True, what="--from")
     if a.quantize:

@@ -93,13 +93,6 @@ def compressed_tensors_installed(command: str) -> None:
         )
 
 
-def experts_to_quantize(arch: str, has_experts: bool) -> None:
-    """--quantize int4 on a target without routed experts: refused (the CLI before any import of torch)."""
-    if not has_experts:
-        raise UsageError(f"--quantize int4 quantizes routed experts, as Kimi-K2.5's are; --arch {arch} has none: "
-                         "use --arch deepseek or deepseek-long")  # fmt: skip
-
-
 def cuda_available(command: str) -> None:
     if not machine.has_driver():
         raise UsageError(

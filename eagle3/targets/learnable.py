@@ -22,14 +22,13 @@ from tqdm import tqdm
 
 from eagle3 import ownership
 from eagle3.data import corpus
-from eagle3.preflight import experts_to_quantize
 from eagle3.targets import int4, tiny
 from eagle3.targets.learnable_profiles import (  # noqa: F401 - the profiles, also read from here
     ARCHES,
     LEARNABLE,
     LEARNABLE_DEEPSEEK,
     LEARNABLE_DEEPSEEK_LONG,
-    has_routed_experts,
+    experts_to_quantize,
 )
 
 log = logging.getLogger(__name__)
@@ -119,7 +118,7 @@ def make_target(
     if quantize not in (None, "int4"):
         raise ValueError(f"quantize {quantize!r}: use int4")
     if quantize:
-        experts_to_quantize(arch, has_routed_experts(arch))
+        experts_to_quantize(arch)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     seq_len, batch = windows(arch, seq_len, batch)
     with ownership.claimed(out, "target") as out:  # a refusal or a failure leaves no folder it began

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from eagle3.preflight import UsageError
 from eagle3.targets.presets import KIMI_K25_TEXT, TargetProfile
 
 LEARNABLE = TargetProfile(
@@ -98,3 +99,11 @@ ARCHES = {"llama": LEARNABLE, "deepseek": LEARNABLE_DEEPSEEK, "deepseek-long": L
 
 def has_routed_experts(arch: str) -> bool:
     return bool(ARCHES[arch].hf_config.get("n_routed_experts"))
+
+
+def experts_to_quantize(arch: str) -> None:
+    """--quantize int4 on a target without routed experts: refused (the CLI's before any import of torch)."""
+    if not has_routed_experts(arch):
+        with_experts = " or ".join(a for a in ARCHES if has_routed_experts(a))
+        raise UsageError(f"--quantize int4 quantizes routed experts, as Kimi-K2.5's are; --arch {arch} has none: "
+                         f"use --arch {with_experts}")  # fmt: skip

@@ -211,16 +211,17 @@ def test_kimi_k25_s_class_at_full_expert_width_reads_as_kimi_k25(tmp_path):
 def test_the_cli_refuses_int4_for_exactly_the_arches_whose_profile_has_no_routed_experts(tmp_path, monkeypatch, capsys):
     """The CLI refuses --quantize int4 before any model code runs, from the profiles' own fact (routed experts in
     their config), not from a list of names: a new arch without experts is refused there too, and every arch with
-    experts passes the check (make_target, stood in for here, is reached)."""
+    experts passes the check (make_target, stood in for here, is reached); the refusal names those arches."""
     from eagle3.targets import learnable_profiles
 
     reached = []
     info = {"steps": 0, "seconds": 0, "first_loss": 0.0, "final_loss": 0.0}
     monkeypatch.setattr(learnable, "make_target", lambda out, **kw: reached.append(kw["arch"]) or info)
     monkeypatch.setitem(learnable_profiles.ARCHES, "dense-test", learnable_profiles.LEARNABLE)
+    monkeypatch.setitem(learnable_profiles.ARCHES, "moe-test", learnable_profiles.LEARNABLE_DEEPSEEK)
     for arch, prof in learnable_profiles.ARCHES.items():
         code = cli.main(["make-target", "--arch", arch, "--quantize", "int4", "--out", str(tmp_path / arch)])
         has_experts = bool(prof.hf_config.get("n_routed_experts"))
         assert (code, arch in reached) == ((0, True) if has_experts else (2, False)), (arch, capsys.readouterr())
-    assert reached == ["deepseek", "deepseek-long"]
-    assert "--arch dense-test has none" in capsys.readouterr().err
+    assert reached == ["deepseek", "deepseek-long", "moe-test"]
+    assert "--arch dense-test has none: use --arch deepseek or deepseek-long or moe-test" in capsys.readouterr().err
