@@ -135,3 +135,38 @@ def test_recall_counts_the_engine_s_top_k_among_our_top_2k():
     outside = selfcheck.compare(head, state, [selfcheck.EngineTop(3, {3: -1.0, 4: -1.5})], k=2)
     assert (inside.recall, outside.recall) == (1.0, 0.5)
     assert inside.top1 == 0.0 and inside.rank == pytest.approx(1 - 2.5 / 7)
+
+
+def test_the_gpu_suite_s_engine_head_check_runs_whole_on_the_hf_backend(tiny_kimi, tmp_path):
+    """test_kimi_k25_wrapper's check and its figures (the engine asked twice, the batch captured twice, each prompt's
+    shape error), here on a deterministic engine: the hf backend with its head dumped as a rank's file."""
+    from safetensors.torch import save_file
+
+    from eagle3.store.folder import Store
+    from tests.gpu.test_kimi_k25_wrapper import engine_head_check
+
+    class DumpingBackend(HFBackend):
+        def dump_head(self, folder):
+            head = selfcheck.load_head(tiny_kimi)
+            path = str(folder / "head-tp0.safetensors")
+            save_file({"norm": head.norm, "lm_head": head.lm_head.contiguous()}, path, metadata={"vocab_start": "0"})
+            return [path]
+
+    ids = (2, 4, 5, L)
+    backend = DumpingBackend(tiny_kimi, ids, compute_dtype="float32", out_dtype="bfloat16")
+    samples = random_samples(4, 24, 1024, seed=6)
+    cfg = extract.ExtractConfig(model=str(tiny_kimi), out=str(tmp_path / "store"), batch_size=4, selfcheck=0,
+                                layer_ids=ids)  # fmt: skip
+    extract.run(cfg, samples=samples, backend=backend, progress=False)
+    got = {s["sample_id"]: s for s in Store.open(tmp_path / "store").iter_samples()}
+    ok, bad, files, figures = engine_head_check(backend, tiny_kimi, samples, got, ids, tmp_path)
+    assert ok.ok and not bad.ok, (ok.line(), bad.line())
+    assert (
+        set(figures["selfcheck"]) == {f"id {L}", "post-norm", "2 of them"}
+        and "PASS" in figures["selfcheck"]["2 of them"]
+    )
+    assert len(figures["per_prompt_shape_error"]) == 4 and max(figures["per_prompt_shape_error"]) <= 0.25
+    assert figures["engine_repeat"] == {"prompts": 4, "same_top1": 4, "same_topk": 4, "max_logprob_diff": 0.0}
+    repeat = figures["capture_repeat"]
+    assert repeat["samples"] == 4 and set(repeat["worst_by_id"]) == set(ids)
+    assert max(repeat["worst_by_id"].values()) == 0.0 and repeat[f"worst_last_row_id_{L}"] == 0.0
