@@ -161,12 +161,17 @@ def test_the_gpu_suite_s_engine_head_check_runs_whole_on_the_hf_backend(tiny_kim
     got = {s["sample_id"]: s for s in Store.open(tmp_path / "store").iter_samples()}
     ok, bad, files, figures = engine_head_check(backend, tiny_kimi, samples, got, ids, tmp_path)
     assert ok.ok and not bad.ok, (ok.line(), bad.line())
-    assert (
-        set(figures["selfcheck"]) == {f"id {L}", "post-norm", "2 of them"}
-        and "PASS" in figures["selfcheck"]["2 of them"]
-    )
+    lines = figures["selfcheck"]
+    assert set(lines) == {f"id {L}", "post-norm", f"id {L}, captured in the 4-sample run", "2 of them asked again"}
+    assert all("PASS" in lines[k] for k in lines if k != "post-norm") and "FAIL" in lines["post-norm"]
     assert len(figures["per_prompt_shape_error"]) == 4 and max(figures["per_prompt_shape_error"]) <= 0.25
     assert figures["engine_repeat"] == {"prompts": 4, "same_top1": 4, "same_topk": 4, "max_logprob_diff": 0.0}
     repeat = figures["capture_repeat"]
     assert repeat["samples"] == 4 and set(repeat["worst_by_id"]) == set(ids)
     assert max(repeat["worst_by_id"].values()) == 0.0 and repeat[f"worst_last_row_id_{L}"] == 0.0
+    # the run's states of id L swapped for id 5's: the check (its own capture) passes, the run's line fails
+    wrong = {k: {**s, "states": {**s["states"], L: s["states"][5]}} for k, s in got.items()}
+    (tmp_path / "wrong").mkdir()
+    ok, bad, files, figures = engine_head_check(backend, tiny_kimi, samples, wrong, ids, tmp_path / "wrong")
+    assert ok.ok and "FAIL" in figures["selfcheck"][f"id {L}, captured in the 4-sample run"]
+    assert figures["capture_repeat"]["worst_by_id"][L] > 0.1 and figures["capture_repeat"]["worst_by_id"][5] == 0.0
