@@ -1,4 +1,4 @@
-"""Does the target's numeric form matter to its draft? (pytest -m e2e on the GPU host, ~15 min on one GPU.)
+"""Does the target's numeric form matter to its draft? (pytest -m e2e on the GPU host, ~11 min on an H100.)
 
 Kimi-K2.5 is served with its routed experts in INT4. The learnable DeepseekV3 target is trained here once; its INT4
 form (make-target --quantize int4: the same weights, experts packed as Kimi's are) is served by vLLM's WNA16 MoE
