@@ -51,11 +51,15 @@ class FinalHead:
     lm_head: torch.Tensor  # [V, H]
     source: str
 
+    def normed(self, states: torch.Tensor) -> torch.Tensor:
+        """states [N, H] (any float dtype) -> the final norm's output [N, H] float32 (also a self-check's control:
+        a post-norm state must fail)."""
+        h = states.float()
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
+
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """states [N, H] (any float dtype) -> logits [N, V] float32: RMSNorm in float32, then lm_head."""
-        h = states.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
-        return h @ self.lm_head.float().T
+        return self.normed(states) @ self.lm_head.float().T
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:

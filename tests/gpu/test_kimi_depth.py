@@ -92,8 +92,7 @@ def test_the_self_check_on_dummy_weights(depth, tmp_path, report):
     engine = backend.top_logprobs(samples, selfcheck.K)
     head = selfcheck.load_head_files(backend.dump_head(tmp_path), 1e-6)
     right = selfcheck.last_states(got, 61)
-    h = right.float()
-    post = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm).bfloat16()
+    post = head.normed(right).bfloat16()
     results = {
         "right": selfcheck.compare(head, right, engine),
         "post-norm": selfcheck.compare(head, post, engine),

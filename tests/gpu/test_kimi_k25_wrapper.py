@@ -111,8 +111,7 @@ def engine_head_check(backend, folder, first, got, ids, out):
     head = selfcheck.load_head_files(head_files, 1e-6)
     again = capture_alone(backend, folder, first, ids, out / "again")
     right = selfcheck.last_states([again[s.sample_id] for s in first], ids[-1])
-    h = right.float()
-    post = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm).bfloat16()
+    post = head.normed(right).bfloat16()
     ok, bad = selfcheck.compare(head, right, engine), selfcheck.compare(head, post, engine)
     in_run = selfcheck.compare(head, selfcheck.last_states([got[s.sample_id] for s in first], ids[-1]), engine)
     half = first[: max(1, len(first) // 2)]

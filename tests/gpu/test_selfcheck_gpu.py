@@ -33,8 +33,7 @@ def test_selfcheck_passes_the_captured_state_and_fails_wrong_ones(target, engine
     ref = HFBackend(target.path, (L - 1, L), device="cuda", compute_dtype="float32", out_dtype="float32")
     prev = torch.stack([st[0, -1] for st in ref.capture(samples)])
     ref.close()
-    h = right.float()
-    post = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm).bfloat16()
+    post = head.normed(right).bfloat16()
     results = {
         "right": selfcheck.compare(head, right, engine),
         "post-norm": selfcheck.compare(head, post, engine),

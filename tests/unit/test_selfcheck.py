@@ -116,8 +116,7 @@ def test_verify_semantic_passes_a_good_store_and_fails_a_post_norm_one(small_sto
     head = selfcheck.load_head(tiny_kimi)
 
     def post_norm(n, t, meta):
-        h = t["hidden_states"][:, -1].float()
-        t["hidden_states"][:, -1] = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm).bfloat16()
+        t["hidden_states"][:, -1] = head.normed(t["hidden_states"][:, -1]).bfloat16()
 
     rewrite_shards(bad, post_norm)
     assert cli.main(["verify", str(bad)]) == 0
