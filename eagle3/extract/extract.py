@@ -363,24 +363,42 @@ def final_state_check(backend, store: Store, cfg: ExtractConfig, samples: Sequen
     last-token id-L states back and compare them, through the target's final norm and lm_head, with the
     engine's own next-token logprobs for the same prompts. The scratch store is removed afterwards."""
     import shutil
-    from dataclasses import replace
 
     from eagle3.extract import selfcheck
 
     scratch = Path(cfg.out) / ".selfcheck"
     shutil.rmtree(scratch, ignore_errors=True)
     try:
-        tmp = Store.open(scratch, store.spec, create=True, fsync=False)
-        tcfg = replace(cfg, fsync=False, fault=None, out=str(scratch))
-        session = open_session(backend, tmp, tcfg, None)
-        tmp.commit(session.submit(samples), fsync=False)
-        tmp.commit(session.finish(), fsync=False)
-        stored = {s["sample_id"]: s for s in tmp.iter_samples()}
-        states = selfcheck.last_states([stored[s.sample_id] for s in samples], store.spec.layer_ids[-1])
-        engine = backend.top_logprobs(samples, selfcheck.K)
+        states, engine = captured_with_engine_top(backend, store.spec, cfg, samples, scratch)
         return selfcheck.compare(selfcheck.head_for(cfg.model, backend, scratch), states, engine)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def captured_with_engine_top(backend, spec: StoreSpec, cfg: ExtractConfig, samples: Sequence[Sample], scratch):
+    """``samples`` captured through the production path into a scratch store at ``scratch``: (their last-token
+    states at the last layer id [N, H], the engine's top-K next tokens after each). vLLM's top-K come from the
+    capture's own forward pass (an engine need not repeat itself); the hf backend, deterministic, is asked again."""
+    from contextlib import nullcontext
+    from dataclasses import replace
+
+    from eagle3.extract import selfcheck
+
+    tmp = Store.open(scratch, spec, create=True, fsync=False)
+    tcfg = replace(cfg, fsync=False, fault=None, out=str(scratch))
+    same_pass = getattr(backend, "top_logprobs_of_capture", None)
+    with same_pass(selfcheck.K) if same_pass else nullcontext() as tops:
+        session = open_session(backend, tmp, tcfg, None)
+        tmp.commit(session.submit(samples), fsync=False)
+        tmp.commit(session.finish(), fsync=False)
+    stored = {s["sample_id"]: s for s in tmp.iter_samples()}
+    states = selfcheck.last_states([stored[s.sample_id] for s in samples], spec.layer_ids[-1])
+    if tops is None:
+        return states, backend.top_logprobs(samples, selfcheck.K)
+    if len(tops) != len(samples):
+        raise StoreError(f"the self-check's capture returned the engine's top-k for {len(tops)} of {len(samples)} "
+                         "prompts: it ran them in more than one prefill or dropped some")  # fmt: skip
+    return states, tops
 
 
 def check_store(root: str | Path, model: str | Path, backend: str = "hf", samples: int = 8, device: str = "cpu"):

@@ -10,6 +10,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 from eagle3.data.conversations import Sample
 from eagle3.extract import vllm_compat as compat
@@ -81,6 +82,7 @@ class VLLMBackend:
         )
         # an engine with prefix caching (extract --regenerate's): a prefill to capture must compute every row
         self.read_cache = {"skip_reading_prefix_cache": True} if kwargs.get("enable_prefix_caching") else {}
+        self._keep_top: tuple[int, list | None] = (0, None)  # (k, list to fill): top_logprobs_of_capture
         self.in_process = in_process
         self._restore = compat.engine_in_process() if in_process else None
         t0 = time.perf_counter()
@@ -119,10 +121,27 @@ class VLLMBackend:
         return normalize_reply(reply, Expect(world, Record(keys)))
 
     def generate_prefill(self, token_lists: Sequence[Sequence[int]]) -> None:
+        """One prefill over the prompts (the capture takes their states); inside ``top_logprobs_of_capture`` it asks
+        for the engine's top-k after each prompt as well."""
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, **self.read_cache)
-        self.llm.generate([{"prompt_token_ids": list(t)} for t in token_lists], params, use_tqdm=False)
+        k, tops = self._keep_top
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, logprobs=k or None, **self.read_cache)
+        outs = self.llm.generate([{"prompt_token_ids": list(t)} for t in token_lists], params, use_tqdm=False)
+        if k:
+            tops.extend(engine_tops(outs))
+
+    @contextmanager
+    def top_logprobs_of_capture(self, k: int):
+        """While open, each capture's prefill also returns the engine's top-k next tokens after each prompt, from the
+        same forward pass as the captured states: the list yielded fills with EngineTop, in the prompts' order. An
+        engine need not repeat itself (Kimi-K2.5's INT4 MoE gave other top-k sets when asked twice), so a second
+        run's logprobs are not those of the captured states."""
+        self._keep_top = (k, [])
+        try:
+            yield self._keep_top[1]
+        finally:
+            self._keep_top = (0, None)
 
     def attach(self, on: bool) -> None:
         """The direct capture's callback on or off (benchmarks: the engine's cost without a capture taking states)."""
@@ -132,17 +151,9 @@ class VLLMBackend:
         """The engine's own next-token distribution after each sample (max_tokens=1, logprobs=k)."""
         from vllm import SamplingParams
 
-        from eagle3.extract.selfcheck import EngineTop
-
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, detokenize=False)
         outs = self.llm.generate([{"prompt_token_ids": list(s.input_ids)} for s in samples], params, use_tqdm=False)
-        return [
-            EngineTop(
-                int(o.outputs[0].token_ids[0]),
-                {int(t): float(getattr(lp, "logprob", lp)) for t, lp in o.outputs[0].logprobs[0].items()},
-            )
-            for o in outs
-        ]
+        return engine_tops(outs)
 
     def dump_head(self, folder) -> list[str]:
         """Each rank writes its slice of the final norm + lm_head (dummy-weight targets have no checkpoint)."""
@@ -179,6 +190,19 @@ class VLLMBackend:
         restore, self._restore = getattr(self, "_restore", None), None
         if restore is not None:
             restore()
+
+
+def engine_tops(outs) -> list:
+    """vLLM's outputs of a max_tokens=1 request with logprobs -> EngineTop (greedy token, {token: logprob}) each."""
+    from eagle3.extract.selfcheck import EngineTop
+
+    return [
+        EngineTop(
+            int(o.outputs[0].token_ids[0]),
+            {int(t): float(getattr(lp, "logprob", lp)) for t, lp in o.outputs[0].logprobs[0].items()},
+        )
+        for o in outs
+    ]
 
 
 def _some(ids: list[str]) -> str:

@@ -79,53 +79,28 @@ def engine_repeat(a, b) -> dict:
     }
 
 
-def capture_alone(backend, folder, samples, ids, out) -> dict:
-    """``samples`` captured again into ``out`` in one batch of their own, as extract's final_state_check captures
-    its prompts (a scratch store of just them): {sample_id: stored sample}."""
-    extract.run(
-        extract.ExtractConfig(model=str(folder), out=str(out), backend="vllm", batch_size=len(samples), selfcheck=0,
-                              layer_ids=ids),
-        samples=samples, backend=backend, progress=False,
-    )  # fmt: skip
-    return {s["sample_id"]: s for s in Store.open(out).iter_samples()}
-
-
-def capture_repeat(again: dict, got: dict, ids) -> dict:
-    """Per layer id, the largest relative difference between a sample's states captured twice (0 where the engine
-    and the capture repeat themselves exactly), and that of the last id's last row (what the self-check reads)."""
-    worst = {i: max(rel_err(again[k]["states"][i], got[k]["states"][i]) for k in again) for i in ids}
-    last = max(rel_err(again[k]["states"][ids[-1]][-1], got[k]["states"][ids[-1]][-1]) for k in again)
-    return {"samples": len(again), "worst_by_id": worst, f"worst_last_row_id_{ids[-1]}": last}
-
-
-def engine_head_check(backend, folder, first, got, ids, out):
+def engine_head_check(backend, folder, spec, first, out):
     """The final-state self-check on the engine's own head as extract's final_state_check runs it: ``first``
-    captured in a batch of their own, their last id's states against the engine's logprobs for the same prompts;
-    the post-norm form of those states is the control. With 384 INT4 experts the check on the first batch of a
-    32-sample run failed (results/2026-12-07-5536d0c-h200-vllm0.26.0); the figures tell the engine's run-to-run
-    differences from the capture's: that batch's states (``got``) checked too, half the batch asked again, each
-    prompt's shape error, the engine asked the same batch twice and the two captures' differences.
-    Returns (check, control, head files, figures by name)."""
-    engine = backend.top_logprobs(first, selfcheck.K)
+    captured in a batch of their own, their last id's states against the engine's top-k from the same forward pass;
+    the post-norm form of those states is the control. Figures: the same states against a second run's logprobs,
+    and the two runs' top-k compared (with 384 INT4 experts the engine did not repeat itself, and a check against a
+    second run failed: results/2026-12-07-c92e791-h100-vllm0.26.0). Returns (check, control, head files, figures)."""
+    last = spec.layer_ids[-1]
+    cfg = extract.ExtractConfig(model=str(folder), out=str(out), backend="vllm", batch_size=len(first), selfcheck=0,
+                                layer_ids=tuple(spec.layer_ids))  # fmt: skip
+    right, engine = extract.captured_with_engine_top(backend, spec, cfg, first, out / "again")
     head_files = backend.dump_head(out)
     head = selfcheck.load_head_files(head_files, 1e-6)
-    again = capture_alone(backend, folder, first, ids, out / "again")
-    right = selfcheck.last_states([again[s.sample_id] for s in first], ids[-1])
-    post = head.normed(right).bfloat16()
-    ok, bad = selfcheck.compare(head, right, engine), selfcheck.compare(head, post, engine)
-    in_run = selfcheck.compare(head, selfcheck.last_states([got[s.sample_id] for s in first], ids[-1]), engine)
-    half = first[: max(1, len(first) // 2)]
-    regrouped = selfcheck.compare(head, right[: len(half)], backend.top_logprobs(half, selfcheck.K))
+    ok, bad = selfcheck.compare(head, right, engine), selfcheck.compare(head, head.normed(right).bfloat16(), engine)
+    second = backend.top_logprobs(first, selfcheck.K)
     figures = {
         "selfcheck": {
-            f"id {ids[-1]}": ok.line(),
+            f"id {last}": ok.line(),
             "post-norm": bad.line(),
-            f"id {ids[-1]}, captured in the {len(got)}-sample run": in_run.line(),
-            f"{len(half)} of them asked again": regrouped.line(),
+            f"id {last} against a second run's logprobs": selfcheck.compare(head, right, second).line(),
         },
         "per_prompt_shape_error": [round(p["shape_err"], 3) for p in ok.per_prompt],
-        "engine_repeat": engine_repeat(engine, backend.top_logprobs(first, selfcheck.K)),
-        "capture_repeat": capture_repeat(again, got, ids),
+        "engine_repeat": engine_repeat(engine, second),
     }
     return ok, bad, head_files, figures
 
@@ -174,7 +149,7 @@ def capture_and_selfcheck(prof, folder, ids, tmp_path, report, key: str, gpu_mem
             assert all(tuple(t.shape) == (512, 7168) and t.dtype == torch.bfloat16 for t in states)
             assert all(torch.isfinite(t).all() for t in states)
             assert all(rel_err(states[a], states[b]) > 1e-3 for a in range(4) for b in range(a + 1, 4)), s["sample_id"]
-        ok, bad, head_files, figures = engine_head_check(backend, folder, samples[:BATCH], got, ids, tmp_path)
+        ok, bad, head_files, figures = engine_head_check(backend, folder, spec, samples[:BATCH], tmp_path)
         for name, value in figures.items():
             report(f"{key}_{name}", value)
         assert ok.ok and not bad.ok, (ok.line(), bad.line())

@@ -270,6 +270,58 @@ def test_ranks_that_disagree_are_reported(fake, tiny_kimi, tmp_path, monkeypatch
         )
 
 
+class RunToRunEngine:
+    """An engine that does not repeat itself: each generate call runs one of two forwards in turn, the second with
+    the last layer's states moved by a fixed vector (the states and the logits of one call agree with each other),
+    as a near-tie routing choice among 384 experts flips between runs under kernels that are not deterministic."""
+
+    def __init__(self, fake, monkeypatch, head, reference, reference_logits):
+        self.second = False
+        shift = torch.randn(128, generator=torch.Generator().manual_seed(5)) * 4.0
+
+        def states(ids):
+            s = reference(ids)
+            return torch.cat([s[:8], s[8:] + shift]) if self.second else s  # [9, T, H]: ids 0..8
+
+        def logits(ids):
+            return head.logits(states(ids)[8, -1:])[0] if self.second else reference_logits(ids)
+
+        real_generate = fake.generate
+
+        def generate(llm, prompts, params, use_tqdm=False):
+            self.second = not self.second
+            return real_generate(llm, prompts, params, use_tqdm)
+
+        monkeypatch.setattr(fake, "reference", staticmethod(states))
+        monkeypatch.setattr(fake, "reference_logits", staticmethod(logits))
+        monkeypatch.setattr(fake, "generate", generate)
+
+
+@pytest.mark.parametrize("strategy", ["aux", "direct", "hooks"])
+def test_the_self_check_reads_the_logprobs_of_the_capture_s_own_forward_pass(
+    fake, tiny_kimi, tmp_path, monkeypatch, reference_states, reference_logits, strategy
+):
+    """The INT4 Kimi-K2.5 class's engine gave other top-k sets when asked the same prompts twice (3 of 16 greedy
+    tokens changed): a check of the captured states against a second run's logprobs failed with the capture right.
+    The logprobs come from the capture's own generate call; a second run's would fail here (the control)."""
+    from eagle3.extract import selfcheck
+
+    head = selfcheck.load_head(tiny_kimi)
+    RunToRunEngine(fake, monkeypatch, head, reference_states, reference_logits)
+    cfg = _cfg(tiny_kimi, tmp_path / "s", backend="vllm", capture=strategy, layer_ids=IDS, selfcheck=4)
+    summary = extract.run(cfg, samples=_samples()[:6], progress=False)
+    assert "PASS" in summary.selfcheck, summary.selfcheck
+    spec = Store.open(tmp_path / "s").spec
+    backend = extract.make_backend(cfg, spec)
+    try:
+        samples = _samples()[:4]
+        states, engine = extract.captured_with_engine_top(backend, spec, cfg, samples, tmp_path / "again")
+        assert selfcheck.compare(head, states, engine).ok
+        assert not selfcheck.compare(head, states, backend.top_logprobs(samples, selfcheck.K)).ok  # a second run
+    finally:
+        backend.close()
+
+
 @pytest.mark.parametrize("selfcheck", [4, 0], ids=["selfcheck-batch", "announced-group"])
 @pytest.mark.parametrize("strategy", ["aux", "direct"])
 def test_the_last_batch_is_checked_by_finish(fake, tiny_kimi, tmp_path, monkeypatch, selfcheck, strategy):
