@@ -153,6 +153,13 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
         help="drop conversations equal to an earlier one (they are counted in the data line either way)",
     )
     p.add_argument(
+        "--data-workers",
+        type=POSITIVE,
+        default=None,
+        help="processes that tokenize long conversations (a long one's loss mask costs its length squared); "
+        "default: the CPUs less one, at most 16; 1: none",
+    )
+    p.add_argument(
         "--shard-samples",
         type=POSITIVE,
         default=None,
@@ -230,6 +237,7 @@ def _extract_config(a):
             on_error=a.on_error,
             max_samples=a.max_samples,
             dedup=a.dedup,
+            workers=a.data_workers or 0,
         ),
         shard_samples=a.shard_samples,
         shard_tokens=a.shard_tokens,

@@ -54,6 +54,7 @@ class DataConfig:
     rejects_path: str | None = None
     max_samples: int | None = None
     dedup: bool = False  # drop exact duplicates (same messages, tools, weights); counted either way
+    workers: int = 0  # processes tokenizing long conversations (tokenize_pool.py); 0: the CPUs', 1: none
 
     def __post_init__(self):
         if self.long_rule not in LONG_RULES:
@@ -80,6 +81,14 @@ class DataReport:
     template_dropped: Counter = field(default_factory=Counter)  # "role.field" -> turns whose data the template left out
     tool_ids: Counter = field(default_factory=Counter)  # "role.field" -> ids rewritten as the target writes them
     prompts_only: bool = False  # extract --regenerate: samples are prompts, the target writes the turns
+    in_workers: int = 0  # conversations tokenized in worker processes (tokenize_pool.py)
+
+    def add(self, counts: DataReport) -> None:
+        """One conversation's counts (tokenize_conversation) added."""
+        self.views, self.unended = self.views + counts.views, self.unended + counts.unended
+        self.truncated, self.split_parts = self.truncated + counts.truncated, self.split_parts + counts.split_parts
+        self.rejected.update(counts.rejected)
+        self.template_dropped.update(counts.template_dropped)
 
     def summary(self) -> str:
         rej = ", ".join(f"{k}: {v}" for k, v in sorted(self.rejected.items())) or "none"
@@ -93,6 +102,8 @@ class DataReport:
             f"({self.assistant_tokens} assistant); truncated {self.truncated}, split parts {self.split_parts}; "
             f"duplicates {self.duplicates}; rejected: {rej}"
         )
+        if self.in_workers:
+            out += f"; {self.in_workers} long conversations tokenized in worker processes"
         if self.views:
             out += f"; {self.views} turns learned from their own view (the template re-renders them later)"
         if self.unended:
@@ -280,39 +291,55 @@ def reject(report: DataReport, rejects: list[dict], path: Path, line: int, text:
     rejects.append({"file": str(path), "line": line, "reason": e.reason, "error": str(e), "text": (text or "")[:200]})
 
 
+def tokenize_conversation(tokenizer, stops: set[int], cfg: DataConfig, path: Path, line: int, text, parsed):
+    """One conversation -> (its samples: each view's, cut by cfg's long rule, those with an assistant token; the
+    counts it adds to the report). Raises DataError. Runs here or in a worker process (tokenize_pool.py)."""
+    counts = DataReport()
+    vs = masks.views(tokenizer, parsed, path, line)
+    counts.views += len(vs) - 1
+    counts.unended += sum(not e for v in vs for e in v.ended)
+    counts.template_dropped.update(masks.dropped(parsed, vs))
+    parts = []
+    for v in vs:
+        ids, mask = masks.encode(tokenizer, v, stops)
+        sid = f"{path.name}:{line}" + ("" if v.end == len(parsed.messages) else f"@{v.end - 1}")
+        parts += _cut(sid, ids, mask, cfg, counts, path, line)
+    kept = [s for s in parts if any(s.loss_mask)]
+    if not kept:
+        raise DataError(path, line, "no assistant tokens left after the long-sample rule", "Raise --max-len",
+                        "no_assistant_tokens")  # fmt: skip
+    if len(kept) < len(parts):
+        counts.rejected["no_assistant_tokens"] += len(parts) - len(kept)
+    return kept, counts
+
+
 def load_samples(cfg: DataConfig, tokenizer, tokenizer_where: str = "tokenizer") -> tuple[list[Sample], DataReport]:
-    """All samples of cfg.paths, in file then line order; rejects written to cfg.rejects_path."""
+    """All samples of cfg.paths, in file then line order; rejects written to cfg.rejects_path. Long conversations
+    are tokenized in cfg.workers processes (tokenize_pool.py)."""
+    from functools import partial
+
+    from eagle3.data import tokenize_pool
+
     check_tokenizer(tokenizer, tokenizer_where)
     report, samples, rejects = DataReport(), [], []
     stops, id_style = masks.stop_ids(tokenizer), tool_ids.style(tokenizer)
-    for path, line, text, parsed in unique_conversations(cfg, report, rejects):
-        report.tool_ids.update(tool_ids.as_target_writes(parsed.messages, id_style)[1])  # masks.chat rewrites them
-        try:
-            vs = masks.views(tokenizer, parsed, path, line)
-            report.views += len(vs) - 1
-            report.unended += sum(not e for v in vs for e in v.ended)
-            report.template_dropped.update(masks.dropped(parsed, vs))
-            parts = []
-            for v in vs:
-                ids, mask = masks.encode(tokenizer, v, stops)
-                sid = f"{path.name}:{line}" + ("" if v.end == len(parsed.messages) else f"@{v.end - 1}")
-                parts += _cut(sid, ids, mask, cfg, report, path, line)
-            kept = [s for s in parts if any(s.loss_mask)]
-            if not kept:
-                raise DataError(
-                    path,
-                    line,
-                    "no assistant tokens left after the long-sample rule",
-                    "Raise --max-len",
-                    "no_assistant_tokens",
-                )
-            if len(kept) < len(parts):
-                report.rejected["no_assistant_tokens"] += len(parts) - len(kept)
-        except DataError as e:
-            if cfg.on_error == "stop" or e.reason == "too_long" and cfg.long_rule == "error":
-                raise
-            reject(report, rejects, path, line, text, e)
+    work = partial(tokenize_conversation, tokenizer, stops, cfg)
+    workers = cfg.workers or tokenize_pool.default_workers()
+
+    def conversations():
+        for path, line, text, parsed in unique_conversations(cfg, report, rejects):
+            report.tool_ids.update(tool_ids.as_target_writes(parsed.messages, id_style)[1])  # masks.chat rewrites them
+            yield path, line, text, parsed
+
+    for (path, line, text, _), got, remote in tokenize_pool.in_order(conversations(), work, workers):
+        if isinstance(got, DataError):
+            if cfg.on_error == "stop" or got.reason == "too_long" and cfg.long_rule == "error":
+                raise got
+            reject(report, rejects, path, line, text, got)
             continue
+        kept, counts = got
+        report.add(counts)
+        report.in_workers += remote
         samples.extend(kept)
         if cfg.max_samples and len(samples) >= cfg.max_samples:
             samples = samples[: cfg.max_samples]

@@ -46,6 +46,9 @@ class DataError(ValueError):
         super().__init__(f"{where}: {problem}. {fix}")
         self.path, self.line, self.problem, self.fix, self.reason = str(path), line, problem, fix, reason
 
+    def __reduce__(self):  # a worker process's error comes back whole (tokenize_pool.py)
+        return DataError, (self.path, self.line, self.problem, self.fix, self.reason)
+
 
 @dataclass
 class Conversation:

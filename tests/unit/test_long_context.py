@@ -2,6 +2,7 @@
 context draft trains on: their length as the template renders them, Kimi's call ids over the whole session, and
 one sample each through load_samples at --max-len 32k: nothing cut, every assistant turn learned, nothing else."""
 
+import dataclasses
 import json
 import random
 import re
@@ -108,3 +109,60 @@ def test_the_long_target_s_held_out_prompts_are_short_and_its_long_sessions_come
     assert sum(c.get("tools") is not None and len(c["messages"]) > 40 for c in pool) >= 16  # sessions in the context
     long = learnable.eval_prompts(kimi_tokenizer, 4, arch="deepseek-long", context_tokens=8192)
     assert all(len(ids) == 8192 and ids[-len(s) :] == s for (_, ids), (_, s) in zip(long, short))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(long_rule="split"), dict(long_rule="drop"), dict(long_rule="truncate", max_samples=7)],
+    ids=["split", "drop", "max-samples"],
+)
+def test_long_conversations_are_tokenized_in_worker_processes_as_they_would_be_here(kimi_tokenizer, tmp_path, options):
+    """A long session's loss mask renders the template once per assistant turn, up to it (its length squared: 1.9 s
+    for a 15k-token session on one core), so conversations of many messages go to worker processes. The samples,
+    their order and the report equal those of the load done here: short lines and sessions interleaved, a bad line,
+    sessions cut at a small max_len (split: each part a sample; drop: rejected there), a load stopped at max_samples."""
+    r = random.Random(11)
+    lines = []
+    for i, c in enumerate(kimi_traffic.generate(6, seed=3)):
+        lines.append(json.dumps(c))
+        if i % 2:
+            lines.append(json.dumps(kimi_traffic.agentic(r, 8 + i)))
+    lines.insert(3, '{"messages": "not a list"}')
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    cfg = DataConfig([str(data)], max_len=1536, **options)
+    here, here_report = load_samples(dataclasses.replace(cfg, workers=1), kimi_tokenizer)
+    pooled, pooled_report = load_samples(dataclasses.replace(cfg, workers=2), kimi_tokenizer)
+    assert pooled == here and len(here) == options.get("max_samples", len(here))
+    in_workers = {"split": 3, "drop": 0, "truncate": 2}[options["long_rule"]]  # drop: each session too long there
+    assert (here_report.in_workers, pooled_report.in_workers) == (0, in_workers)
+    if "max_samples" in options:  # the lines read ahead for the workers are counted as read
+        assert here_report.lines == 8 and pooled_report.lines == 10
+        pooled_report = dataclasses.replace(pooled_report, lines=8, tool_ids=here_report.tool_ids)
+    assert dataclasses.replace(pooled_report, in_workers=0) == here_report
+    assert here_report.rejected == {"wrong_schema": 1, **({"too_long": 3} if options["long_rule"] == "drop" else {})}
+    assert (here_report.split_parts > 0) == (options["long_rule"] == "split")
+
+
+def test_extract_s_data_workers_flag_reaches_the_load_and_the_data_line_says_so(tmp_path, tiny_llama, capsys):
+    """`extract --data-workers 2`: the two chats of 40 messages are tokenized in worker processes (the data line
+    says so) and the store holds what `--data-workers 1` stores."""
+    from eagle3 import cli
+    from eagle3.store.folder import Store
+
+    def chat(n, k):
+        turns = [({"role": "user", "content": f"Count {k} to {i}."}, {"role": "assistant", "content": f"{k}, {i}."})
+                 for i in range(n)]  # fmt: skip
+        return {"messages": [m for pair in turns for m in pair]}
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in (chat(20, 1), chat(2, 2), chat(20, 3))))
+    stores = {}
+    for workers in (1, 2):
+        stores[workers] = tmp_path / f"s{workers}"
+        argv = ["extract", "--model", str(tiny_llama), "--data", str(data), "--out", str(stores[workers])]
+        assert cli.main([*argv, "--data-workers", str(workers), "--max-len", "1024"]) == 0
+        said = capsys.readouterr().out
+        assert ("2 long conversations tokenized in worker processes" in said) == (workers == 2), said
+    got = [{s["sample_id"]: s["input_ids"].tolist() for s in Store.open(stores[w]).iter_samples()} for w in (1, 2)]
+    assert got[0] == got[1] and len(got[0]) == 3
