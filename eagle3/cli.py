@@ -153,6 +153,12 @@ def _add_extract_args(p: argparse.ArgumentParser) -> None:
         help="drop conversations equal to an earlier one (they are counted in the data line either way)",
     )
     p.add_argument(
+        "--run-together",
+        action="store_true",
+        help="join consecutive samples into samples of up to --max-len tokens, none cut: a draft that reads long "
+        "histories of earlier conversations, as long sessions hold",
+    )
+    p.add_argument(
         "--data-workers",
         type=POSITIVE,
         default=None,
@@ -238,6 +244,7 @@ def _extract_config(a):
             max_samples=a.max_samples,
             dedup=a.dedup,
             workers=a.data_workers or 0,
+            run_together=a.run_together,
         ),
         shard_samples=a.shard_samples,
         shard_tokens=a.shard_tokens,

@@ -55,6 +55,7 @@ class DataConfig:
     max_samples: int | None = None
     dedup: bool = False  # drop exact duplicates (same messages, tools, weights); counted either way
     workers: int = 0  # processes tokenizing long conversations (tokenize_pool.py); 0: the CPUs', 1: none
+    run_together: bool = False  # consecutive samples joined into samples of up to max_len tokens (run_together)
 
     def __post_init__(self):
         if self.long_rule not in LONG_RULES:
@@ -82,6 +83,7 @@ class DataReport:
     tool_ids: Counter = field(default_factory=Counter)  # "role.field" -> ids rewritten as the target writes them
     prompts_only: bool = False  # extract --regenerate: samples are prompts, the target writes the turns
     in_workers: int = 0  # conversations tokenized in worker processes (tokenize_pool.py)
+    joined_from: int = 0  # with run_together: the samples before they were joined
 
     def add(self, counts: DataReport) -> None:
         """One conversation's counts (tokenize_conversation) added."""
@@ -102,6 +104,8 @@ class DataReport:
             f"({self.assistant_tokens} assistant); truncated {self.truncated}, split parts {self.split_parts}; "
             f"duplicates {self.duplicates}; rejected: {rej}"
         )
+        if self.joined_from:
+            out += f"; {self.joined_from} samples run together into {self.samples} samples"
         if self.in_workers:
             out += f"; {self.in_workers} long conversations tokenized in worker processes"
         if self.views:
@@ -291,6 +295,27 @@ def reject(report: DataReport, rejects: list[dict], path: Path, line: int, text:
     rejects.append({"file": str(path), "line": line, "reason": e.reason, "error": str(e), "text": (text or "")[:200]})
 
 
+def run_together(samples: list[Sample], max_len: int) -> list[Sample]:
+    """Consecutive samples joined, each new sample taking the ones that follow while the whole fits in max_len
+    tokens: a draft trained on them reads long histories of earlier conversations, as a long session's context
+    holds earlier tasks. Ids ``FIRST+K``: the first sample's id and how many follow it."""
+    out, group, size = [], [], 0
+
+    def close():
+        ids = tuple(t for s in group for t in s.input_ids)
+        out.append(Sample(f"{group[0].sample_id}+{len(group) - 1}", ids, tuple(m for s in group for m in s.loss_mask)))
+
+    for s in samples:
+        if group and size + len(s) > max_len:
+            close()
+            group, size = [], 0
+        group.append(s)
+        size += len(s)
+    if group:
+        close()
+    return out
+
+
 def tokenize_conversation(tokenizer, stops: set[int], cfg: DataConfig, path: Path, line: int, text, parsed):
     """One conversation -> (its samples: each view's, cut by cfg's long rule, those with an assistant token; the
     counts it adds to the report). Raises DataError. Runs here or in a worker process (tokenize_pool.py)."""
@@ -344,6 +369,8 @@ def load_samples(cfg: DataConfig, tokenizer, tokenizer_where: str = "tokenizer")
         if cfg.max_samples and len(samples) >= cfg.max_samples:
             samples = samples[: cfg.max_samples]
             break
+    if cfg.run_together:
+        report.joined_from, samples = len(samples), run_together(samples, cfg.max_len)
     report.samples = len(samples)
     report.tokens = sum(len(s) for s in samples)
     report.assistant_tokens = sum(sum(s.loss_mask) for s in samples)

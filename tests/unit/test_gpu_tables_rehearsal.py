@@ -44,7 +44,8 @@ def stand_ins(monkeypatch, tmp_path):
     def extract_run(cfg, progress=True, **kw):
         assert isinstance(cfg, extract.ExtractConfig)
         calls["extract"].append(cfg)
-        return types.SimpleNamespace(samples_written=10, tokens_written=1000, selfcheck="PASS")
+        return types.SimpleNamespace(samples_written=10, tokens_written=1000, selfcheck="PASS", seconds=1.0,
+                                     data_report="10 samples")  # fmt: skip
 
     def train_train(cfg, progress=True, source=None):
         assert isinstance(cfg, train.TrainConfig)
@@ -119,9 +120,11 @@ def test_the_long_table_serves_every_length_in_one_engine_and_the_control_decide
         return
     run()
     assert [kw["arch"] for _, kw in calls["make"]] == ["deepseek-long"]
-    assert [c.data.max_len for c in calls["extract"]] == [512, 16384]
+    assert [(c.data.max_len, c.data.run_together) for c in calls["extract"]] == [(512, False), (16384, True)]
     assert len(calls["train"]) == 6 and all(c.pack_tokens == 16384 for c in calls["train"])
     assert all(c.long_context == (4096, 8192, 16384) and c.long_prompts for c in calls["eval"])
     table, verdict = reported["long_table"], reported["long_verdict"]
     assert len(table) == 6 and table["llama + 3.1, short, seed 0"]["16k"][0] == 2.0
+    assert set(reported["long_seconds"]) == set(table) and all(set(t) == {"train", "serve"} for t in
+                                                                reported["long_seconds"].values())  # fmt: skip
     assert verdict["kept_4k"] == 1.0 and verdict["kept_16k"] == 1.0 and verdict["goal_met"]

@@ -144,9 +144,9 @@ def test_long_conversations_are_tokenized_in_worker_processes_as_they_would_be_h
     assert (here_report.split_parts > 0) == (options["long_rule"] == "split")
 
 
-def test_extract_s_data_workers_flag_reaches_the_load_and_the_data_line_says_so(tmp_path, tiny_llama, capsys):
+def test_extract_s_data_flags_reach_the_load_and_the_data_line_says_so(tmp_path, tiny_llama, capsys):
     """`extract --data-workers 2`: the two chats of 40 messages are tokenized in worker processes (the data line
-    says so) and the store holds what `--data-workers 1` stores."""
+    says so) and the store holds what `--data-workers 1` stores. `--run-together`: the three in one sample."""
     from eagle3 import cli
     from eagle3.store.folder import Store
 
@@ -166,3 +166,35 @@ def test_extract_s_data_workers_flag_reaches_the_load_and_the_data_line_says_so(
         assert ("2 long conversations tokenized in worker processes" in said) == (workers == 2), said
     got = [{s["sample_id"]: s["input_ids"].tolist() for s in Store.open(stores[w]).iter_samples()} for w in (1, 2)]
     assert got[0] == got[1] and len(got[0]) == 3
+    argv[-1] = str(tmp_path / "joined")
+    assert cli.main([*argv, "--run-together", "--max-len", "100000"]) == 0
+    assert "3 samples run together into 1 samples" in capsys.readouterr().out
+    (joined,) = Store.open(tmp_path / "joined").iter_samples()
+    assert joined["input_ids"].tolist() == [t for k in ("chats.jsonl:1", "chats.jsonl:2", "chats.jsonl:3")
+                                            for t in got[0][k]]  # fmt: skip
+
+
+@pytest.mark.parametrize("max_len", [1024, 4096])
+def test_run_together_joins_consecutive_samples_into_windows_of_up_to_max_len_whole(kimi_tokenizer, tmp_path, max_len):
+    """--run-together: consecutive samples joined into one, as a long session's history holds earlier tasks and as
+    the long prompts are built, each window as long as max_len allows without cutting a sample; every token and its
+    mask kept once, in order; a window's id names its first sample and how many follow it."""
+    r = random.Random(4)
+    convs = kimi_traffic.generate(20, seed=9) + [kimi_traffic.agentic(r, 9)]
+    data = tmp_path / "traffic.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    alone, _ = load_samples(DataConfig([str(data)], max_len=max_len), kimi_tokenizer)
+    joined, report = load_samples(DataConfig([str(data)], max_len=max_len, run_together=True), kimi_tokenizer)
+    flat = [(t, m) for s in alone for t, m in zip(s.input_ids, s.loss_mask)]
+    assert [(t, m) for s in joined for t, m in zip(s.input_ids, s.loss_mask)] == flat
+    assert all(len(s) <= max_len for s in joined) and len(joined) < len(alone)
+    start = 0
+    for w in joined:  # each window took the samples that follow its first while they fit
+        first, _, more = w.sample_id.rpartition("+")
+        k = [s.sample_id for s in alone].index(first, start)
+        assert sum(len(s) for s in alone[k : k + int(more) + 1]) == len(w)
+        nxt = alone[k + int(more) + 1 : k + int(more) + 2]
+        assert not nxt or len(w) + len(nxt[0]) > max_len
+        start = k + int(more) + 1
+    assert start == len(alone) and report.samples == len(joined)
+    assert f"run together into {len(joined)} samples" in report.summary()
