@@ -31,14 +31,20 @@ def default_workers() -> int:
     return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) - 1))
 
 
+def is_long(item: tuple) -> bool:
+    """An item whose last element, a Conversation or a conversation's dict, has more than LONG_MESSAGES messages."""
+    last = item[-1]
+    return len(last["messages"] if isinstance(last, dict) else last.messages) > LONG_MESSAGES
+
+
 def in_order(items: Iterable[tuple], work: Callable, workers: int) -> Iterator[tuple[tuple, object, bool]]:
-    """(item, work(*item) or the DataError it raised, whether a worker did it) for each item, in order. An item is
-    long when its last element (a Conversation) has more than LONG_MESSAGES messages; ``work`` must pickle (a
-    functools.partial of a module-level function, a picklable tokenizer among its arguments)."""
+    """(item, work(*item) or the DataError it raised, whether a worker did it) for each item, in order; long ones
+    (is_long) in workers. ``work`` must pickle (a functools.partial of a module-level function, a picklable
+    tokenizer among its arguments)."""
     pool, queue = None, deque()
     try:
         for item in items:
-            if workers > 1 and len(item[-1].messages) > LONG_MESSAGES:
+            if workers > 1 and is_long(item):
                 pool = pool or _pool(work, workers)
                 queue.append((item, pool.submit(_remote, item), True))
             else:

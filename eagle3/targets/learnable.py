@@ -61,11 +61,18 @@ def rendered(tokenizer, conversation: dict) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def token_stream(tokenizer, n_conversations: int, seed: int, arch: str = "llama") -> torch.Tensor:
-    """All conversations rendered with the chat template, concatenated: [N] token ids."""
+def token_stream(tokenizer, n_conversations: int, seed: int, arch: str = "llama", workers: int = 0) -> torch.Tensor:
+    """All conversations rendered with the chat template, concatenated: [N] token ids. Long sessions are rendered
+    in ``workers`` processes (tokenize_pool.py; 0: the CPUs')."""
+    from functools import partial
+
+    from eagle3.data import tokenize_pool
+
+    convs = ((c,) for c in conversations(arch, n_conversations, seed))
+    workers = workers or tokenize_pool.default_workers()
     ids: list[int] = []
-    for c in conversations(arch, n_conversations, seed):
-        ids += rendered(tokenizer, c)
+    for _, got, _ in tokenize_pool.in_order(convs, partial(rendered, tokenizer), workers):
+        ids += got
     return torch.tensor(ids, dtype=torch.long)
 
 

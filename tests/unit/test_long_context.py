@@ -198,3 +198,25 @@ def test_run_together_joins_consecutive_samples_into_windows_of_up_to_max_len_wh
         start = k + int(more) + 1
     assert start == len(alone) and report.samples == len(joined)
     assert f"run together into {len(joined)} samples" in report.summary()
+
+
+def test_the_long_target_s_stream_renders_its_sessions_in_workers_as_it_would_here(kimi_tokenizer, monkeypatch):
+    """make-target's token stream: deepseek-long's sessions (one in eight conversations) rendered in worker
+    processes, the stream equal to the one rendered here."""
+    import torch
+
+    from eagle3.data import tokenize_pool
+
+    remote, real = [], tokenize_pool.in_order
+
+    def spy(items, work, workers):
+        for item, got, far in real(items, work, workers):
+            remote.append(far)
+            yield item, got, far
+
+    monkeypatch.setattr(tokenize_pool, "in_order", spy)
+    here = learnable.token_stream(kimi_tokenizer, 16, 3, arch="deepseek-long", workers=1)
+    assert remote == [False] * 16
+    remote.clear()
+    pooled = learnable.token_stream(kimi_tokenizer, 16, 3, arch="deepseek-long", workers=2)
+    assert remote == [i % 8 == 7 for i in range(16)] and torch.equal(pooled, here) and len(here) > 4000
