@@ -369,16 +369,17 @@ def final_state_check(backend, store: Store, cfg: ExtractConfig, samples: Sequen
     scratch = Path(cfg.out) / ".selfcheck"
     shutil.rmtree(scratch, ignore_errors=True)
     try:
-        states, engine = captured_with_engine_top(backend, store.spec, cfg, samples, scratch)
+        stored, engine = captured_with_engine_top(backend, store.spec, cfg, samples, scratch)
+        states = selfcheck.last_states(stored, store.spec.layer_ids[-1])
         return selfcheck.compare(selfcheck.head_for(cfg.model, backend, scratch), states, engine)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
 def captured_with_engine_top(backend, spec: StoreSpec, cfg: ExtractConfig, samples: Sequence[Sample], scratch):
-    """``samples`` captured through the production path into a scratch store at ``scratch``: (their last-token
-    states at the last layer id [N, H], the engine's top-K next tokens after each). vLLM's top-K come from the
-    capture's own forward pass (an engine need not repeat itself); the hf backend, deterministic, is asked again."""
+    """``samples`` captured through the production path into a scratch store at ``scratch``: (the stored samples, in
+    ``samples``' order; the engine's top-K next tokens after each). vLLM's top-K come from the capture's own forward
+    pass (an engine need not repeat itself); the hf backend, deterministic, is asked again."""
     from contextlib import nullcontext
     from dataclasses import replace
 
@@ -391,14 +392,14 @@ def captured_with_engine_top(backend, spec: StoreSpec, cfg: ExtractConfig, sampl
         session = open_session(backend, tmp, tcfg, None)
         tmp.commit(session.submit(samples), fsync=False)
         tmp.commit(session.finish(), fsync=False)
-    stored = {s["sample_id"]: s for s in tmp.iter_samples()}
-    states = selfcheck.last_states([stored[s.sample_id] for s in samples], spec.layer_ids[-1])
+    by_id = {s["sample_id"]: s for s in tmp.iter_samples()}
+    stored = [by_id[s.sample_id] for s in samples]
     if tops is None:
-        return states, backend.top_logprobs(samples, selfcheck.K)
+        return stored, backend.top_logprobs(samples, selfcheck.K)
     if len(tops) != len(samples):
         raise StoreError(f"the self-check's capture returned the engine's top-k for {len(tops)} of {len(samples)} "
                          "prompts: it ran them in more than one prefill or dropped some")  # fmt: skip
-    return states, tops
+    return stored, tops
 
 
 def check_store(root: str | Path, model: str | Path, backend: str = "hf", samples: int = 8, device: str = "cpu"):

@@ -86,10 +86,7 @@ def test_the_self_check_on_dummy_weights(depth, tmp_path, report):
     prof, folder, backend = depth
     samples = random_samples(8, 512, prof.vocab_size, seed=72)
     cfg = extract.ExtractConfig(model=str(folder), out=str(tmp_path / "s"), backend="vllm", batch_size=8, selfcheck=0)
-    extract.run(cfg, samples=samples, backend=backend, progress=False)
-    stored = {s["sample_id"]: s for s in Store.open(tmp_path / "s").iter_samples()}
-    got = [stored[s.sample_id] for s in samples]
-    engine = backend.top_logprobs(samples, selfcheck.K)
+    got, engine = extract.captured_with_engine_top(backend, backend.spec, cfg, samples, tmp_path / "s")  # as extract
     head = selfcheck.load_head_files(backend.dump_head(tmp_path), 1e-6)
     right = selfcheck.last_states(got, 61)
     post = head.normed(right).bfloat16()

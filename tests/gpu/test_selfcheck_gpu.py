@@ -8,7 +8,6 @@ import torch
 
 from eagle3.data.conversations import random_samples
 from eagle3.extract import extract, selfcheck
-from eagle3.store.folder import Store
 
 pytestmark = pytest.mark.gpu
 
@@ -24,11 +23,8 @@ def test_selfcheck_passes_the_captured_state_and_fails_wrong_ones(target, engine
     cfg = extract.ExtractConfig(
         model=str(target.path), out=str(tmp_path / "s"), backend="vllm", batch_size=16, selfcheck=0
     )
-    extract.run(cfg, samples=samples, backend=backend, progress=False)
-    stored = {s["sample_id"]: s for s in Store.open(tmp_path / "s").iter_samples()}
-    got = [stored[s.sample_id] for s in samples]
+    got, engine = extract.captured_with_engine_top(backend, backend.spec, cfg, samples, tmp_path / "s")  # as extract
     right = selfcheck.last_states(got, L)
-    engine = backend.top_logprobs(samples, selfcheck.K)
     head = selfcheck.load_head(target.path)
     ref = HFBackend(target.path, (L - 1, L), device="cuda", compute_dtype="float32", out_dtype="float32")
     prev = torch.stack([st[0, -1] for st in ref.capture(samples)])
