@@ -36,16 +36,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
 N_TRAIN = 3000  # conversations of each data
 LENGTHS = (4096, 8192, 16384)  # long prompts' tokens: earlier conversations, then a held-out prompt
-DATA = {"short": ("deepseek", 512, False), "mix": ("deepseek-long", 16384, True)}  # traffic of (arch), extracted at
-# --max-len, run together or not
+# each data: its traffic (learnable.conversations' arch), extracted at max_len, run together or not, trained with
+# batch_samples a step. The mix's ~230 samples of up to 16k tokens, 2 a step, give 345 steps over 3 epochs (32
+# conversations a step gave the sessions-alone mix 281; 32 of these windows would give 21)
+DATA = {
+    "short": dict(arch="deepseek", max_len=512, run_together=False, batch_samples=32),
+    "mix": dict(arch="deepseek-long", max_len=16384, run_together=True, batch_samples=2),
+}
 VARIANTS = {"llama + 3.1": dict(fc_norm=True, norm_output=True), "mla + 3.1": dict(draft_arch="mla", fc_norm=True,
                                                                                      norm_output=True)}  # fmt: skip
 RUNS = [("llama + 3.1", d, seed) for seed in (0, 1) for d in DATA] + [("mla + 3.1", d, 0) for d in DATA]
 # llama + 3.1's four first: the control and its spread are whole if the run is cut short
 
 
-def _fit(store, out, seed, variant):
-    options = {**E2E_TRAIN, "pack_tokens": 16384, **VARIANTS[variant]}  # a pack holds a whole 16k sample
+def _fit(store, out, seed, variant, data):
+    # a pack holds a whole 16k sample
+    options = {**E2E_TRAIN, "pack_tokens": 16384, "batch_samples": DATA[data]["batch_samples"], **VARIANTS[variant]}
     return train.train(train.TrainConfig(store=str(store), out=str(out), seed=seed, **options), progress=False).draft
 
 
@@ -68,13 +74,14 @@ def test_a_draft_trained_on_long_sessions_keeps_its_acceptance_on_long_prompts(t
     target = tmp_path / "target"
     report("long_target", learnable.make_target(target, steps=1500, arch="deepseek-long"))
     stores = {}
-    for data, (arch, max_len, joined) in DATA.items():
-        jsonl = tmp_path / f"{data}.jsonl"
-        corpus.write_jsonl(jsonl, learnable.conversations(arch, N_TRAIN, seed=7))
+    for data, d in DATA.items():
+        jsonl, max_len = tmp_path / f"{data}.jsonl", d["max_len"]
+        corpus.write_jsonl(jsonl, learnable.conversations(d["arch"], N_TRAIN, seed=7))
+        data_cfg = DataConfig([str(jsonl)], max_len=max_len, run_together=d["run_together"])
         stores[data] = tmp_path / f"store-{data}"
         ex = extract.run(extract.ExtractConfig(model=str(target), out=str(stores[data]), backend="vllm",
                                                batch_size=256, shard_tokens=1 << 18,
-                                               data=DataConfig([str(jsonl)], max_len=max_len, run_together=joined),
+                                               data=data_cfg,
                                                vllm_kwargs={"gpu_memory_utilization": 0.3,
                                                             "max_model_len": max_len + 64}),
                          progress=False)  # fmt: skip
@@ -85,7 +92,7 @@ def test_a_draft_trained_on_long_sessions_keeps_its_acceptance_on_long_prompts(t
         name = f"{variant}, {data}, seed {seed}"
         tag = f"{variant.replace(' + ', '-')}-{data}-{seed}"
         t0 = time.perf_counter()
-        draft = _fit(stores[data], tmp_path / f"train-{tag}", seed, variant)
+        draft = _fit(stores[data], tmp_path / f"train-{tag}", seed, variant, data)
         t1 = time.perf_counter()
         runs[name] = _serve(target, draft, tmp_path / f"eval-{tag}")
         seconds[name] = {"train": round(t1 - t0, 1), "serve": round(time.perf_counter() - t1, 1)}

@@ -122,6 +122,7 @@ def test_the_long_table_serves_every_length_in_one_engine_and_the_control_decide
     assert [kw["arch"] for _, kw in calls["make"]] == ["deepseek-long"]
     assert [(c.data.max_len, c.data.run_together) for c in calls["extract"]] == [(512, False), (16384, True)]
     assert len(calls["train"]) == 6 and all(c.pack_tokens == 16384 for c in calls["train"])
+    assert [c.batch_samples for c in calls["train"]] == [32, 2, 32, 2, 32, 2]  # short, mix in turn
     assert all(c.long_context == (4096, 8192, 16384) and c.long_prompts for c in calls["eval"])
     table, verdict = reported["long_table"], reported["long_verdict"]
     assert len(table) == 6 and table["llama + 3.1, short, seed 0"]["16k"][0] == 2.0
