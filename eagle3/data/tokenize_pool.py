@@ -1,9 +1,9 @@
 """Long conversations tokenized in worker processes, results in the input's order.
 
 A conversation's loss mask renders the chat template once for each assistant turn, up to that turn (masks.views):
-the cost grows with the square of its length (1.9 s for a 60-task agentic session of 15k tokens on one core, ~10x
-that at 50k). Conversations of more than LONG_MESSAGES messages go to a pool of processes, started at the first
-one; the rest are tokenized here, where a pool would cost more than it saves. The workers come from a fork server
+the cost grows with the square of its length (docs/data.md). Conversations of more than LONG_MESSAGES messages go
+to a pool of processes, started at the first one; the rest are tokenized here, where a pool would cost more than it
+saves. The workers come from a fork server
 (a clean process that imported transformers once), not from this process, whose threads (an engine's, torch's)
 a fork would copy in an unknown state.
 """
