@@ -87,8 +87,16 @@ def _ready(entry: tuple) -> tuple[tuple, object, bool]:
 
 def _pool(work: Callable, workers: int) -> ProcessPoolExecutor:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["eagle3.data.conversations", "transformers.utils.chat_template_utils"])
+    ctx.set_forkserver_preload(_preload(work))
     return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start, initargs=(pickle.dumps(work),))
+
+
+def _preload(work: Callable) -> list[str]:
+    """What every worker needs, imported once in the fork server: the work's function's module, its arguments' types'
+    (a tokenizer's class: 2.5 s a worker to unpickle it cold) and the chat template's renderer."""
+    modules = {getattr(work, "func", work).__module__, "transformers.utils.chat_template_utils"}
+    modules |= {type(a).__module__ for a in getattr(work, "args", ())}
+    return sorted(modules - {"builtins"})
 
 
 def _start(work: bytes) -> None:

@@ -126,7 +126,7 @@ def test_long_conversations_are_tokenized_in_worker_processes_as_they_would_be_h
     for i, c in enumerate(kimi_traffic.generate(6, seed=3)):
         lines.append(json.dumps(c))
         if i % 2:
-            lines.append(json.dumps(kimi_traffic.agentic(r, 8 + i)))
+            lines.append(json.dumps(kimi_traffic.agentic(r, 9)))  # 9 tasks: more than 32 messages
     lines.insert(3, '{"messages": "not a list"}')
     data = tmp_path / "mixed.jsonl"
     data.write_text("\n".join(lines) + "\n")
