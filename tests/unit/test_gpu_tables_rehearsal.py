@@ -7,6 +7,7 @@ of finding a wrong key."""
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 
@@ -98,7 +99,7 @@ def test_the_int4_table_trains_on_each_form_serves_on_each_and_states_its_verdic
 @pytest.mark.parametrize("kept", [True, False])
 def test_the_long_table_serves_every_length_in_one_engine_and_the_control_decides(stand_ins, tmp_path, kept):
     """Drafts trained on the mix keep 3.0 at every length (short 3.0); short-only ones fall to 2.0 at 16k. With the
-    mix no better (``kept`` False) the control's assertion fails."""
+    mix no better (``kept`` False) the control's assertion fails. The two tests share one target and its stores."""
     calls, state = stand_ins
 
     def figures(cfg):
@@ -110,22 +111,45 @@ def test_the_long_table_serves_every_length_in_one_engine_and_the_control_decide
     reported = Reported()
     gpu_out = tmp_path / "gpu-out"
     gpu_out.mkdir()
-    run = lambda: long_table.test_a_draft_trained_on_long_sessions_keeps_its_acceptance_on_long_prompts(  # noqa: E731
-        tmp_path, gpu_out, reported
+    setup = long_table.build(tmp_path, reported)
+    llama = lambda: long_table.test_llama_3_1_trained_on_long_windows_beats_short_only_at_16k_by_three_spreads(  # noqa: E731
+        setup, gpu_out, reported
     )
     if not kept:
         with pytest.raises(AssertionError) as failed:
-            run()
+            llama()
         assert "gain > SPREAD_FACTOR" in str(failed.traceback[-1].statement)  # the control, not another check
         return
-    run()
+    llama()
+    long_table.test_mla_3_1_trained_on_long_windows_learns_and_states_its_verdict(setup, gpu_out, reported)
     assert [kw["arch"] for _, kw in calls["make"]] == ["deepseek-long"]
     assert [(c.data.max_len, c.data.run_together) for c in calls["extract"]] == [(512, False), (16384, True)]
     assert len(calls["train"]) == 6 and all(c.pack_tokens == 16384 for c in calls["train"])
     assert [c.batch_samples for c in calls["train"]] == [32, 2, 32, 2, 32, 2]  # short, mix in turn
+    assert [c.draft_arch for c in calls["train"]] == ["llama"] * 4 + ["mla"] * 2
+    assert [Path(c.store).name for c in calls["train"]] == ["store-short", "store-mix"] * 3
     assert all(c.long_context == (4096, 8192, 16384) and c.long_prompts for c in calls["eval"])
-    table, verdict = reported["long_table"], reported["long_verdict"]
+    assert {c.target for c in calls["eval"]} == {str(tmp_path / "target")}  # one target for both variants
+    table = reported["long_table"]
     assert len(table) == 6 and table["llama + 3.1, short, seed 0"]["16k"][0] == 2.0
     assert set(reported["long_seconds"]) == set(table) and all(set(t) == {"train", "serve"} for t in
                                                                 reported["long_seconds"].values())  # fmt: skip
-    assert verdict["kept_4k"] == 1.0 and verdict["kept_16k"] == 1.0 and verdict["goal_met"]
+    for variant in ("llama + 3.1", "mla + 3.1"):
+        v = reported[f"long_verdict[{variant}]"]
+        assert v["kept_4k"] == 1.0 and v["kept_16k"] == 1.0 and v["gain_16k_vs_short_only"] == 1.0, v
+        assert v["goal_met"] and v["short_spread"] == reported["long_verdict[llama + 3.1]"]["short_spread"], v
+    assert len(list(gpu_out.glob("long_eval_*.json"))) == 6
+
+
+def test_the_long_table_s_mla_test_alone_states_no_goal_without_a_measured_spread(stand_ins, tmp_path):
+    calls, state = stand_ins
+    state["figures"] = lambda cfg: (3.0, {n: 3.0 - ("-short-" in cfg.draft) * n / 16384 for n in cfg.long_context})
+    reported = Reported()
+    gpu_out = tmp_path / "gpu-out"
+    gpu_out.mkdir()
+    long_table.test_mla_3_1_trained_on_long_windows_learns_and_states_its_verdict(
+        long_table.build(tmp_path, reported), gpu_out, reported
+    )
+    v = reported["long_verdict[mla + 3.1]"]
+    assert v["goal_met"] is None and v["short_spread"] is None and v["kept_16k"] == 1.0, v
+    assert [c.draft_arch for c in calls["train"]] == ["mla", "mla"]
