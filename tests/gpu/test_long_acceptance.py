@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -51,27 +52,37 @@ VARIANTS = {"llama + 3.1": dict(fc_norm=True, norm_output=True), "mla + 3.1": di
 
 
 def build(tmp, report) -> dict:
-    """The target and a store of each data in ``tmp``: {"target": path, "stores": {data: path}, "table": {},
-    "runs": {}} (the tests fill the last two as their drafts are served)."""
+    """The target and a store of each data in ``tmp``, both extracted by one engine (its model length the longest
+    data's): {"target": path, "stores": {data: path}, "table": {}, "runs": {}} (the tests fill the last two as their
+    drafts are served)."""
     target = tmp / "target"
     report("long_target", learnable.make_target(target, steps=1500, arch="deepseek-long"))
-    stores = {}
+    longest = max(d["max_len"] for d in DATA.values())
+    cfgs = {}
     for data, d in DATA.items():
-        jsonl, max_len = tmp / f"{data}.jsonl", d["max_len"]
+        jsonl = tmp / f"{data}.jsonl"
         corpus.write_jsonl(jsonl, learnable.conversations(d["arch"], N_TRAIN, seed=7))
-        data_cfg = DataConfig([str(jsonl)], max_len=max_len, run_together=d["run_together"])
-        stores[data] = tmp / f"store-{data}"
-        t0 = time.perf_counter()
-        ex = extract.run(extract.ExtractConfig(model=str(target), out=str(stores[data]), backend="vllm",
-                                               batch_size=256, shard_tokens=1 << 18,
-                                               data=data_cfg,
-                                               vllm_kwargs={"gpu_memory_utilization": 0.3,
-                                                            "max_model_len": max_len + 64}),
-                         progress=False)  # fmt: skip
-        report(f"long_extract[{data}]", {"samples": ex.samples_written, "tokens": ex.tokens_written,
-                                         "capture_seconds": round(ex.seconds, 1),
-                                         "seconds": round(time.perf_counter() - t0, 1),
-                                         "data": ex.data_report})  # fmt: skip
+        cfgs[data] = extract.ExtractConfig(model=str(target), out=str(tmp / f"store-{data}"), backend="vllm",
+                                           batch_size=256, shard_tokens=1 << 18,
+                                           data=DataConfig([str(jsonl)], max_len=d["max_len"],
+                                                           run_together=d["run_together"]),
+                                           vllm_kwargs={"gpu_memory_utilization": 0.3,
+                                                        "max_model_len": longest + 64})  # fmt: skip
+    t0 = time.perf_counter()
+    some = next(iter(cfgs.values()))
+    backend = extract.make_backend(some, extract.store_spec(some.model, some.layer_ids, some.dtype))
+    report("long_extract_engine_start_s", round(time.perf_counter() - t0, 1))
+    try:
+        for data, cfg in cfgs.items():
+            t0 = time.perf_counter()
+            ex = extract.run(cfg, backend=backend, progress=False)
+            report(f"long_extract[{data}]", {"samples": ex.samples_written, "tokens": ex.tokens_written,
+                                             "capture_seconds": round(ex.seconds, 1),
+                                             "seconds": round(time.perf_counter() - t0, 1),
+                                             "data": ex.data_report})  # fmt: skip
+    finally:
+        backend.close()
+    stores = {data: Path(cfg.out) for data, cfg in cfgs.items()}
     return {"tmp": tmp, "target": target, "stores": stores, "table": {}, "runs": {}, "seconds": {}}
 
 

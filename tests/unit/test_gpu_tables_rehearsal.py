@@ -31,7 +31,7 @@ def run_of(acc: float, se: float = 0.01) -> evaluate.SpecRun:
 @pytest.fixture
 def stand_ins(monkeypatch, tmp_path):
     """Every stage recorded and stood in for; ``figures(cfg)`` decides each evaluation's acceptance length."""
-    calls = {"make": [], "quantize": [], "extract": [], "train": [], "eval": []}
+    calls = {"make": [], "quantize": [], "extract": [], "extract_backend": [], "engines": [], "train": [], "eval": []}
     state = {"figures": lambda cfg: (3.0, {})}
 
     def make_target(out, **kw):
@@ -45,6 +45,7 @@ def stand_ins(monkeypatch, tmp_path):
     def extract_run(cfg, progress=True, **kw):
         assert isinstance(cfg, extract.ExtractConfig)
         calls["extract"].append(cfg)
+        calls["extract_backend"].append(kw.get("backend"))
         return types.SimpleNamespace(samples_written=10, tokens_written=1000, selfcheck="PASS", seconds=1.0,
                                      data_report="10 samples")  # fmt: skip
 
@@ -65,7 +66,16 @@ def stand_ins(monkeypatch, tmp_path):
 
     monkeypatch.setattr(learnable, "make_target", make_target)
     monkeypatch.setattr(int4, "quantize_target", quantize_target)
+
+    def make_backend(cfg, spec):  # an engine passed to extract.run: its kwargs and whether it was closed
+        engine = types.SimpleNamespace(kwargs=dict(cfg.vllm_kwargs), closed=False)
+        engine.close = lambda: setattr(engine, "closed", True)
+        calls["engines"].append(engine)
+        return engine
+
     monkeypatch.setattr(extract, "run", extract_run)
+    monkeypatch.setattr(extract, "make_backend", make_backend)
+    monkeypatch.setattr(extract, "store_spec", lambda model, ids, dtype: (model, ids, dtype))
     monkeypatch.setattr(train, "train", train_train)
     monkeypatch.setattr(evaluate, "run", evaluate_run)
     return calls, state
@@ -124,6 +134,8 @@ def test_the_long_table_serves_every_length_in_one_engine_and_the_control_decide
     long_table.test_mla_3_1_trained_on_long_windows_learns_and_states_its_verdict(setup, gpu_out, reported)
     assert [kw["arch"] for _, kw in calls["make"]] == ["deepseek-long"]
     assert [(c.data.max_len, c.data.run_together) for c in calls["extract"]] == [(512, False), (16384, True)]
+    (engine,) = calls["engines"]  # one engine for both stores, long enough for the longest, closed after
+    assert calls["extract_backend"] == [engine, engine] and engine.kwargs["max_model_len"] >= 16384 and engine.closed
     assert len(calls["train"]) == 6 and all(c.pack_tokens == 16384 for c in calls["train"])
     assert [c.batch_samples for c in calls["train"]] == [32, 2, 32, 2, 32, 2]  # short, mix in turn
     assert [c.draft_arch for c in calls["train"]] == ["llama"] * 4 + ["mla"] * 2
