@@ -42,7 +42,7 @@ N_TRAIN = 3000  # conversations of each data
 LENGTHS = (4096, 8192, 16384)  # long prompts' tokens: earlier conversations, then a held-out prompt
 # each data: its traffic (learnable.conversations' arch), extracted at max_len, run together or not, trained with
 # batch_samples a step. The mix's ~290 samples of up to 16k tokens, 2 a step, give ~440 steps over 3 epochs (32
-# conversations a step gave the sessions-alone mix 281; 32 of these windows would give 27)
+# conversations a step gave the sessions-alone mix 281; 32 of these windows would give ~28)
 DATA = {
     "short": dict(arch="deepseek", max_len=512, run_together=False, batch_samples=32),
     "mix": dict(arch="deepseek-long", max_len=16384, run_together=True, batch_samples=2),
