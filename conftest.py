@@ -34,12 +34,40 @@ def pytest_xdist_auto_num_workers(config):
     return cores + 1 if cores <= 4 else cores
 
 
+_warm_server = None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """``-n N``: the N workers forked from one interpreter that has imported the heavy libraries once
+    (tests/unit/warm_workers.py), not N interpreters importing them side by side."""
+    global _warm_server
+    tx = getattr(config.option, "tx", None) or []
+    if os.environ.get("EAGLE3_COLD_WORKERS"):  # each worker its own interpreter, as xdist starts them
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER") or not tx or any(t != "popen" for t in tx) or os.name != "posix":
+        return
+    from tests.unit import warm_workers
+
+    config.option.tx, _warm_server = warm_workers.start(len(tx))
+
+
+def pytest_unconfigure(config):
+    global _warm_server
+    if _warm_server is not None:
+        from tests.unit import warm_workers
+
+        warm_workers.stop(_warm_server)
+        _warm_server = None
+
+
 def pytest_addoption(parser):
     g = parser.getgroup("eagle3")
     g.addoption(
         "--target-model",
         default=None,
-        help="GPU suite: path to a real target (e.g. Kimi-K2.5); default builds mini-Kimi locally",
+        help="GPU suite: path to a real target (e.g. Kimi-K2.5); default builds mini-Kimi locally. Write "
+        "--target-model=PATH: pytest takes a folder after a space for a test path",
     )
     g.addoption(
         "--target-profile",
@@ -53,7 +81,12 @@ def pytest_addoption(parser):
         help="GPU suite: the built target with its routed experts in INT4 as Kimi-K2.5's are (make-target --quantize)",
     )
     g.addoption("--tp", type=int, default=1, help="GPU suite: tensor-parallel size")
-    g.addoption("--gpu-out", default=None, help="GPU suite: folder for logs, reports and benchmark JSON")
+    g.addoption(
+        "--gpu-out",
+        default=None,
+        help="GPU suite: folder for logs, reports and benchmark JSON. Write --gpu-out=DIR: pytest takes a folder "
+        "after a space for a test path",
+    )
 
 
 def _mentions(markexpr: str, name: str) -> bool:

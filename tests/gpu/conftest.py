@@ -3,7 +3,7 @@ reference on the same weights, and a folder for reports.
 
 Here (one H200) the target is mini-Kimi, built with real random weights (DeepseekV3, hidden 7168, Kimi's
 MLA dims, 8 layers, 8 experts). On the cluster the same tests run against the real model:
-    pytest -m gpu --target-model /path/to/Kimi-K2.5 --tp 8
+    pytest -m gpu --target-model=/path/to/Kimi-K2.5 --tp 8
 with expected shapes taken from the target's profile (config.json), never hard-coded.
 """
 
