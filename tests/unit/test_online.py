@@ -14,6 +14,7 @@
 import json
 import os
 import re
+import shutil
 import threading
 import time
 
@@ -205,16 +206,21 @@ def uninterrupted(setup, tiny_kimi, tmp_path_factory):
     return once_per_run(tmp_path_factory, "online-uninterrupted", build)  # one reference for every worker's kills
 
 
-def _killed_at(setup, tiny_kimi, root, fault: str):
-    """The kill tests' online run (KILL_SAMPLES, extraction batches of 2, checkpoints every 2 steps, into ROOT) killed
-    at ``fault`` (POINT:K) in a forked child. Returns (the same command again: a callable, its samples, its spool's
-    capacity)."""
+def _same_command(setup, tiny_kimi, root):
+    """The kill tests' online run (KILL_SAMPLES, extraction batches of 2, checkpoints every 2 steps, into ROOT):
+    (a callable that runs it, its samples)."""
     samples, backend, ex = setup
     samples = samples[:KILL_SAMPLES]
     cap = _capacity(tiny_kimi, 2)
+    return lambda: online.run(
+        _kill_cfg(root), ex, samples, cap, backend=backend, extract_batch=2, progress=False
+    ), samples
 
-    def go():
-        return online.run(_kill_cfg(root), ex, samples, cap, backend=backend, extract_batch=2, progress=False)
+
+def _killed_at(setup, tiny_kimi, root, fault: str):
+    """The kill tests' online run killed at ``fault`` (POINT:K) in a forked child. Returns (the same command again: a
+    callable, its samples, its spool's capacity)."""
+    go, samples = _same_command(setup, tiny_kimi, root)
 
     def killed_run():
         os.environ["EAGLE3_FAULT"] = fault
@@ -222,7 +228,7 @@ def _killed_at(setup, tiny_kimi, root, fault: str):
 
     killed, code = run_forked(killed_run)
     assert killed, f"{fault} was never reached (exit {code})"
-    return go, samples, cap
+    return go, samples, _capacity(tiny_kimi, 2)
 
 
 @pytest.mark.parametrize("point,k", POINTS)
@@ -275,9 +281,21 @@ def _damage(root, how: str) -> list[str]:
     return files
 
 
+@pytest.fixture(scope="module")
+def killed_after_step_5(setup, tiny_kimi, tmp_path_factory):
+    """The kill tests' run killed after step 5 (its newest checkpoint at step 4): a folder with its spool and run,
+    made once for every worker, each test damaging a copy."""
+
+    def build(root):
+        _killed_at(setup, tiny_kimi, root, "after_step:5")
+        return root
+
+    return once_per_run(tmp_path_factory, "online-killed-after-step-5", build)
+
+
 @pytest.mark.parametrize("how", ["missing", "truncated", "manifest_empty", "stamp_empty"])
 def test_a_power_loss_that_took_the_spool_s_unflushed_writes_then_the_same_command_gives_the_uninterrupted_run(
-    setup, uninterrupted, tiny_kimi, tmp_path, how
+    setup, uninterrupted, killed_after_step_5, tiny_kimi, tmp_path, how
 ):
     """The spool is never fsynced (a cache of states the target makes again): a power loss may take any of its
     writes. Killed after step 5 (the newest checkpoint at step 4), the spool then damaged as a power loss may leave
@@ -285,7 +303,9 @@ def test_a_power_loss_that_took_the_spool_s_unflushed_writes_then_the_same_comma
     uninterrupted run's losses and draft. (Shards that continue the checkpoint and fail their checksum:
     test_resume_keeps_only_the_shards_that_continue_the_checkpoint_and_match_their_checksum.)"""
     ref, ref_draft = uninterrupted
-    go, samples, _ = _killed_at(setup, tiny_kimi, tmp_path, "after_step:5")
+    for part in ("spool", "run"):
+        shutil.copytree(killed_after_step_5 / part, tmp_path / part)
+    go, samples = _same_command(setup, tiny_kimi, tmp_path)
     assert Store.open(tmp_path / "spool").shards  # something for the power loss to damage
     assert _damage(tmp_path / "spool", how)
     res = go()
