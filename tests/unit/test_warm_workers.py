@@ -43,7 +43,7 @@ def test_a_worker_runs_its_code_on_the_stand_in_s_stdio_directory_and_environmen
     assert (cwd, env, line, argv) == (str(tmp_path), "from the stand-in", "a line\n", ["-c"])
     assert preloaded  # imported by the server before it forked
     assert done.stderr == "to stderr" and done.stdout == again.stdout
-    assert server.returncode == 0
+    assert server.returncode == 0 and not os.path.exists(server.folder)  # its socket's folder removed
 
 
 def test_without_its_server_the_stand_in_runs_the_real_interpreter(tmp_path):

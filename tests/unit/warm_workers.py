@@ -1,7 +1,7 @@
 """pytest-xdist workers forked from one interpreter that has already imported the heavy libraries.
 
-Each worker would otherwise import torch, transformers and speculators on its own (about 9 CPU-seconds each, on a
-machine whose cores the other workers need). Here a server imports them once; xdist starts each worker with this
+Each worker would otherwise import torch, transformers and speculators on its own, on a machine whose cores the other
+workers need. Here a server imports them once; xdist starts each worker with this
 file as its "python" (``--tx popen//python=...``): the stand-in sends its stdin, stdout and stderr and its
 ``-c`` code to the server, which forks a worker that runs the code on them as ``python -u -c`` would. The stand-in
 waits and exits with the worker's code. Where the server cannot be reached, the stand-in runs the real interpreter.
@@ -40,13 +40,17 @@ def start(n: int, preload: tuple[str, ...] = PRELOAD) -> tuple[list[str], object
         [sys.executable, __file__, "serve", path, *preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     server.stdout.read(1)  # bound: a stand-in that connects now waits in the backlog while the imports run
+    server.folder = os.path.dirname(path)
     python = " ".join(shlex.quote(a) for a in (sys.executable, __file__, "connect", path))
     return [f"popen//python={python}"] * n, server
 
 
 def stop(server) -> None:
+    import shutil
+
     server.stdin.close()
     server.wait()
+    shutil.rmtree(server.folder, ignore_errors=True)
 
 
 def _serve(path: str, preload: list[str]) -> None:
@@ -84,7 +88,6 @@ def _serve(path: str, preload: list[str]) -> None:
                 pass
         except ChildProcessError:
             pass
-    os.unlink(path)
     deadline = time.monotonic() + 10  # the workers are ending with the run: wait, so that their time is counted
     while time.monotonic() < deadline:
         try:
@@ -119,7 +122,7 @@ def _work(conn: socket.socket, fds: list[int], args: list[str], cwd: str, env: d
     try:
         exec(compile(args[args.index("-c") + 1], "<string>", "exec"), main.__dict__)
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (e.code is not None)
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
         code = 1
