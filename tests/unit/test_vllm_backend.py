@@ -740,7 +740,7 @@ def test_online_training_through_the_vllm_backend_uses_every_sample_once(fake, t
     from eagle3.train import online
     from eagle3.train.train import TrainConfig
 
-    samples = random_samples(48, [40, 7, 64, 33, 90, 12] * 8, vocab_size=1024, seed=5)
+    samples = random_samples(24, [40, 7, 64, 33, 90, 12] * 4, vocab_size=1024, seed=5)
     ex = _cfg(tiny_kimi, tmp_path / "unused", backend="vllm", capture=strategy, layer_ids=IDS, selfcheck=0)
     cap = 2 * (6 * online.sample_bytes(90, extract.store_spec(tiny_kimi, IDS, "bfloat16")) + online.SHARD_MARGIN)
     cfg = TrainConfig(
@@ -754,8 +754,8 @@ def test_online_training_through_the_vllm_backend_uses_every_sample_once(fake, t
         checkpoint_minutes=0,
     )
     res = online.run(cfg, ex, samples, cap, extract_batch=6, progress=False)
-    assert res.train.samples_seen == 96 and res.train.steps == 12
-    assert res.shards == 96 // 6  # one per extraction batch (shards left open between batches were cut small)
+    assert res.train.samples_seen == 48 and res.train.steps == 6
+    assert res.shards == 48 // 6  # one per extraction batch (shards left open between batches were cut small)
     assert res.peak_bytes <= cap and res.peak_files_bytes <= cap
 
 
