@@ -24,7 +24,7 @@ from eagle3.store import verify
 from eagle3.store.folder import Store
 from eagle3.store.format import StoreError
 
-from .conftest import run_command
+from .conftest import once_per_run, run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -538,16 +538,30 @@ def _losses(out: Path, step: int) -> list[float]:
     return json.loads((out / "checkpoints" / f"step-{step:07d}" / "trainer_state.json").read_text())["losses"]
 
 
+def _six_steps(store) -> list[str]:
+    return ["train", "--store", str(store), "--steps", "6", "--batch", "4", "--draft-vocab", "64"]
+
+
+@pytest.fixture(scope="module")
+def six_steps_whole(small_store, tmp_path_factory):
+    """The Ctrl-C tests' run uninterrupted, once for every worker: its folder."""
+
+    def build(folder):
+        whole, _ = _command([*_six_steps(small_store), "--out", str(folder / "whole")])
+        assert whole.returncode == 0, whole.stderr
+        return folder / "whole"
+
+    return once_per_run(tmp_path_factory, "six-steps-whole", build)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3])
 def test_ctrl_c_before_the_first_checkpoint_saves_the_finished_step_and_the_rerun_follows_the_same_curve(
-    small_store, tmp_path, k
+    small_store, six_steps_whole, tmp_path, k
 ):
     """At 962a6d4 a Ctrl-C before the first timed checkpoint (every 10 minutes by default) lost every step, and the
     rerun started from step 0 while the message said "rerun the same command to resume"."""
-    argv = ["train", "--store", str(small_store), "--steps", "6", "--batch", "4", "--draft-vocab", "64"]
-    whole, _ = _command([*argv, "--out", str(tmp_path / "whole")])
-    assert whole.returncode == 0, whole.stderr
+    argv = _six_steps(small_store)
     out = tmp_path / "cut"
     cut, _ = _command([*argv, "--out", str(out)], fault=f"after_step:{k}:SIGINT")
     assert cut.returncode == 130, cut.stderr
@@ -555,8 +569,8 @@ def test_ctrl_c_before_the_first_checkpoint_saves_the_finished_step_and_the_reru
     again, _ = _command([*argv, "--out", str(out)])
     assert again.returncode == 0, again.stderr
     assert f"resuming from step {k} of 6" in again.stderr, again.stderr
-    assert _losses(out, 6) == _losses(tmp_path / "whole", 6)
-    assert _losses(out, k) == _losses(tmp_path / "whole", 6)[:k]
+    assert _losses(out, 6) == _losses(six_steps_whole, 6)
+    assert _losses(out, k) == _losses(six_steps_whole, 6)[:k]
 
 
 def test_demo_rerun_warning_names_what_demo_accepts(tmp_path, capsys, caplog):
