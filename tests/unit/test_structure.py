@@ -3,9 +3,12 @@
 functions too), and every module imports on its own in a fresh interpreter."""
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import eagle3
 
@@ -109,24 +112,37 @@ def test_the_tree_is_the_pipeline():
     assert loose == BASE | COMMANDS, loose
 
 
-def test_every_module_imports_in_a_fresh_interpreter():
-    mods = [f"eagle3.{m}" for m in modules()]
-    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok')"
-    out = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
-
-
-def test_the_worker_extension_vllm_loads_by_name_resolves_in_a_fresh_interpreter():
-    """vLLM's spawned workers import WORKER_EXTENSION by its dotted name: after the move into eagle3/extract/, a
-    stale string would only fail on the GPU."""
+@pytest.fixture(scope="module")
+def fresh_interpreter() -> dict:
+    """One fresh interpreter: it imports every module, then resolves the worker extension by its dotted name as vLLM's
+    spawned workers do. Returns {"imported": "ok" or the error, "extension": the class has eagle3_setup}."""
     from eagle3.extract.vllm_compat import WORKER_EXTENSION
 
-    mod, _, cls = WORKER_EXTENSION.rpartition(".")
     code = (
-        f"import importlib; c = getattr(importlib.import_module({mod!r}), {cls!r}); print(hasattr(c, 'eagle3_setup'))"
+        "import importlib, json, sys, traceback\n"
+        "try:\n    [importlib.import_module(m) for m in sys.argv[2:]]; imported = 'ok'\n"
+        "except Exception:\n    imported = traceback.format_exc()\n"
+        "mod, _, cls = sys.argv[1].rpartition('.')\n"
+        "try:\n    extension = hasattr(getattr(importlib.import_module(mod), cls), 'eagle3_setup')\n"
+        "except Exception:\n    extension = traceback.format_exc()\n"
+        "print(json.dumps({'imported': imported, 'extension': extension}))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "True", out.stderr[-2000:]
+    mods = [f"eagle3.{m}" for m in modules()]
+    out = subprocess.run(
+        [sys.executable, "-c", code, WORKER_EXTENSION, *mods], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_every_module_imports_in_a_fresh_interpreter(fresh_interpreter):
+    assert fresh_interpreter["imported"] == "ok", fresh_interpreter["imported"][-2000:]
+
+
+def test_the_worker_extension_vllm_loads_by_name_resolves_in_a_fresh_interpreter(fresh_interpreter):
+    """vLLM's spawned workers import WORKER_EXTENSION by its dotted name: after the move into eagle3/extract/, a
+    stale string would only fail on the GPU."""
+    assert fresh_interpreter["extension"] is True, fresh_interpreter["extension"]
 
 
 # Modules nothing in the package imports, yet the product runs: the command line (the `eagle3` script) and
