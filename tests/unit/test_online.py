@@ -208,19 +208,20 @@ def uninterrupted(setup, tiny_kimi, tmp_path_factory):
 
 def _same_command(setup, tiny_kimi, root):
     """The kill tests' online run (KILL_SAMPLES, extraction batches of 2, checkpoints every 2 steps, into ROOT):
-    (a callable that runs it, its samples)."""
+    (a callable that runs it, its samples, its spool's capacity)."""
     samples, backend, ex = setup
     samples = samples[:KILL_SAMPLES]
     cap = _capacity(tiny_kimi, 2)
-    return lambda: online.run(
-        _kill_cfg(root), ex, samples, cap, backend=backend, extract_batch=2, progress=False
-    ), samples
+
+    def go():
+        return online.run(_kill_cfg(root), ex, samples, cap, backend=backend, extract_batch=2, progress=False)
+
+    return go, samples, cap
 
 
 def _killed_at(setup, tiny_kimi, root, fault: str):
-    """The kill tests' online run killed at ``fault`` (POINT:K) in a forked child. Returns (the same command again: a
-    callable, its samples, its spool's capacity)."""
-    go, samples = _same_command(setup, tiny_kimi, root)
+    """The kill tests' online run killed at ``fault`` (POINT:K) in a forked child. Returns what _same_command does."""
+    go, samples, cap = _same_command(setup, tiny_kimi, root)
 
     def killed_run():
         os.environ["EAGLE3_FAULT"] = fault
@@ -228,7 +229,7 @@ def _killed_at(setup, tiny_kimi, root, fault: str):
 
     killed, code = run_forked(killed_run)
     assert killed, f"{fault} was never reached (exit {code})"
-    return go, samples, _capacity(tiny_kimi, 2)
+    return go, samples, cap
 
 
 @pytest.mark.parametrize("point,k", POINTS)
@@ -305,7 +306,7 @@ def test_a_power_loss_that_took_the_spool_s_unflushed_writes_then_the_same_comma
     ref, ref_draft = uninterrupted
     for part in ("spool", "run"):
         shutil.copytree(killed_after_step_5 / part, tmp_path / part)
-    go, samples = _same_command(setup, tiny_kimi, tmp_path)
+    go, samples, _ = _same_command(setup, tiny_kimi, tmp_path)
     assert Store.open(tmp_path / "spool").shards  # something for the power loss to damage
     assert _damage(tmp_path / "spool", how)
     res = go()
