@@ -7,7 +7,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 
 import pytest
 
@@ -30,7 +29,6 @@ def _stand_in(spec: str, tmp_path, code: int, stdin: str = "a line\nand more\n")
 
 @pytest.mark.parametrize("code", [0, 3])
 def test_a_worker_runs_its_code_on_the_stand_in_s_stdio_directory_and_environment(tmp_path, code):
-
     specs, server = warm_workers.start(2, preload=("decimal",))
     try:
         assert len(specs) == 2 and specs[0] == specs[1]
@@ -47,8 +45,7 @@ def test_a_worker_runs_its_code_on_the_stand_in_s_stdio_directory_and_environmen
 
 
 def test_without_its_server_the_stand_in_runs_the_real_interpreter(tmp_path):
-    python = " ".join(shlex.quote(a) for a in (sys.executable, warm_workers.__file__, "connect", str(tmp_path / "no")))
-    done = _stand_in(f"popen//python={python}", tmp_path, 5)
+    done = _stand_in(warm_workers.spec(str(tmp_path / "no")), tmp_path, 5)
     assert done.returncode == 5 and done.stderr == "to stderr", done.stderr
     cwd, env, line, argv, preloaded = json.loads(done.stdout)
     assert (cwd, env, line, argv) == (str(tmp_path), "from the stand-in", "a line\n", ["-c"])

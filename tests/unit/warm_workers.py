@@ -41,8 +41,12 @@ def start(n: int, preload: tuple[str, ...] = PRELOAD) -> tuple[list[str], object
     )
     server.stdout.read(1)  # bound: a stand-in that connects now waits in the backlog while the imports run
     server.folder = os.path.dirname(path)
-    python = " ".join(shlex.quote(a) for a in (sys.executable, __file__, "connect", path))
-    return [f"popen//python={python}"] * n, server
+    return [spec(path)] * n, server
+
+
+def spec(path: str) -> str:
+    """The xdist ``--tx`` spec of a worker whose python is the stand-in for the server at ``path``."""
+    return "popen//python=" + " ".join(shlex.quote(a) for a in (sys.executable, __file__, "connect", path))
 
 
 def stop(server) -> None:
