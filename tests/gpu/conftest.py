@@ -25,6 +25,8 @@ from eagle3.targets.presets import TargetProfile
 
 MAX_BATCHED_TOKENS = 16384  # every engine of the suite and its benchmarks: the most tokens one engine step holds
 MAX_MODEL_LEN = 8192  # the capture engines' and the benchmark's: a prompt and its one sampled token
+ENGINE_SHARE = 0.2  # of the card, each kept engine of a target built here
+START_MARGIN_GIB = 2.0  # free beyond an engine's share when it starts: the memory vLLM's start-up check does not see
 
 
 def failure(e: BaseException) -> str:
@@ -110,12 +112,13 @@ class Engines:
         if strategy not in self.cache:
             if not self.target.local:  # a real target fills the GPUs: one engine at a time
                 self.close()
+            self.make_room(self.engine_gib(ENGINE_SHARE))
             self.cache[strategy] = VLLMBackend(
                 str(self.target.path),
                 self.spec,
                 tp=self.target.tp,
                 capture=strategy,
-                gpu_memory_utilization=0.2 if self.target.local else 0.85,
+                gpu_memory_utilization=ENGINE_SHARE if self.target.local else 0.85,
                 max_model_len=MAX_MODEL_LEN,
                 max_num_batched_tokens=MAX_BATCHED_TOKENS,
                 log_level="INFO",
@@ -125,17 +128,55 @@ class Engines:
             self.report(f"engine_start_s[{strategy}]", round(self.cache[strategy].start_seconds, 1))
         return self.cache[strategy]
 
+    def engine_gib(self, share: float) -> float:
+        """GiB an engine of `share` of the card must find free when it starts (vLLM refuses to start otherwise)."""
+        return share * self.card_gib() + START_MARGIN_GIB
+
+    def make_room(self, gib: float, keep: str | None = None) -> None:
+        """Close kept engines, oldest first and never `keep`, until `gib` GiB of the card are free."""
+        for strategy in [s for s in self.cache if s != keep]:
+            if self.free_gib() >= gib:
+                return
+            self.cache.pop(strategy).close()
+
+    @staticmethod
+    def free_gib() -> float:
+        import torch
+
+        return torch.cuda.mem_get_info()[0] / 2**30
+
+    @staticmethod
+    def card_gib() -> float:
+        import torch
+
+        return torch.cuda.mem_get_info()[1] / 2**30
+
     def close(self):
         for b in self.cache.values():
             b.close()
         self.cache.clear()
 
 
+KEPT_ENGINES: list[Engines] = []  # the session's Engines once a test asked for them
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test that does not use the suite's kept engines starts with them closed, before its module's fixtures: it
+    starts engines of its own or trains at Kimi's width, and the kept ones (a fifth of the card each) would leave it
+    too little."""
+    if "engines" not in getattr(item, "fixturenames", ()):
+        for e in KEPT_ENGINES:
+            e.close()
+
+
 @pytest.fixture(scope="session")
 def engines(target, report):
     e = Engines(target, report)
+    KEPT_ENGINES.append(e)
     yield e
     e.close()
+    KEPT_ENGINES.remove(e)
 
 
 @pytest.fixture(scope="session")

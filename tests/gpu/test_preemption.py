@@ -37,6 +37,7 @@ def test_states_under_forced_preemption_equal_an_unpressured_run(target, engines
     # the calm run on the suite's engine of the same strategy: the same kernels, so only the preemption differs
     # (and in the campaign's `direct` step that engine is already up for the hf reference: one start fewer)
     _, calm = run(engines.get(strategy), tmp_path / "calm")
+    engines.make_room(engines.engine_gib(0.2), keep=strategy)
     pressured = VLLMBackend(
         str(target.path),
         engines.spec,
