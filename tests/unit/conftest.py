@@ -22,6 +22,13 @@ else:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+# A draft of tiny-kimi's own attention width (4 heads of 32, 4 KV heads), loadable at TP 1, 2 and 4. The default
+# pads a draft's heads to 16 so that it loads at TP 16: for tiny-kimi's hidden size of 128, four times the
+# attention width. Tests whose subject is not the draft's shape (kill and resume, online runs) train this one.
+NARROW_DRAFT = {"shape": {"num_attention_heads": 4, "num_key_value_heads": 4}, "serve_tps": (1, 2, 4)}
+NARROW_DRAFT_ARGS = ["--draft-heads", "4", "--draft-kv-heads", "4", "--serve-tp", "1,2,4"]
+
+
 def once_per_run(tmp_path_factory, name: str, build):
     """``build(folder) -> value`` run once per test run, however many pytest-xdist workers ask: the first to ask
     builds in a folder they share (under a file lock), the others wait for it and get the same folder and value

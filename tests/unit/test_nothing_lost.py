@@ -24,7 +24,7 @@ from eagle3.store import verify
 from eagle3.store.folder import Store
 from eagle3.store.format import StoreError
 
-from .conftest import once_per_run, run_command
+from .conftest import NARROW_DRAFT_ARGS, once_per_run, run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -539,7 +539,7 @@ def _losses(out: Path, step: int) -> list[float]:
 
 
 def _six_steps(store) -> list[str]:
-    return ["train", "--store", str(store), "--steps", "6", "--batch", "4", "--draft-vocab", "64"]
+    return ["train", "--store", str(store), "--steps", "6", "--batch", "4", "--draft-vocab", "64", *NARROW_DRAFT_ARGS]
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from eagle3.store.format import StoreError
 from eagle3.train import online
 from eagle3.train.train import TrainConfig, train
 
-from .conftest import once_per_run, run_forked
+from .conftest import NARROW_DRAFT, once_per_run, run_forked
 
 IDS = (2, 4, 5, 8)
 
@@ -48,6 +48,7 @@ def setup(tiny_kimi, small_data, tokenizer):
 
 def _cfg(store, out, **kw):
     base = dict(batch_samples=8, epochs=2, seed=3, ttt_steps=3, draft_vocab_size=256, checkpoint_minutes=0, lr=3e-3)
+    base.update(NARROW_DRAFT)
     return TrainConfig(store=str(store), out=str(out), **dict(base, **kw))
 
 

@@ -17,7 +17,7 @@ from eagle3.train import checkpoint
 from eagle3.train import train as train_mod
 from eagle3.train.train import BadData, TrainingDiverged, train
 
-from .conftest import rewrite_shards, run_forked
+from .conftest import NARROW_DRAFT_ARGS, rewrite_shards, run_forked
 from .test_train import _cfg
 
 
@@ -59,6 +59,7 @@ def _cli_train(store, out, *extra):
             "4",
             "--epochs",
             "1",
+            *NARROW_DRAFT_ARGS,
             *extra,
         ]
     )

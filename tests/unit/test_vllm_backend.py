@@ -22,7 +22,7 @@ from eagle3.store.format import StoreError
 from eagle3.targets import presets
 
 from . import fake_vllm
-from .conftest import hold_back_capture_consumer
+from .conftest import NARROW_DRAFT, hold_back_capture_consumer
 from .oracle import layerwise_states
 
 IDS = (2, 4, 5, 8)
@@ -752,6 +752,7 @@ def test_online_training_through_the_vllm_backend_uses_every_sample_once(fake, t
         ttt_steps=2,
         draft_vocab_size=256,
         checkpoint_minutes=0,
+        **NARROW_DRAFT,
     )
     res = online.run(cfg, ex, samples, cap, extract_batch=6, progress=False)
     assert res.train.samples_seen == 48 and res.train.steps == 6
@@ -889,6 +890,7 @@ def _train_online(ex, backend, samples, tmp_path, extract_batch: int):
         ttt_steps=1,
         draft_vocab_size=256,
         checkpoint_minutes=0,
+        **NARROW_DRAFT,
     )
     try:
         return online.run(cfg, ex, samples, 10**8, backend=backend, extract_batch=extract_batch, progress=False)
@@ -954,6 +956,7 @@ def test_an_online_batch_is_generated_while_the_last_one_s_shard_is_still_writte
         ttt_steps=1,
         draft_vocab_size=256,
         checkpoint_minutes=0,
+        **NARROW_DRAFT,
     )
     try:
         res = online.run(cfg, ex, samples, cap, backend=backend, extract_batch=6, progress=False)
