@@ -37,12 +37,13 @@ def test_states_under_forced_preemption_equal_an_unpressured_run(target, engines
     # the calm run on the suite's engine of the same strategy: the same kernels, so only the preemption differs
     # (and in the campaign's `direct` step that engine is already up for the hf reference: one start fewer)
     _, calm = run(engines.get(strategy), tmp_path / "calm")
-    engines.make_room(engines.engine_gib(0.2), keep=strategy)
+    share = 0.2  # of the card, the pressured engine's
+    engines.make_room(engines.engine_gib(share), keep=strategy)
     pressured = VLLMBackend(
         str(target.path),
         engines.spec,
         capture=strategy,
-        gpu_memory_utilization=0.2,
+        gpu_memory_utilization=share,
         max_model_len=1152,
         max_num_batched_tokens=4096,
         max_num_seqs=64,

@@ -876,8 +876,9 @@ def _online_engine(tiny_kimi, tmp_path, in_process: bool = True):
     return ex, extract.make_backend(ex, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
 
 
-def _train_online(ex, backend, samples, tmp_path, extract_batch: int):
-    """online.run of a small draft (batches of 8, one TTT step) on the samples beside the engine, then closed."""
+def _train_online(ex, backend, samples, tmp_path, extract_batch: int, cap: int = 10**8):
+    """online.run of a small draft (batches of 8, one TTT step) on the samples beside the engine, in a spool of ``cap``
+    bytes, then the engine closed."""
     from eagle3.train import online
     from eagle3.train.train import TrainConfig
 
@@ -893,7 +894,7 @@ def _train_online(ex, backend, samples, tmp_path, extract_batch: int):
         **NARROW_DRAFT,
     )
     try:
-        return online.run(cfg, ex, samples, 10**8, backend=backend, extract_batch=extract_batch, progress=False)
+        return online.run(cfg, ex, samples, cap, backend=backend, extract_batch=extract_batch, progress=False)
     finally:
         backend.close()
 
@@ -925,7 +926,6 @@ def test_an_online_batch_is_generated_while_the_last_one_s_shard_is_still_writte
     from eagle3.extract.vllm_backend import VLLMBackend
     from eagle3.store import writer as writer_module
     from eagle3.train import online
-    from eagle3.train.train import TrainConfig
 
     ends, gens = {}, []  # shard file -> when its write ended; each extraction batch's prefill start
     real_write, real_gen = writer_module.ShardWriter._write, VLLMBackend.generate_prefill
@@ -947,21 +947,7 @@ def test_an_online_batch_is_generated_while_the_last_one_s_shard_is_still_writte
     cap = (2 if spool == "tight" else 20) * (
         6 * online.sample_bytes(90, extract.store_spec(tiny_kimi, IDS, "bfloat16")) + online.SHARD_MARGIN
     )
-    cfg = TrainConfig(
-        store=str(tmp_path / "spool"),
-        out=str(tmp_path / "run"),
-        batch_samples=8,
-        epochs=1,
-        seed=3,
-        ttt_steps=1,
-        draft_vocab_size=256,
-        checkpoint_minutes=0,
-        **NARROW_DRAFT,
-    )
-    try:
-        res = online.run(cfg, ex, samples, cap, backend=backend, extract_batch=6, progress=False)
-    finally:
-        backend.close()
+    res = _train_online(ex, backend, samples, tmp_path, extract_batch=6, cap=cap)
     assert res.train.samples_seen == 48 and res.train.steps == 6 and res.shards == 8
     assert res.peak_bytes <= cap and res.peak_files_bytes <= cap
     written = [ends[name] for name in sorted(ends)]  # the run's 8 shards, in index order (one a batch)
