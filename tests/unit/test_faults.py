@@ -35,7 +35,7 @@ def setup(tiny_kimi, small_data, tmp_path_factory):
             writer_threads=0,
             fault=fault,
             selfcheck=0,  # storage only here
-            data=DataConfig([str(small_data)], max_len=96, max_samples=24),
+            data=DataConfig([str(small_data)], max_len=96, max_samples=12),
         )
 
     counts = {}

@@ -47,7 +47,7 @@ def setup(tiny_kimi, small_data, tokenizer):
 
 
 def _cfg(store, out, **kw):
-    base = dict(batch_samples=8, epochs=2, seed=3, ttt_steps=3, draft_vocab_size=256, checkpoint_minutes=0, lr=3e-3)
+    base = dict(batch_samples=8, epochs=2, seed=3, ttt_steps=1, draft_vocab_size=256, checkpoint_minutes=0, lr=3e-3)
     base.update(NARROW_DRAFT)
     return TrainConfig(store=str(store), out=str(out), **dict(base, **kw))
 
@@ -289,10 +289,37 @@ def killed_after_step_5(setup, tiny_kimi, tmp_path_factory):
     made once for every worker, each test damaging a copy."""
 
     def build(root):
-        _killed_at(setup, tiny_kimi, root, "after_step:5")
+        go, _, _ = _same_command(setup, tiny_kimi, root)
+        killed, code = run_forked(lambda: _killed_after_step_5_with_the_next_batch_spooled(go))
+        assert killed, f"after_step:5 was never reached (exit {code})"
         return root
 
     return once_per_run(tmp_path_factory, "online-killed-after-step-5", build)
+
+
+def _killed_after_step_5_with_the_next_batch_spooled(go) -> None:
+    """In a forked child: ``go`` killed after step 5 once the spool holds a shard past step 5's positions (the
+    next step's, or later ones where reading ahead took those), whichever side runs faster."""
+    import signal
+
+    from eagle3 import faults
+
+    spools, steps, init = [], [], online.Spool.__init__
+
+    def remember(self, *a, **k):
+        init(self, *a, **k)
+        spools.append(self)
+
+    def hit(point: str) -> None:
+        steps.append(point)
+        if point == "after_step" and steps.count(point) == 5:
+            spool = spools[0]
+            with spool.cond:
+                assert spool.cond.wait_for(lambda: max(spool.entries, default=-1) >= 5 * KILL_BATCH, timeout=60)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    online.Spool.__init__, faults.from_env = remember, lambda: hit  # this child's only: it ends here
+    go()
 
 
 @pytest.mark.parametrize("how", ["missing", "truncated", "manifest_empty", "stamp_empty"])
