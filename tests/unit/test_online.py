@@ -795,7 +795,7 @@ def test_the_sustained_online_rate_is_the_pipeline_s_not_the_head_start_s(
     if slow == "training":
         step = torch.optim.AdamW.step
         monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **kw: time.sleep(0.15) or step(self, *a, **kw))
-    cfg = _cfg(tmp_path / "spool", tmp_path / "run")
+    cfg = _cfg(tmp_path / "spool", tmp_path / "run", ttt_steps=3)  # the two sides' paces these bounds were set at
     plan = online.training_order(len(samples), cfg.batch_samples, cfg.epochs, cfg.seed)
     spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
     ahead = len(plan) // 2 if slow == "extraction, first step" else len(plan) * 3 // 4
