@@ -824,12 +824,13 @@ def test_the_sustained_online_rate_is_the_pipeline_s_not_the_head_start_s(
     # the control: what the extraction committed over the trainer's later half, near the same figure where the
     # extraction limits and commits fall in that half (on a loaded CI machine the trainer may be slowed until the
     # extraction has ended before it: the control is 0 then); where training limits, the extraction had ended
-    # before it (the spool held 3/4 of the plan)
+    # before it (the spool held 3/4 of the plan). Its few commits time an interval or a few, not the median of all:
+    # hence a wider bound above; the trainer's figure in its place is several times over it (tests/MUTATIONS.md)
     control = res.committed_tokens_per_s()
     _, a, b = res.train.later_steps()
     inside = sum(res.train.started_at + a < t <= res.train.started_at + b for t, _ in res.commits)
     if slow.startswith("extraction") and inside >= 2:
-        assert 0.5 * want <= control <= 1.35 * want, (control, want, got)
+        assert 0.5 * want <= control <= 1.8 * want, (control, want, got)
     else:
         assert control == 0.0 and inside < 2, (control, inside)
     assert any(f"later half: {control:,.0f} tok/s" in line for line in res.lines()), res.lines()
