@@ -47,6 +47,7 @@ def setup(tiny_kimi, small_data, tokenizer):
 
 
 def _cfg(store, out, **kw):
+    # one TTT step: the spool and the resumes are these tests' subject, not the draft's steps
     base = dict(batch_samples=8, epochs=2, seed=3, ttt_steps=1, draft_vocab_size=256, checkpoint_minutes=0, lr=3e-3)
     base.update(NARROW_DRAFT)
     return TrainConfig(store=str(store), out=str(out), **dict(base, **kw))
@@ -825,7 +826,7 @@ def test_the_sustained_online_rate_is_the_pipeline_s_not_the_head_start_s(
     # extraction limits and commits fall in that half (on a loaded CI machine the trainer may be slowed until the
     # extraction has ended before it: the control is 0 then); where training limits, the extraction had ended
     # before it (the spool held 3/4 of the plan). Its few commits time an interval or a few, not the median of all:
-    # hence a wider bound above; the trainer's figure in its place is several times over it (tests/MUTATIONS.md)
+    # hence its wider bound; the trainer's figure in its place is several times over it (tests/MUTATIONS.md)
     control = res.committed_tokens_per_s()
     _, a, b = res.train.later_steps()
     inside = sum(res.train.started_at + a < t <= res.train.started_at + b for t, _ in res.commits)
