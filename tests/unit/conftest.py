@@ -131,6 +131,43 @@ def trained_draft(trained_run):
     return Path(trained_run[0].draft)
 
 
+@pytest.fixture(scope="session")
+def reference_states(tiny_kimi):
+    """prompt -> states of every id 0..8, [9, T, H] float32, from the layer-by-layer oracle (tests/unit/oracle.py),
+    not from the hf backend: the fake vLLM's store is then compared with the hf backend's, not with itself."""
+    from eagle3.extract.hf_backend import HFBackend
+
+    from .oracle import layerwise_states
+
+    backend = HFBackend(tiny_kimi, tuple(range(9)), compute_dtype="float32", out_dtype="float32")
+    cache = {}
+
+    def ref(ids):
+        key = tuple(ids)
+        if key not in cache:
+            cache[key] = layerwise_states(backend.model, ids)
+        return cache[key]
+
+    ref.backend = backend
+    return ref
+
+
+@pytest.fixture(scope="session")
+def reference_logits(reference_states):
+    """prompt -> the next-token logits [V] float32 after it, remembered: the fake engine asks again for every prompt
+    it prefills and every token it generates, and the tests share their prompts. Read-only to the callers."""
+    model, cache = reference_states.backend.model, {}
+
+    @torch.inference_mode()
+    def logits(ids):
+        key = tuple(ids)
+        if key not in cache:
+            cache[key] = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+        return cache[key]
+
+    return logits
+
+
 @pytest.fixture
 def one_thread():
     """Bitwise comparisons across processes need the same float reduction order: one torch thread,

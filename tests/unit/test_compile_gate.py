@@ -13,7 +13,7 @@ import torch
 
 from eagle3.train.compile_gate import CompileGate
 
-from .test_vllm_backend import fake, reference_logits, reference_states  # noqa: F401 - fixtures
+from .test_vllm_backend import fake  # noqa: F401 - a fixture
 
 
 @pytest.fixture

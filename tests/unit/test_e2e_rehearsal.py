@@ -19,7 +19,7 @@ from eagle3.store.folder import Store
 from eagle3.targets import tiny
 from tests.gpu import test_draft_acceptance as e2e
 
-from .test_vllm_backend import fake, reference_logits, reference_states  # noqa: F401 - fixtures
+from .test_vllm_backend import fake  # noqa: F401 - a fixture
 
 
 class Reported(dict):

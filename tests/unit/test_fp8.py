@@ -148,36 +148,22 @@ def test_the_trainer_reads_fp8_and_follows_the_bf16_curve(stores, tmp_path):
     assert f8.steps == bf.steps and gap < 0.05
 
 
-def _install_fake(monkeypatch, tiny_kimi):
+def _install_fake(monkeypatch, reference_states, reference_logits):
     """The fake vLLM replaying the layer-by-layer oracle on tiny-kimi (float32 states)."""
-    from eagle3.extract.hf_backend import HFBackend
-
-    from .oracle import layerwise_states
-
-    ref = HFBackend(tiny_kimi, tuple(range(9)), compute_dtype="float32", out_dtype="float32")
-
-    @torch.inference_mode()
-    def logits(ids):
-        return ref.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
-
     fake_vllm.install(
-        monkeypatch,
-        n_layers=8,
-        hidden=128,
-        reference=lambda ids: layerwise_states(ref.model, ids),
-        reference_logits=logits,
+        monkeypatch, n_layers=8, hidden=128, reference=reference_states, reference_logits=reference_logits
     )
 
 
 @pytest.mark.parametrize("capture", ["aux", "direct"])
 def test_fp8_through_the_vllm_capture_path_and_resume(
-    tiny_kimi, small_data, tmp_path, monkeypatch, stores, capsys, capture
+    tiny_kimi, small_data, tmp_path, monkeypatch, stores, capsys, capture, reference_states, reference_logits
 ):
     """The fake vLLM at TP 2 (aux capture, and direct: the default): the worker quantizes on the device side; the
     owner writes e4m3 + scales. Its states equal the hf fp8 store's within one e4m3 step (the fake replays float32
     states, the hf path quantizes its bf16 output). Then the CLI's --state-dtype fp8 is recorded and kept by
     --resume."""
-    _install_fake(monkeypatch, tiny_kimi)
+    _install_fake(monkeypatch, reference_states, reference_logits)
     out = tmp_path / "v"
     extract.run(
         extract.ExtractConfig(
@@ -226,12 +212,14 @@ def test_fp8_through_the_vllm_capture_path_and_resume(
     capsys.readouterr()
 
 
-def test_one_engine_stores_bf16_then_fp8_then_bf16(tiny_kimi, small_data, tmp_path, monkeypatch):
+def test_one_engine_stores_bf16_then_fp8_then_bf16(
+    tiny_kimi, small_data, tmp_path, monkeypatch, reference_states, reference_logits
+):
     """The store decides the dtype, per session: the worker's pinned shard buffers, kept across sessions, are
     reused only for their own dtype."""
     from eagle3.extract.vllm_backend import VLLMBackend
 
-    _install_fake(monkeypatch, tiny_kimi)
+    _install_fake(monkeypatch, reference_states, reference_logits)
     backend = VLLMBackend(str(tiny_kimi), extract.store_spec(tiny_kimi, IDS, "bfloat16"), capture="hooks")
     data = DataConfig([str(small_data)], max_len=96, max_samples=8)
     for n, dtype in enumerate(("bfloat16", FP8, "bfloat16")):

@@ -17,7 +17,7 @@ from eagle3.extract.decode_capture import RowCollector, external_id
 from eagle3.store.folder import Store
 from eagle3.store.format import StoreError
 
-from .test_vllm_backend import IDS, fake, reference_logits, reference_states  # noqa: F401 - fixtures
+from .test_vllm_backend import IDS, fake  # noqa: F401 - a fixture
 
 L, H = 3, 4
 

@@ -15,7 +15,6 @@ from eagle3.data.conversations import random_samples
 from eagle3.extract import extract
 from eagle3.extract import vllm_compat as compat
 from eagle3.extract.capture import COPY_CHUNK_BYTES
-from eagle3.extract.hf_backend import HFBackend
 from eagle3.extract.rpc import Expect, LayerStack, ReplyError, normalize_reply
 from eagle3.store.folder import Store
 from eagle3.store.format import StoreError
@@ -23,37 +22,8 @@ from eagle3.targets import presets
 
 from . import fake_vllm
 from .conftest import NARROW_DRAFT, hold_back_capture_consumer
-from .oracle import layerwise_states
 
 IDS = (2, 4, 5, 8)
-
-
-@pytest.fixture(scope="module")
-def reference_states(tiny_kimi):
-    """prompt -> states of every id 0..8, [9, T, H] float32, from the layer-by-layer oracle (tests/unit/oracle.py),
-    not from the hf backend: the fake vLLM's store is then compared with the hf backend's, not with itself."""
-    backend = HFBackend(tiny_kimi, tuple(range(9)), compute_dtype="float32", out_dtype="float32")
-    cache = {}
-
-    def ref(ids):
-        key = tuple(ids)
-        if key not in cache:
-            cache[key] = layerwise_states(backend.model, ids)
-        return cache[key]
-
-    ref.backend = backend
-    return ref
-
-
-@pytest.fixture(scope="module")
-def reference_logits(reference_states):
-    model = reference_states.backend.model
-
-    @torch.inference_mode()
-    def logits(ids):
-        return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
-
-    return logits
 
 
 @pytest.fixture
