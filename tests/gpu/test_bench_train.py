@@ -68,6 +68,7 @@ class Bench:
     # attention, index into seqs or "run" (a training run's packs, _compiled_run_row); the least known first (the run
     # row never ran; varlen compiled at 0ba8398 on an H100: 46.3 % MFU at 8k; sdpa at c5ebd37: 35.1 %)
     run_steps: int = 10  # the compiled run row's steps (its packs)
+    measure_steps: tuple = (2, 5)  # a row's warm-up steps, then its timed ones
     parts: tuple = ()  # run_bench's parts to measure (PARTS); () all of them
 
 
@@ -214,18 +215,20 @@ def _measure(
     opt,
     seq: int,
     amp: bool,
-    steps: int = 5,
+    steps: int | None = None,
     mla=None,
     loss_impl: str = "auto",
     optimizer: str = "auto",
     compiled: bool = False,
     attn: str = "sdpa",
 ) -> dict:
+    """One row: b.measure_steps' warm-up steps, then its timed steps (or ``steps`` of them)."""
+    warm, timed = b.measure_steps
     inputs = _inputs(b, seq, attn)
     if b.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    _steps(model, opt, inputs, 2, amp, loss_impl, compiled)  # warm-up: allocator, kernels
-    sec = _steps(model, opt, inputs, steps, amp, loss_impl, compiled)
+    _steps(model, opt, inputs, warm, amp, loss_impl, compiled)  # warm-up: allocator, kernels
+    sec = _steps(model, opt, inputs, timed if steps is None else steps, amp, loss_impl, compiled)
     per_token = (
         flops.train_flops_per_token(b.shape, N_AUX, b.draft_vocab, TTT, seq)
         if mla is None
@@ -250,7 +253,7 @@ def _tried(
     opt,
     seq: int,
     amp: bool,
-    steps: int = 5,
+    steps: int | None = None,
     mla=None,
     loss_impl: str = "auto",
     optimizer: str = "auto",

@@ -21,8 +21,9 @@ SMALL = gb.Bench(
     longest_step=16,
     compiled=(("varlen", 1), ("sdpa", 1), ("sdpa", "run")),
     run_steps=4,
-)  # the compiled rows'
-# code (speculators compiles only where CUDA is; a compile that fails on the GPU is that row's error, not a lost table)
+    measure_steps=(1, 1),  # the figures mean nothing here: a step to warm up, one to time
+)  # the compiled rows' code (speculators compiles only where CUDA is; a compile that fails on the GPU is that row's
+# error, not a lost table)
 
 
 def _out_of_memory_past(monkeypatch, limit: int) -> list[int]:
