@@ -16,12 +16,14 @@ from eagle3.train import checkpoint
 from eagle3.train.draft import DraftShape, check_vllm_loadable, draft_vocab
 from eagle3.train.train import TrainConfig, train
 
-from .conftest import run_forked
+from .conftest import NARROW_DRAFT, run_forked
 
 
 def _cfg(store, out, **kw):
-    base = dict(store=str(store), out=str(out), draft_vocab_size=256, batch_samples=4, lr=3e-3, seed=0)
-    return TrainConfig(**{**base, **kw})
+    # the narrow draft and one TTT step: these runs' subject is the trainer's bookkeeping (resume, checkpoints, the
+    # schedule, reading); a test about the TTT steps or the draft's shape asks for them
+    base = dict(store=str(store), out=str(out), draft_vocab_size=256, batch_samples=4, lr=3e-3, seed=0, ttt_steps=1)
+    return TrainConfig(**{**base, **NARROW_DRAFT, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +137,10 @@ def test_ttt_step_loss_decay_and_warmup_reach_the_run(small_store, tmp_path):
     ramps the learning rate linearly before the cosine."""
     from eagle3.train.train import _lr_lambda
 
-    base = train(_cfg(small_store, tmp_path / "a", max_steps=1), progress=False).losses
-    decayed = train(_cfg(small_store, tmp_path / "b", max_steps=1, ttt_step_loss_decay=0.5), progress=False).losses
+    base = train(_cfg(small_store, tmp_path / "a", max_steps=1, ttt_steps=3), progress=False).losses
+    decayed = train(
+        _cfg(small_store, tmp_path / "b", max_steps=1, ttt_steps=3, ttt_step_loss_decay=0.5), progress=False
+    ).losses
     assert decayed[0] < base[0]  # steps 1 and 2 weighed 0.5 and 0.25 instead of 1
     lr = _lr_lambda(TrainConfig(store="", out="", warmup_steps=4), total=20)
     assert [lr(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0] and lr(19) < 0.2

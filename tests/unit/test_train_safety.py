@@ -237,7 +237,8 @@ def test_a_checkpoint_s_files_are_fsynced_once_when_saved_not_again_at_each_save
 
 def test_a_rerun_of_a_finished_run_says_so(trained_run, small_store):
     result, out = trained_run
-    again = train(_cfg(small_store, out, max_steps=12, checkpoint_every=4), progress=False)
+    same = dict(max_steps=12, checkpoint_every=4, ttt_steps=3, shape={}, serve_tps=None)  # trained_run's options
+    again = train(_cfg(small_store, out, **same), progress=False)
     text = "\n".join(again.lines())
     assert "already trained: nothing to do" in text and "tok/s" not in text
     assert again.accept == result.accept and again.accept
@@ -277,7 +278,8 @@ def test_the_step_s_one_read_gives_each_pack_its_loss_and_acceptance(small_store
 
     monkeypatch.setattr(train_mod, "build_draft", recording_build)
     monkeypatch.setattr(train_mod, "read_packs", recording_read)
-    result = train(_cfg(small_store, tmp_path / "t", max_steps=3, batch_samples=8, pack_tokens=256), progress=False)
+    cfg = _cfg(small_store, tmp_path / "t", max_steps=3, batch_samples=8, pack_tokens=256, ttt_steps=3)
+    result = train(cfg, progress=False)  # three TTT steps: an acceptance count each
     assert len(sizes) == 3 and all(len(s) >= 2 for s in sizes), sizes  # else the test shows nothing
     at = 0
     for step, packs in enumerate(sizes):
