@@ -9,6 +9,8 @@ from speculators.losses.eager import kl_div_loss
 from eagle3.train.chunked_loss import chunked_kl_div_loss, kl_div_chunked, loss_config
 from eagle3.train.train import TrainConfig, train
 
+from .conftest import NARROW_DRAFT
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [8, 37, 1000])  # not dividing T, T itself, more than T
@@ -61,6 +63,7 @@ def test_training_with_the_chunked_loss_follows_the_eager_curve(small_store, tmp
                 max_steps=4,
                 seed=0,
                 loss_impl=impl,
+                **NARROW_DRAFT,  # three TTT steps, the default: the loss of each
             ),
             progress=False,
         )

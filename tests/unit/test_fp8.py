@@ -19,6 +19,7 @@ from eagle3.store.format import FP8, FP8_MAX, dequantize, quantize_fp8
 from eagle3.train.train import TrainConfig, train
 
 from . import fake_vllm
+from .conftest import NARROW_DRAFT
 
 IDS = (2, 4, 5, 8)
 
@@ -138,6 +139,8 @@ def test_the_trainer_reads_fp8_and_follows_the_bf16_curve(stores, tmp_path):
                 draft_vocab_size=256,
                 checkpoint_minutes=0,
                 lr=3e-3,
+                ttt_steps=1,  # the subject is the states read, not the TTT steps
+                **NARROW_DRAFT,
             ),
             progress=False,
         )

@@ -21,6 +21,8 @@ from eagle3.store.folder import Store
 from eagle3.store.writer import ShardWriter
 from eagle3.train.train import StoreSamples, TrainConfig, micro_batches, model_inputs, train
 
+from .conftest import NARROW_DRAFT
+
 IDS = (2, 4, 5, 8)  # tiny-kimi: aux 2, 4, 5; last 8
 H = 128
 LENGTHS = [9, 5, 12, 7, 6, 11, 8, 10]
@@ -311,6 +313,8 @@ def test_bf16_mixed_precision_keeps_float32_weights_and_follows_the_fp32_curve(s
                 lr=3e-3,
                 seed=0,
                 precision=precision,
+                ttt_steps=1,  # the subject is the precision, not the TTT steps
+                **NARROW_DRAFT,
             ),
             progress=False,
         ).losses
