@@ -227,12 +227,12 @@ def test_a_compile_in_the_trainer_s_thread_no_longer_breaks_the_engine_s_forward
     torch._dynamo.reset()
     helper = torch.compile(lambda x: torch.topk(x.softmax(-1), 2).values, dynamic=True, backend="eager")
     helper(torch.randn(4, 8))  # compiled before the run, as vLLM's helpers are while the engine starts
-    generate, extracting = fake_vllm.FakeLLM.generate, threading.Event()
+    generate, extracting, compiled = fake_vllm.FakeLLM.generate, threading.Event(), threading.Event()
 
     def forward(self, *a, **k):
         extracting.set()
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 0.2:
+        while time.perf_counter() - t0 < 0.2 and not compiled.is_set():  # the prefills after the compile: no need
             if fx_trace._is_fx_tracing_flag:  # noqa: SLF001 - set for every thread while any traces
                 raise RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function")
             helper(torch.randn(4, 8))
@@ -255,6 +255,7 @@ def test_a_compile_in_the_trainer_s_thread_no_longer_breaks_the_engine_s_forward
     def compiles_then_trains(cfg, **kw):  # the trainer's first compiled step, then the (eager, CPU) training
         assert extracting.wait(30)  # as on the H200: the engine at work when the trainer's first step compiles
         torch.compile(Deep(), backend="aot_eager")(torch.randn(4, 16, requires_grad=True)).sum().backward()
+        compiled.set()
         return real_train(cfg, **kw)
 
     monkeypatch.setattr(fake_vllm.FakeLLM, "generate", forward)
