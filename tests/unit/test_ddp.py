@@ -12,7 +12,7 @@ import pytest
 
 from eagle3.train.train import TrainConfig, train
 
-from .conftest import start_command
+from .conftest import NARROW_DRAFT, NARROW_DRAFT_ARGS, start_command
 
 
 def _free_port() -> int:
@@ -37,7 +37,10 @@ def test_two_process_ddp_matches_one_process(small_store, tmp_path, one_thread):
         "3e-3",
         "--steps",
         str(steps),
-    ]
+        "--ttt-steps",
+        "1",
+        *NARROW_DRAFT_ARGS,
+    ]  # the narrow draft, one TTT step: the subject is the ranks' sums
     env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     ranks = [start_command(argv, dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
     one = train(
@@ -48,6 +51,8 @@ def test_two_process_ddp_matches_one_process(small_store, tmp_path, one_thread):
             batch_samples=batch,
             lr=3e-3,
             max_steps=steps,
+            ttt_steps=1,
+            **NARROW_DRAFT,
         ),
         progress=False,
     )  # beside the ranks

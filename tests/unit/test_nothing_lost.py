@@ -398,6 +398,9 @@ def test_when_epochs_stop_the_run_before_steps_the_run_says_so(small_store, tmp_
             "16",
             "--draft-vocab",
             "64",
+            "--ttt-steps",
+            "1",
+            *NARROW_DRAFT_ARGS,
         ]
     )
     cap = capsys.readouterr()
