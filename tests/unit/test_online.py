@@ -30,7 +30,7 @@ from eagle3.store.format import StoreError
 from eagle3.train import online
 from eagle3.train.train import TrainConfig, train
 
-from .conftest import NARROW_DRAFT, once_per_run, run_forked
+from .conftest import NARROW_DRAFT, NARROW_DRAFT_ARGS, once_per_run, run_forked
 
 IDS = (2, 4, 5, 8)
 
@@ -398,6 +398,9 @@ def test_cli_train_online(tiny_kimi, small_data, tmp_path, capsys):
             "8",
             "--draft-vocab",
             "256",
+            "--ttt-steps",
+            "1",
+            *NARROW_DRAFT_ARGS,
         ]
     )
     out = capsys.readouterr().out

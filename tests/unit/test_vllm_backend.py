@@ -21,7 +21,7 @@ from eagle3.store.format import StoreError
 from eagle3.targets import presets
 
 from . import fake_vllm
-from .conftest import NARROW_DRAFT, hold_back_capture_consumer
+from .conftest import NARROW_DRAFT, NARROW_DRAFT_ARGS, hold_back_capture_consumer
 
 IDS = (2, 4, 5, 8)
 
@@ -761,6 +761,9 @@ def test_cli_train_online_engine_in_process(fake, tiny_kimi, small_data, tmp_pat
         "8",
         "--draft-vocab",
         "256",
+        "--ttt-steps",
+        "1",
+        *NARROW_DRAFT_ARGS,
         "--backend",
         "vllm",
     ]
