@@ -167,14 +167,16 @@ def online_beside_the_engine(
     window: tuple | None = WINDOW,
     stacks_dir=None,
     stacks_every: float = 30.0,
+    draft: dict | None = None,
 ) -> dict:
     """Extract alone, then for each trainer of ``attns`` train alone and online, on one engine (dummy weights, unit
     decoder norms, the verifier's head written from the engine's own): {trainer: its summary (the three rates, the
     waits, the trainer's peak memory)}, reported as each comes (online_kd_summary). again: the extraction alone once
     more after the online runs (online_kd_extraction_twice: the spread of the goal's denominator). window: (after,
     seconds) of each online run profiled by stream (the summary's gpu_window). stacks_dir: every thread's stack each
-    stacks_every seconds of each online run, to stacks_dir/online-stacks-TRAINER.txt. On CPU with the fake vLLM and
-    tiny-kimi in tests/unit/test_e2e_rehearsal.py."""
+    stacks_every seconds of each online run, to stacks_dir/online-stacks-TRAINER.txt. draft: TrainConfig options
+    that replace the draft's (a small draft on the CPU). On CPU with the fake vLLM and tiny-kimi in
+    tests/unit/test_e2e_rehearsal.py."""
     from eagle3.extract.vllm_backend import VLLMBackend
 
     spec = extract.store_spec(folder, None, "bfloat16")
@@ -211,11 +213,10 @@ def online_beside_the_engine(
             lr=1e-4,
             warmup_steps=1,
             draft_vocab_size=draft_vocab,
-            ttt_steps=3,
             seed=0,
             checkpoint_minutes=0,
             read_ahead=read_ahead,
-            **trainer,
+            **{"ttt_steps": 3, **trainer, **(draft or {})},
         )
 
     try:

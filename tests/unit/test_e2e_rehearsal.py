@@ -19,6 +19,7 @@ from eagle3.store.folder import Store
 from eagle3.targets import tiny
 from tests.gpu import test_draft_acceptance as e2e
 
+from .conftest import NARROW_DRAFT
 from .test_vllm_backend import fake  # noqa: F401 - a fixture
 
 
@@ -191,7 +192,14 @@ def test_regenerate_with_vllm_over_held_out_conversations(fake, tiny_kimi, tmp_p
 # tests/gpu/test_online_kimi_depth.online_beside_the_engine at tiny-kimi's size on the CPU (a quarter of the store:
 # two extraction batches)
 SMALL_ONLINE = dict(
-    n_samples=32, seq=64, device="cpu", draft_vocab=128, batch_samples=4, pack_tokens=0, extract_batch=2
+    n_samples=32,
+    seq=64,
+    device="cpu",
+    draft_vocab=128,
+    batch_samples=4,
+    pack_tokens=0,
+    extract_batch=2,
+    draft=dict(ttt_steps=1, **NARROW_DRAFT),
 )
 
 
@@ -319,6 +327,7 @@ def test_online_beside_the_engine_at_a_small_size(fake, tiny_kimi, tmp_path, mon
         # each run trained with its own attention, and its folder (at Kimi's size ~14 GB) gone once its figures were
         runs = [(Path(c.out).name, c.attn_impl) for c in configs if Path(c.out).parent == tmp_path / name]
         assert runs == ([("between", name)] if first else []) + [("offline", name), ("online", name)], runs
+        assert {(c.ttt_steps, c.shape["num_attention_heads"]) for c in configs} == {(1, 4)}  # SMALL_ONLINE's draft
         assert not (tmp_path / name).exists(), list((tmp_path / name).rglob("*"))
 
 
