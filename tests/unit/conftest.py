@@ -6,20 +6,28 @@ import os
 import signal
 
 import pytest
-import torch
 
 from eagle3.data import corpus
 from eagle3.data.conversations import DataConfig
 from eagle3.targets import presets, tiny
 
-# Under pytest-xdist each worker is a process of its own: one torch thread each, or the workers' OpenMP threads
-# fight over the cores (a 7 s test took 59 s with 2 workers x 2 threads on 2 cores). Subprocesses the tests start
-# inherit the same through OMP_NUM_THREADS.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-else:
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+# torch is imported where it is used: the pytest-xdist controller, which runs no test, would otherwise import it
+# before it starts the workers (tests/unit/warm_workers.py), on the one core busy then.
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker is a process of its own: one torch thread each, or the workers' OpenMP threads
+    fight over the cores (a 7 s test took 59 s with 2 workers x 2 threads on 2 cores). Subprocesses the tests start
+    inherit the same through OMP_NUM_THREADS. Tests run in this process: two threads. The controller: none set."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    elif not getattr(config.option, "numprocesses", None):
+        import torch
+
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 # A draft of tiny-kimi's own attention width (4 heads of 32, 4 KV heads), loadable at TP 1, 2 and 4. The default
@@ -156,6 +164,8 @@ def reference_states(tiny_kimi):
 def reference_logits(reference_states):
     """prompt -> the next-token logits [V] float32 after it, remembered: the fake engine asks again for every prompt
     it prefills and every token it generates, and the tests share their prompts. Read-only to the callers."""
+    import torch
+
     model, cache = reference_states.backend.model, {}
 
     @torch.inference_mode()
@@ -172,6 +182,8 @@ def reference_logits(reference_states):
 def one_thread():
     """Bitwise comparisons across processes need the same float reduction order: one torch thread,
     as in forked children."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -215,6 +227,8 @@ def run_forked(fn) -> tuple[bool, int]:
     if pid == 0:  # pragma: no cover - child
         code = 0
         try:
+            import torch
+
             torch.set_num_threads(1)
             fn()
         except BaseException:  # noqa: BLE001
@@ -283,6 +297,8 @@ def _command_child(argv: list[str], env: dict, out_path: str, err_path: str) -> 
         for k in ("EAGLE3_FAULT", "EAGLE3_LOG_LEVEL"):
             os.environ.pop(k, None)
         os.environ.update(env)
+        import torch
+
         torch.set_num_threads(1)  # beside the suite's other workers
         sys.argv = ["eagle3", *argv]
         from eagle3 import cli
