@@ -27,6 +27,7 @@ _ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if _ci else "dev"))
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: pytest -p no:xdist runs without it
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker more than the cores on a small machine. Many tests wait on a child process or a clock
     (kill -9 and resume, signals, the step runner's poll), which leaves a core idle."""

@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -50,3 +51,23 @@ def test_without_its_server_the_stand_in_runs_the_real_interpreter(tmp_path):
     cwd, env, line, argv, preloaded = json.loads(done.stdout)
     assert (cwd, env, line, argv) == (str(tmp_path), "from the stand-in", "a line\n", ["-c"])
     assert not preloaded
+
+
+def test_the_suite_runs_in_one_process_without_pytest_xdist():
+    """`pytest -p no:xdist` (a debugger's run): the root conftest's hook for xdist's `-n auto` is optional there, not
+    an unknown hook that stops pytest before any test."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = [
+        "-m",
+        "pytest",
+        "-p",
+        "no:xdist",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/unit/test_docs.py",
+        "-k",
+        "ci_runs",
+    ]
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=root, timeout=120)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
