@@ -111,23 +111,16 @@ def small_store(tiny_kimi, small_data, tmp_path_factory):
     return once_per_run(tmp_path_factory, "small-store", build)
 
 
+TRAINED_RUN = dict(draft_vocab_size=256, batch_samples=4, lr=3e-3, seed=0, max_steps=12, checkpoint_every=4)
+
+
 @pytest.fixture(scope="session")
 def trained_run(small_store, tmp_path_factory):
-    """A short training run on small_store (12 steps, checkpoints every 4): (TrainResult, out folder)."""
+    """A short training run on small_store (TRAINED_RUN: 12 steps, checkpoints every 4): (TrainResult, out folder)."""
     from eagle3.train.train import TrainConfig, train
 
     def build(out):
-        cfg = TrainConfig(
-            store=str(small_store),
-            out=str(out),
-            draft_vocab_size=256,
-            batch_samples=4,
-            lr=3e-3,
-            seed=0,
-            max_steps=12,
-            checkpoint_every=4,
-        )
-        return train(cfg, progress=False), out
+        return train(TrainConfig(store=str(small_store), out=str(out), **TRAINED_RUN), progress=False), out
 
     return once_per_run(tmp_path_factory, "trained-run", build)
 

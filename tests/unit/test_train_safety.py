@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from eagle3 import cli
 from eagle3.train import checkpoint
 from eagle3.train import train as train_mod
-from eagle3.train.train import BadData, TrainingDiverged, train
+from eagle3.train.train import BadData, TrainConfig, TrainingDiverged, train
 
-from .conftest import NARROW_DRAFT_ARGS, rewrite_shards, run_forked
+from .conftest import NARROW_DRAFT_ARGS, TRAINED_RUN, rewrite_shards, run_forked
 from .test_train import _cfg
 
 
@@ -237,8 +237,7 @@ def test_a_checkpoint_s_files_are_fsynced_once_when_saved_not_again_at_each_save
 
 def test_a_rerun_of_a_finished_run_says_so(trained_run, small_store):
     result, out = trained_run
-    same = dict(max_steps=12, checkpoint_every=4, ttt_steps=3, shape={}, serve_tps=None)  # trained_run's options
-    again = train(_cfg(small_store, out, **same), progress=False)
+    again = train(TrainConfig(store=str(small_store), out=str(out), **TRAINED_RUN), progress=False)
     text = "\n".join(again.lines())
     assert "already trained: nothing to do" in text and "tok/s" not in text
     assert again.accept == result.accept and again.accept
