@@ -8,10 +8,13 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from . import warm_workers
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CODE = (
     "import os, sys, json; line = sys.stdin.readline(); "
@@ -56,7 +59,6 @@ def test_without_its_server_the_stand_in_runs_the_real_interpreter(tmp_path):
 def test_the_suite_runs_in_one_process_without_pytest_xdist():
     """`pytest -p no:xdist` (a debugger's run): the root conftest's hook for xdist's `-n auto` is optional there, not
     an unknown hook that stops pytest before any test."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     argv = [
         "-m",
         "pytest",
@@ -69,5 +71,5 @@ def test_the_suite_runs_in_one_process_without_pytest_xdist():
         "-k",
         "ci_runs",
     ]
-    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=root, timeout=120)
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
