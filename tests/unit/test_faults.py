@@ -14,7 +14,7 @@ from eagle3.extract.hf_backend import HFBackend
 from eagle3.store import verify
 from eagle3.store.folder import Store
 
-from .conftest import run_forked
+from .conftest import RecordedStates, run_forked
 
 POINTS = ["after_batch", "mid_write", "before_rename", "before_manifest", "after_commit"]
 N_KILLS = 24
@@ -23,7 +23,8 @@ N_KILLS = 24
 @pytest.fixture(scope="module")
 def setup(tiny_kimi, small_data, tmp_path_factory):
     torch.set_num_threads(1)  # same reduction order in parent and forked children
-    backend = HFBackend(tiny_kimi, (2, 4, 5, 8), out_dtype="bfloat16")
+    # each sample's states captured once, by the reference run: the forked runs start with them
+    backend = RecordedStates(HFBackend(tiny_kimi, (2, 4, 5, 8), out_dtype="bfloat16"))
     root = tmp_path_factory.mktemp("faults")
 
     def cfg(out, fault=None):

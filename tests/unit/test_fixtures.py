@@ -84,3 +84,31 @@ def test_the_zygote_reports_each_command_s_exit_and_kill(tmp_path):
         assert int(seen.read_text()) not in (os.getpid(), z.pid)  # its monitor's child
     finally:
         z.close()
+
+
+def test_recorded_states_are_the_backend_s_own_each_sample_its_own(tiny_kimi, small_data, tokenizer):
+    """RecordedStates gives each sample exactly the states the hf backend gives it, whatever shares its batch and in
+    whatever order it is asked, and asks the backend once per distinct sample."""
+    import torch
+
+    from eagle3.data.conversations import DataConfig, load_samples
+    from eagle3.extract.hf_backend import HFBackend
+
+    from .conftest import RecordedStates
+
+    samples, _ = load_samples(DataConfig([str(small_data)], max_len=48, max_samples=5), tokenizer)
+    backend = HFBackend(tiny_kimi, (2, 4, 5, 8), out_dtype="bfloat16")
+    calls = []
+    real = backend.capture
+    backend.capture = lambda batch: calls.append(len(batch)) or real(batch)
+    recorded = RecordedStates(backend)
+    recorded.record(samples[:2])
+    asked = [samples[4], samples[0], samples[4], samples[2], samples[1], samples[3]]
+    got = recorded.capture(asked)
+    want = real(asked)
+    assert len({tuple(s.input_ids) for s in samples}) == 5  # distinct samples: a mix-up would show
+    assert [g.shape for g in got] == [w.shape for w in want]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert calls == [2, 3] and recorded.asked == 6 and recorded.name == "hf"
+    got[0].zero_()  # a caller's change is its own
+    assert torch.equal(recorded.capture([samples[4]])[0], want[0])

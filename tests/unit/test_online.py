@@ -30,7 +30,7 @@ from eagle3.store.format import StoreError
 from eagle3.train import online
 from eagle3.train.train import TrainConfig, train
 
-from .conftest import NARROW_DRAFT, NARROW_DRAFT_ARGS, once_per_run, run_forked
+from .conftest import NARROW_DRAFT, NARROW_DRAFT_ARGS, RecordedStates, once_per_run, run_forked
 
 IDS = (2, 4, 5, 8)
 
@@ -44,6 +44,16 @@ def setup(tiny_kimi, small_data, tokenizer):
     ex = extract.ExtractConfig(model=str(tiny_kimi), out="", layer_ids=IDS, selfcheck=0)
     yield samples, backend, ex
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def recorded(setup):
+    """setup with each sample's states captured once (conftest.RecordedStates), for the tests that run the same
+    samples again and again (kill and rerun): forked children start with them."""
+    samples, backend, ex = setup
+    states = RecordedStates(backend)
+    states.record(samples)
+    return samples, states, ex
 
 
 def _cfg(store, out, **kw):
@@ -137,8 +147,8 @@ def test_online_follows_the_offline_loss_curve_within_its_bound(setup, offline, 
     assert "extraction waited" in text and "training waited" in text and "tok/s" in text
 
 
-def test_the_progress_bar_shows_both_sides(setup, tiny_kimi, tmp_path, capsys):
-    samples, backend, ex = setup
+def test_the_progress_bar_shows_both_sides(recorded, tiny_kimi, tmp_path, capsys):
+    samples, backend, ex = recorded
     online.run(
         _cfg(tmp_path / "spool", tmp_path / "run", max_steps=3),
         ex,
@@ -190,8 +200,8 @@ def _kill_cfg(root):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(setup, tiny_kimi, tmp_path_factory):
-    samples, backend, ex = setup
+def uninterrupted(recorded, tiny_kimi, tmp_path_factory):
+    samples, backend, ex = recorded
 
     def build(root):
         res = online.run(
@@ -236,10 +246,10 @@ def _killed_at(setup, tiny_kimi, root, fault: str):
 
 @pytest.mark.parametrize("point,k", POINTS)
 def test_kill_9_anywhere_then_the_same_command_gives_the_uninterrupted_run(
-    setup, uninterrupted, tiny_kimi, tmp_path, point, k
+    recorded, uninterrupted, tiny_kimi, tmp_path, point, k
 ):
     ref, ref_draft = uninterrupted
-    go, samples, cap = _killed_at(setup, tiny_kimi, tmp_path, f"{point}:{k}")
+    go, samples, cap = _killed_at(recorded, tiny_kimi, tmp_path, f"{point}:{k}")
     spool = Store.open(tmp_path / "spool")
     assert sum(s["bytes"] for s in spool.shards) <= cap
     # what the rerun must extract: from the newest checkpoint's position, after the shards that continue it
@@ -285,12 +295,12 @@ def _damage(root, how: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def killed_after_step_5(setup, tiny_kimi, tmp_path_factory):
+def killed_after_step_5(recorded, tiny_kimi, tmp_path_factory):
     """The kill tests' run killed after step 5 (its newest checkpoint at step 4): a folder with its spool and run,
     made once for every worker, each test damaging a copy."""
 
     def build(root):
-        go, _, _ = _same_command(setup, tiny_kimi, root)
+        go, _, _ = _same_command(recorded, tiny_kimi, root)
         killed, code = run_forked(lambda: _killed_after_step_5_with_the_next_batch_spooled(go))
         assert killed, f"after_step:5 was never reached (exit {code})"
         return root
@@ -325,7 +335,7 @@ def _killed_after_step_5_with_the_next_batch_spooled(go) -> None:
 
 @pytest.mark.parametrize("how", ["missing", "truncated", "manifest_empty", "stamp_empty"])
 def test_a_power_loss_that_took_the_spool_s_unflushed_writes_then_the_same_command_gives_the_uninterrupted_run(
-    setup, uninterrupted, killed_after_step_5, tiny_kimi, tmp_path, how
+    recorded, uninterrupted, killed_after_step_5, tiny_kimi, tmp_path, how
 ):
     """The spool is never fsynced (a cache of states the target makes again): a power loss may take any of its
     writes. Killed after step 5 (the newest checkpoint at step 4), the spool then damaged as a power loss may leave
@@ -335,7 +345,7 @@ def test_a_power_loss_that_took_the_spool_s_unflushed_writes_then_the_same_comma
     ref, ref_draft = uninterrupted
     for part in ("spool", "run"):
         shutil.copytree(killed_after_step_5 / part, tmp_path / part)
-    go, samples, _ = _same_command(setup, tiny_kimi, tmp_path)
+    go, samples, _ = _same_command(recorded, tiny_kimi, tmp_path)
     assert Store.open(tmp_path / "spool").shards  # something for the power loss to damage
     assert _damage(tmp_path / "spool", how)
     res = go()
@@ -346,12 +356,12 @@ def test_a_power_loss_that_took_the_spool_s_unflushed_writes_then_the_same_comma
     assert all(torch.equal(draft[n], ref_draft[n]) for n in ref_draft)
 
 
-def test_the_spool_is_never_fsynced(setup, tiny_kimi, tmp_path, monkeypatch):
+def test_the_spool_is_never_fsynced(recorded, tiny_kimi, tmp_path, monkeypatch):
     """Nothing under the spool's folder is fsynced (its shards, their folder, its manifest): each fsync there held
     a thread of the pipeline for the disk (a shard freed with its manifest fsynced took 98-185 ms on this project's
     CPU machine beside a shard being written, against 18 ms without; the shards' writes are the disk's bandwidth).
     The checkpoints are (what a resume trusts): the patch sees fsyncs at all."""
-    samples, backend, ex = setup
+    samples, backend, ex = recorded
     real, synced = os.fsync, []
 
     def fsync(fd):
@@ -585,13 +595,13 @@ def test_a_reservation_that_fills_the_spool_exactly_does_not_wait(tiny_kimi, tmp
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_each_reservation_covers_its_shard_file_by_exactly_the_margin_the_header_needs(
-    setup, tiny_kimi, tmp_path, monkeypatch, batch
+    recorded, tiny_kimi, tmp_path, monkeypatch, batch
 ):
     """The bound, exactly, from file sizes: a shard file is its samples' bytes (sample_bytes, exact) plus one
     offset, plus its safetensors header. The producer reserves the samples' bytes plus SHARD_MARGIN before the
     shard exists, since the header's size (sample ids) is known only then: that margin is the only slack, by
     design. A reservation without it is smaller than the file it stands for, and the bound would not hold."""
-    samples, backend, ex = setup
+    samples, backend, ex = recorded
     spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
     reserved, shards = [], []
     real_reserve, real_commit = online.Spool.reserve, online.Spool.commit
