@@ -132,10 +132,10 @@ def test_a_user_s_file_in_the_run_s_draft_folder_stops_train_before_its_first_st
 # -- one writer -------------------------------------------------------------------------------------------------
 def _hold_lock(root: Path):
     """A separate process that holds ``root``'s write lock until killed (a store's folder: claimed first, as a writer
-    claims it before it locks it)."""
+    claims it before it locks it; Store.claim's own step, without the store's tensor code to import)."""
     code = (
-        f"import time, sys; from eagle3.store.folder import claim; from eagle3.store.lock import WriteLock; "
-        f"claim({str(root)!r}); l = WriteLock({str(root)!r}); "
+        f"import time, sys; from eagle3 import ownership; from eagle3.store.lock import WriteLock; "
+        f"ownership.claim({str(root)!r}, 'store'); l = WriteLock({str(root)!r}); "
         "print('held', flush=True); time.sleep(600)"
     )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
