@@ -58,15 +58,17 @@ def test_busy_time_is_what_a_microsecond_grid_counts(kernels):
         assert got["streams"][str(s)]["busy_s"] == pytest.approx(sum(s in v for v in grid.values()) * 1e-6, abs=1e-9)
     assert got["overlap_s"] == pytest.approx(sum(len(v) - 1 for v in grid.values()) * 1e-6, abs=1e-9)
     span = max(ts + dur for _, ts, dur in kernels) - min(ts for _, ts, _ in kernels)
-    assert got["span_s"] == pytest.approx(span * 1e-6) and got["idle_share"] == round(1 - len(grid) / span, 3)
+    assert got["span_s"] == pytest.approx(span * 1e-6)
+    # to 3 decimals; a share on a rounding half (1 - 426/800 = 0.4675) goes either way in the seconds' floats
+    assert abs(got["idle_share"] - (1 - len(grid) / span)) <= 0.0005 + 1e-9, (got["idle_share"], len(grid), span)
 
 
 def test_a_window_opens_after_its_delay_and_closes_after_its_length():
     w = gpu_window.Window(0.05, 0.2, cuda=False).start()
-    time.sleep(0.6)
-    t0 = time.perf_counter()
+    # no stop() asked: it closes by itself. Waited for, not timed: a cold process first imports torch.profiler (~1 s)
+    w._thread.join(30)
+    assert not w._thread.is_alive() and w.error is None, w.error
     got = w.stop()
-    assert time.perf_counter() - t0 < 0.5 and w.error is None, w.error  # it had closed by itself
     assert got is not None and got["streams"] == {}, got  # the CPU: a trace without kernels
 
 
