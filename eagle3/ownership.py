@@ -53,6 +53,8 @@ def refusal(folder: str | Path, kind: str, option: str = "--out") -> str | None:
         return None
     if not p.is_dir():
         return f"{option} {p}: is a file; give a new folder"
+    # listed before the marker is read: a marker another rank writes in between is then not taken for a user's file
+    entries = _entries(p)
     found = owner(p)
     if found == kind:
         return None
@@ -61,7 +63,6 @@ def refusal(folder: str | Path, kind: str, option: str = "--out") -> str | None:
             f"{option} {p} holds {KINDS[found]}, not {KINDS[kind]}; nothing was written. Give a new or empty "
             f"{option} folder"
         )
-    entries = _entries(p)
     if not entries:
         return None
     names = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")

@@ -197,3 +197,27 @@ def test_a_failed_command_leaves_its_out_folder_as_it_found_it(tmp_path, before)
         assert out.is_dir() and list(out.iterdir()) == []
     else:
         assert (out / "eval.json").read_text() == "{}" and ownership.owner(out) == "eval"
+
+
+def test_two_ranks_claiming_one_new_folder_both_take_it(tmp_path, monkeypatch):
+    """torchrun's ranks claim one --out at once: a marker the other rank writes between this one's read of the marker
+    and its look at the folder is the other rank's claim of the same kind, not a user's file (test_ddp saw rank 0
+    refused: "is not empty and eagle3 did not make it (it holds .eagle3-out.json)")."""
+    out = tmp_path / "two"
+    out.mkdir()
+    read = ownership.owner
+
+    def read_then_the_other_rank_claims(folder):
+        found = read(folder)
+        if not (out / ownership.MARK).exists():
+            ownership.write_new(out / ownership.MARK, json.dumps({"kind": "train", "created": "now"}).encode())
+        return found
+
+    monkeypatch.setattr(ownership, "owner", read_then_the_other_rank_claims)
+    assert ownership.claim(out, "train") == out
+    monkeypatch.undo()
+    assert ownership.owner(out) == "train" and sorted(p.name for p in out.iterdir()) == [ownership.MARK]
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(ownership.UsageError, match=r"did not make it \(it holds notes.txt\)"):
+        ownership.claim(tmp_path / "mine", "train")  # a user's file is still refused
