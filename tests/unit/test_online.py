@@ -218,10 +218,10 @@ def uninterrupted(recorded, tiny_kimi, tmp_path_factory):
     return once_per_run(tmp_path_factory, "online-uninterrupted", build)  # one reference for every worker's kills
 
 
-def _same_command(setup, tiny_kimi, root):
+def _same_command(recorded, tiny_kimi, root):
     """The kill tests' online run (KILL_SAMPLES, extraction batches of 2, checkpoints every 2 steps, into ROOT):
     (a callable that runs it, its samples, its spool's capacity)."""
-    samples, backend, ex = setup
+    samples, backend, ex = recorded
     samples = samples[:KILL_SAMPLES]
     cap = _capacity(tiny_kimi, 2)
 
@@ -231,9 +231,9 @@ def _same_command(setup, tiny_kimi, root):
     return go, samples, cap
 
 
-def _killed_at(setup, tiny_kimi, root, fault: str):
+def _killed_at(recorded, tiny_kimi, root, fault: str):
     """The kill tests' online run killed at ``fault`` (POINT:K) in a forked child. Returns what _same_command does."""
-    go, samples, cap = _same_command(setup, tiny_kimi, root)
+    go, samples, cap = _same_command(recorded, tiny_kimi, root)
 
     def killed_run():
         os.environ["EAGLE3_FAULT"] = fault
