@@ -264,7 +264,7 @@ def _run_locked(
         written_tokens += sum(i.num_tokens for i in infos)
         written_bytes += sum(i.bytes for i in infos)
     finally:
-        if session is not None and hasattr(session, "close"):
+        if session is not None:
             session.close()  # a failing or interrupted loop: its writer threads end before the process may
         committer.close(raise_errors=False)  # a failing loop: what was queued is committed, its error stands
         bar.close()
@@ -390,8 +390,11 @@ def captured_with_engine_top(backend, spec: StoreSpec, cfg: ExtractConfig, sampl
     same_pass = getattr(backend, "top_logprobs_of_capture", None)
     with same_pass(selfcheck.K) if same_pass else nullcontext() as tops:
         session = open_session(backend, tmp, tcfg, None)
-        tmp.commit(session.submit(samples), fsync=False)
-        tmp.commit(session.finish(), fsync=False)
+        try:
+            tmp.commit(session.submit(samples), fsync=False)
+            tmp.commit(session.finish(), fsync=False)
+        finally:
+            session.close()
     by_id = {s["sample_id"]: s for s in tmp.iter_samples()}
     stored = [by_id[s.sample_id] for s in samples]
     if tops is None:
@@ -433,7 +436,7 @@ def open_session(
     states come back here and go to a ShardWriter. ``submit(batch)`` returns the shards finished so far;
     with ``seal_each_batch`` it cuts the open shard and waits for it: every sample of the batch is in them. With
     ``wait_for_shards=False`` as well it does not wait for their write: a later submit, ``settle()`` (which waits)
-    or finish reports them."""
+    or finish reports them. ``close()`` ends a session that did not finish: its writer threads end."""
     if hasattr(backend, "open_session"):
         return backend.open_session(store, cfg, fault, seal_each_batch=seal_each_batch, wait_for_shards=wait_for_shards)
     return LocalSession(backend, store, cfg, fault, seal_each_batch, wait_for_shards)

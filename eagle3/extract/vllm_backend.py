@@ -337,6 +337,15 @@ class VLLMSession:
         self.pending_tokens = None
         return infos
 
+    def close(self) -> None:
+        """End the workers' session where finish did not (a loop that failed or was interrupted), so that the owner's
+        writer threads end, and write nothing more, before the store is released. An error here is logged, not
+        raised: the loop's error is the one the caller sees."""
+        try:
+            self.backend.call("eagle3_end", keys=frozenset({"rank"}))
+        except Exception as e:  # noqa: BLE001 - the engine may be what failed
+            log.warning("could not end the engine's capture session: %s: %s", type(e).__name__, e)
+
     def _collect(self, method: str, expected_tokens: int | None, *args) -> list[ShardInfo]:
         records = self.backend.call(method, *args, keys=COLLECT_KEYS)
         errors = [f"rank {r['rank']}: {e}" for r in records for e in r["errors"]]

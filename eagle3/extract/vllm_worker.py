@@ -242,6 +242,18 @@ class CaptureExtension:
             self._e3["writer"] = None
         return reply
 
+    def eagle3_end(self) -> dict:
+        """End a session that did not close (its loop failed or was interrupted): the copies in flight land, the
+        writer's threads end once the shards handed to them are written, the open shard is dropped (uncommitted: a
+        rerun redoes its samples). After eagle3_close, or again: nothing more happens."""
+        e3 = self._e3
+        if e3["capturer"] is not None:
+            e3["capturer"].stop()
+        writer, e3["writer"] = e3["writer"], None
+        if writer is not None:
+            writer.close()
+        return {"rank": e3["par"]["tp_rank"]}
+
     def eagle3_regen_open(self, cfg: dict) -> dict:
         """`extract --regenerate`: from now on every row each request computes (prompt rows at prefill, a row a
         decode step) is kept by position (decode_capture.RowCollector) until eagle3_regen_write names the sample it

@@ -411,6 +411,7 @@ class Producer:
 
         spec = self.spool.store.spec
         t0 = self.t0 = time.perf_counter()
+        session = None
         try:
             if self.stream is not None:  # an engine in this process runs its forward in this thread
                 torch.cuda.synchronize()  # what other threads did to the engine (its norms, an extraction) done first
@@ -453,6 +454,8 @@ class Producer:
             log.error("online extraction failed: %s: %s", type(e).__name__, e)
             self.spool.fail(e)
         finally:
+            if session is not None:  # the trainer stopped or failed first: the engine's writers end with this run
+                session.close()
             self.seconds = time.perf_counter() - t0
 
     def _engine(self):

@@ -240,6 +240,52 @@ def test_ranks_that_disagree_are_reported(fake, tiny_kimi, tmp_path, monkeypatch
         )
 
 
+def _shard_threads() -> list[str]:
+    import threading
+
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("eagle3-shard"))
+
+
+@pytest.mark.parametrize("failure", ["interrupted", "interrupted in the self-check", "ranks disagree"])
+def test_a_failed_extraction_ends_the_workers_writers(fake, tiny_kimi, tmp_path, failure):
+    """An engine in this process (TP 2: two workers' extensions, the owner's writer with 4 threads) outlives a failed
+    extraction: its writer's threads end with the run, before the store is released (a writer left open could write
+    a shard after it, where a rerun writes from the same shard index). The same engine then completes the store."""
+    from eagle3.extract import vllm_worker
+
+    cfg = _cfg(tiny_kimi, tmp_path / "s", backend="vllm", tp=2, shard_tokens=64, selfcheck=0)
+    backend = extract.make_backend(cfg, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
+    before = _shard_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        if failure.startswith("interrupted"):  # Ctrl-C in a prefill: the self-check's, or the second batch's
+            real, calls = type(backend).generate_prefill, []
+            at = 2 if failure == "interrupted" else 1
+
+            def generate_prefill(self, token_lists):
+                calls.append(1)
+                if len(calls) == at:
+                    raise KeyboardInterrupt
+                return real(self, token_lists)
+
+            mp.setattr(type(backend), "generate_prefill", generate_prefill)
+        else:
+            collect = vllm_worker.CaptureExtension.eagle3_collect
+
+            def skewed(self, *args):
+                r = collect(self, *args)
+                r["tokens"] -= r["rank"]
+                return r
+
+            mp.setattr(vllm_worker.CaptureExtension, "eagle3_collect", skewed)
+        with pytest.raises(ReplyError if failure == "ranks disagree" else KeyboardInterrupt):
+            checked = dataclasses.replace(cfg, selfcheck=4) if failure.endswith("self-check") else cfg
+            extract.run(checked, samples=_samples(), backend=backend, progress=False)
+    assert _shard_threads() == before
+    extract.run(cfg, samples=_samples(), backend=backend, progress=False)
+    assert sorted(_read(tmp_path / "s")) == sorted(s.sample_id for s in _samples()) and _shard_threads() == before
+    backend.close()
+
+
 class RunToRunEngine:
     """An engine that does not repeat itself: each generate call runs one of two forwards in turn, the second with
     the last layer's states moved by a fixed vector (the states and the logits of one call agree with each other),
@@ -583,6 +629,7 @@ def test_a_batch_other_than_the_one_announced_ahead_is_refused_before_its_prefil
     with pytest.raises(ValueError, match=f"{s[10].sample_id}.*announced ahead.*{s[5].sample_id}"):
         session.submit(s[10:])
     assert fake.last.counter == generated  # refused before the engine saw it
+    session.close()
 
 
 def test_a_batch_is_announced_in_a_few_objects_not_two_a_token(fake, tiny_kimi, tmp_path):
@@ -728,6 +775,69 @@ def test_online_training_through_the_vllm_backend_uses_every_sample_once(fake, t
     assert res.train.samples_seen == 48 and res.train.steps == 6
     assert res.shards == 48 // 6  # one per extraction batch (shards left open between batches were cut small)
     assert res.peak_bytes <= cap and res.peak_files_bytes <= cap
+
+
+def test_a_failed_extraction_s_copies_in_flight_are_written_before_it_returns(fake, tiny_kimi, tmp_path, monkeypatch):
+    """Ctrl-C right after a batch's prefill, its copies still on their way to the host: they land, and their shards
+    are written, before the run returns and releases the store, not after."""
+    import threading
+
+    gate = hold_back_capture_consumer(monkeypatch)
+    fake.token_budget = 1024  # the batch in one step, within the 4 in flight
+    cfg = _cfg(tiny_kimi, tmp_path / "s", backend="vllm", shard_tokens=64, selfcheck=0)
+    backend = extract.make_backend(cfg, extract.store_spec(tiny_kimi, IDS, "bfloat16"))
+    real = type(backend).generate_prefill
+
+    def interrupted_after(self, token_lists):
+        real(self, token_lists)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(backend), "generate_prefill", interrupted_after)
+    opener = threading.Timer(0.5, gate.set)  # the copies land once the run waits for them, or after it returned
+    opener.start()
+    with pytest.raises(KeyboardInterrupt):
+        extract.run(cfg, samples=_samples(), backend=backend, progress=False)
+    written = sorted(p.name for p in (tmp_path / "s" / "shards").iterdir())
+    opener.join()
+    fake.last.workers[0]._e3["capturer"].drain()  # every copy handled, wherever it went
+    assert sorted(p.name for p in (tmp_path / "s" / "shards").iterdir()) == written
+    backend.close()
+
+
+def test_online_training_that_fails_ends_the_engine_s_writers(fake, tiny_kimi, tmp_path, monkeypatch):
+    """The trainer fails at its first step while the producer has batches to go (a spool of two batches, four
+    planned): the engine, passed in and kept, has no writer thread left (8 a session on a page-cache spool), and
+    extracts again."""
+    from eagle3.train import online
+    from eagle3.train import train as trainer
+    from eagle3.train.train import TrainConfig
+
+    samples = random_samples(24, [40, 7, 64, 33, 90, 12] * 4, vocab_size=1024, seed=5)
+    ex = _cfg(tiny_kimi, tmp_path / "unused", backend="vllm", layer_ids=IDS, selfcheck=0)
+    spec = extract.store_spec(tiny_kimi, IDS, "bfloat16")
+    backend = extract.make_backend(ex, spec)
+    cap = 2 * (6 * online.sample_bytes(90, spec) + online.SHARD_MARGIN)
+    cfg = TrainConfig(
+        store=str(tmp_path / "spool"),
+        out=str(tmp_path / "run"),
+        batch_samples=6,
+        ttt_steps=1,
+        draft_vocab_size=256,
+        checkpoint_minutes=0,
+        **NARROW_DRAFT,
+    )
+
+    def failing_step(*args):
+        raise RuntimeError("the first step failed")
+
+    monkeypatch.setattr(trainer, "train_step", failing_step)
+    before = _shard_threads()
+    with pytest.raises(RuntimeError, match="the first step failed"):
+        online.run(cfg, ex, samples, cap, backend=backend, extract_batch=6, progress=False)
+    assert _shard_threads() == before
+    extract.run(dataclasses.replace(ex, out=str(tmp_path / "s")), samples=samples[:6], backend=backend, progress=False)
+    assert sorted(_read(tmp_path / "s")) == sorted(s.sample_id for s in samples[:6]) and _shard_threads() == before
+    backend.close()
 
 
 def test_cli_train_online_engine_in_process(fake, tiny_kimi, small_data, tmp_path, capsys, monkeypatch):
