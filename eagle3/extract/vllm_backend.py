@@ -272,6 +272,7 @@ class VLLMSession:
         self.phase_s = {"expect_s": 0.0, "generate_s": 0.0, "collect_s": 0.0}
         self.pending_tokens: int | None = None  # prompt tokens of the submitted batches not yet collected
         self.announced: deque[list[str]] = deque()  # sample ids of batches announced ahead, not yet submitted
+        self.finished = False  # the workers closed the session (finish); close() then has nothing to end
 
     def submit(self, batch: Sequence[Sample], ahead: Sequence[Sequence[Sample]] = ()) -> list[ShardInfo]:
         """The shards completed since the last collect (this batch's own, too, with seal_each_batch). ``ahead``:
@@ -334,13 +335,15 @@ class VLLMSession:
         withdrawn = [sid for ids in self.announced for sid in ids]
         self.announced.clear()
         infos = self._collect("eagle3_close", self.pending_tokens, withdrawn)
-        self.pending_tokens = None
+        self.pending_tokens, self.finished = None, True
         return infos
 
     def close(self) -> None:
         """End the workers' session where finish did not (a loop that failed or was interrupted), so that the owner's
         writer threads end, and write nothing more, before the store is released. An error here is logged, not
         raised: the loop's error is the one the caller sees."""
+        if self.finished:
+            return
         try:
             self.backend.call("eagle3_end", keys=frozenset({"rank"}))
         except Exception as e:  # noqa: BLE001 - the engine may be what failed

@@ -283,6 +283,7 @@ def test_a_failed_extraction_ends_the_workers_writers(fake, tiny_kimi, tmp_path,
     assert _shard_threads() == before
     extract.run(cfg, samples=_samples(), backend=backend, progress=False)
     assert sorted(_read(tmp_path / "s")) == sorted(s.sample_id for s in _samples()) and _shard_threads() == before
+    assert _last_session(fake.last.rpc_log)[-1][0] == "eagle3_close"  # a finished session needs no eagle3_end
     backend.close()
 
 
